@@ -1,0 +1,1 @@
+"""diffcast application layer: CLI, live service, gateway, playground."""

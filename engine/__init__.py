@@ -1,0 +1,1 @@
+"""diffcast engine: models, sampling, streaming runtime, serving policy, simulator."""
