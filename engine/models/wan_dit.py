@@ -1,0 +1,690 @@
+"""Causal Wan 2.1 text-to-video diffusion transformer (CausVid / Self-Forcing / StreamDiffusionV2 lineage).
+
+One self-contained modeling file. The network is Wan 2.1 T2V exactly (parameter names follow the original
+Wan checkpoints, so weights load without renaming); what makes it causal:
+
+* per-frame timesteps ``[B, F]`` -> per-frame modulation (tokens of frame f use frame f's e0);
+* block-causal self-attention: chunk-by-chunk generation with a :class:`KVCache` (keys cached after RoPE),
+  with a rolling window whose first ``sink_frames`` frames stay pinned;
+* :meth:`CausalWanDiT.forward_masked`, one forward over all frames with the equivalent attention mask,
+  which is the independent reference the cached path must reproduce;
+* temporal RoPE positions decoupled from cache positions (``rope_start``), per sample, so the runtime can
+  wrap positions (RoPE reset) and batch streams that sit at different positions;
+* cross-attention K/V of the prompt computed once per prompt (:class:`PromptCache`).
+
+Token order is frame, row, column. Shapes: latents ``[B, C, F, H, W]``; attention tensors ``[B, S, heads,
+head_dim]`` (flash-attn's layout, so cached buffers feed it without copies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+try:  # flash-attn exists only on GPU machines; SDPA is the portable path.
+    from flash_attn import flash_attn_func as _flash_attn_func
+except ImportError:  # pragma: no cover - depends on the machine
+    _flash_attn_func = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WanDiTConfig:
+    dim: int = 1536
+    ffn_dim: int = 8960
+    num_heads: int = 12
+    num_layers: int = 30
+    in_channels: int = 16
+    out_channels: int = 16
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    text_dim: int = 4096
+    text_len: int = 512
+    freq_dim: int = 256
+    eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_max_positions: int = 1024
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.dim % self.num_heads:
+            problems.append(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
+        elif self.head_dim % 2 or self.head_dim < 6:
+            problems.append(f"head_dim {self.head_dim} must be even and >= 6 for the 3D RoPE split")
+        if len(self.patch_size) != 3 or self.patch_size[0] != 1:
+            # A temporal patch > 1 would mix frames inside one token, which breaks frame-wise causality.
+            problems.append(f"patch_size must be (1, ph, pw), got {self.patch_size}")
+        if self.freq_dim % 2:
+            problems.append(f"freq_dim {self.freq_dim} must be even ([cos | sin] halves)")
+        if problems:
+            raise ValueError("invalid WanDiTConfig: " + "; ".join(problems))
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def rope_split(self) -> tuple[int, int, int]:
+        """Widths of the (frame, row, column) parts of a head (Wan: 44/42/42 for head_dim 128)."""
+        d = self.head_dim
+        return d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6)
+
+    def frame_tokens(self, height: int, width: int) -> int:
+        """Tokens per latent frame for a latent of ``height x width``."""
+        return (height // self.patch_size[1]) * (width // self.patch_size[2])
+
+
+CONFIGS: dict[str, WanDiTConfig] = {
+    "wan-1.3b": WanDiTConfig(),
+    # Test/CI model: 2 layers, head_dim 32 (RoPE split 12/10/10), 16 latent channels like the Wan VAE,
+    # text_dim 384 so the embedded MiniLM text encoder plugs in directly; 16x16 latents -> 64 tokens/frame.
+    "tiny": WanDiTConfig(
+        dim=64,
+        ffn_dim=128,
+        num_heads=2,
+        num_layers=2,
+        text_dim=384,
+        text_len=32,
+        freq_dim=64,
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Caches: plain dataclasses of tensors, movable between devices, serialisable, batchable by rows.
+# --------------------------------------------------------------------------------------------------
+
+_C = TypeVar("_C", bound="_LayerKV")
+
+
+@dataclass
+class _LayerKV:
+    """Per-block key/value tensors ``[B, S, heads, head_dim]``; row ops shared by both caches."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    def _map(self: _C, fn: Callable[[Tensor], Tensor], **changes: Any) -> _C:
+        return dataclasses.replace(self, k=[fn(t) for t in self.k], v=[fn(t) for t in self.v], **changes)
+
+    def to(self: _C, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> _C:
+        """A copy on ``device`` / in ``dtype`` (e.g. offload to host memory and back)."""
+        return self._map(lambda t: t.to(device=device, dtype=dtype, copy=True))
+
+    def _tensor_items(self) -> dict[str, Tensor]:
+        out = {f"k.{i}": t for i, t in enumerate(self.k)}
+        out.update({f"v.{i}": t for i, t in enumerate(self.v)})
+        return out
+
+    @staticmethod
+    def _layer_lists(state: dict[str, Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        n = sum(1 for key in state if key.startswith("k."))
+        return [state[f"k.{i}"] for i in range(n)], [state[f"v.{i}"] for i in range(n)]
+
+
+@dataclass
+class PromptCache(_LayerKV):
+    """Cross-attention keys/values of one prompt per row, for every block ``[B, text_len, heads, head_dim]``.
+
+    Computed once by :meth:`CausalWanDiT.encode_prompt`; a new prompt is a new PromptCache.
+    """
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return self._tensor_items()
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Tensor]) -> PromptCache:
+        return cls(*cls._layer_lists(state))
+
+    def select_rows(self, rows: Sequence[int] | Tensor) -> PromptCache:
+        idx = _row_index(rows, self.k[0].device)
+        return self._map(lambda t: t.index_select(0, idx))
+
+    @classmethod
+    def concat(cls, caches: Sequence[PromptCache]) -> PromptCache:
+        if not caches:
+            raise ValueError("PromptCache.concat needs at least one cache")
+        n = caches[0].num_layers
+        return cls(
+            [torch.cat([c.k[i] for c in caches]) for i in range(n)],
+            [torch.cat([c.v[i] for c in caches]) for i in range(n)],
+        )
+
+    def split(self, sizes: Sequence[int] | None = None) -> list[PromptCache]:
+        """Split rows into consecutive groups (default: one cache per row)."""
+        bounds = _split_bounds(self.batch_size, sizes)
+        return [self.select_rows(list(range(a, b))) for a, b in bounds]
+
+
+@dataclass
+class KVCache(_LayerKV):
+    """Self-attention key/value cache of a causal generation, per block ``[B, window*frame_tokens, heads, hd]``.
+
+    Bookkeeping is in latent frames. ``global_end[b]`` is the absolute index (one past the last frame) of
+    what row b has written; ``local_end`` is the number of buffer frames in use (the same for every row:
+    rows of one cache must share a fill level so one forward serves them all). Buffer layout: positions
+    ``[0, sink_frames)`` hold absolute frames ``[0, sink_frames)`` once written; positions
+    ``[sink_frames, local_end)`` hold the most recent frames before ``global_end``, oldest first. Keys are
+    stored after RoPE rotation, so they keep the position they were written with.
+    """
+
+    frame_tokens: int
+    window_frames: int
+    sink_frames: int
+    global_end: list[int]
+    local_end: int = 0
+
+    # -- write planning --------------------------------------------------------------------------
+
+    def reserve(self, start_frames: Sequence[int], num_frames: int) -> tuple[int, int]:
+        """Make room for frames ``[start, start + num_frames)`` per row; returns their buffer token slice.
+
+        Writing at an already written start overwrites the same slots (denoising steps of a chunk, then the
+        clean pass). Writing past ``global_end`` appends; when the buffer is full the oldest non-sink frames
+        are evicted (rolled out) first. Every block then writes its keys/values into the returned slice and
+        attends to buffer tokens ``[0, end)``.
+        """
+        if len(start_frames) != self.batch_size:
+            raise ValueError(f"got {len(start_frames)} start frames for a cache of {self.batch_size} rows")
+        offsets = {s - g for s, g in zip(start_frames, self.global_end, strict=True)}
+        if len(offsets) != 1:
+            raise ValueError(
+                "rows of one forward must write at the same offset from their cache end: "
+                f"start_frames={list(start_frames)}, global_end={self.global_end}"
+            )
+        offset = offsets.pop()
+        if offset > 0:
+            raise ValueError(
+                f"start frame leaves a gap: writing at {list(start_frames)} but the cache ends at {self.global_end}"
+            )
+        if num_frames > self.window_frames - self.sink_frames:
+            raise ValueError(
+                f"a write of {num_frames} frames does not fit a {self.window_frames}-frame window with "
+                f"{self.sink_frames} sink frames"
+            )
+        for g in self.global_end:
+            # Rewritten frames must still be in the buffer, and after eviction only the recent
+            # (non-sink) run is contiguous with the end.
+            present = self.local_end if g == self.local_end else self.local_end - self.sink_frames
+            if -offset > present:
+                raise ValueError(
+                    f"cannot rewrite from frame {g + offset}: the cache (end {g}) holds only the last "
+                    f"{present} contiguous frames"
+                )
+        new_frames = max(0, offset + num_frames)
+        evict = max(0, self.local_end + new_frames - self.window_frames)
+        if evict:
+            self._evict(evict)
+        self.local_end += new_frames
+        self.global_end = [g + new_frames for g in self.global_end]
+        start_pos = self.local_end - (new_frames - offset)
+        return start_pos * self.frame_tokens, (start_pos + num_frames) * self.frame_tokens
+
+    def _evict(self, frames: int) -> None:
+        t = self.frame_tokens
+        keep_from, keep_to = self.sink_frames + frames, self.local_end
+        dst = self.sink_frames * t
+        n = (keep_to - keep_from) * t
+        for buf in (*self.k, *self.v):
+            # clone: source and destination ranges overlap.
+            buf[:, dst : dst + n] = buf[:, keep_from * t : keep_to * t].clone()
+        self.local_end -= frames
+
+    # -- per-frame access (adaptive sinks) --------------------------------------------------------
+
+    def read_frame(self, position: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Keys/values of buffer frame ``position`` for every block, each ``[B, frame_tokens, heads, hd]``."""
+        sl = self._frame_slice(position)
+        return [k[:, sl].clone() for k in self.k], [v[:, sl].clone() for v in self.v]
+
+    def replace_frame(self, position: int, k: Sequence[Tensor], v: Sequence[Tensor]) -> None:
+        """Overwrite buffer frame ``position`` (e.g. a sink frame) in every block; keys must be RoPE-rotated."""
+        if len(k) != self.num_layers or len(v) != self.num_layers:
+            raise ValueError(f"replace_frame needs {self.num_layers} key and value tensors, got {len(k)}/{len(v)}")
+        sl = self._frame_slice(position)
+        for buf, new in zip((*self.k, *self.v), (*k, *v), strict=True):
+            buf[:, sl] = new
+
+    def frame_means(self) -> tuple[Tensor, Tensor]:
+        """Mean key and value of each filled buffer frame: two ``[layers, B, local_end, heads, hd]`` tensors."""
+        n, t = self.local_end, self.frame_tokens
+
+        def means(bufs: list[Tensor]) -> Tensor:
+            return torch.stack([b[:, : n * t].unflatten(1, (n, t)).float().mean(2) for b in bufs])
+
+        return means(self.k), means(self.v)
+
+    def _frame_slice(self, position: int) -> slice:
+        if not 0 <= position < self.local_end:
+            raise IndexError(f"frame position {position} outside the filled buffer [0, {self.local_end})")
+        return slice(position * self.frame_tokens, (position + 1) * self.frame_tokens)
+
+    # -- serialisation and rows --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Tensor]:
+        out = self._tensor_items()
+        out["meta"] = torch.tensor([self.frame_tokens, self.window_frames, self.sink_frames, self.local_end])
+        out["global_end"] = torch.tensor(self.global_end, dtype=torch.long)
+        return out
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Tensor]) -> KVCache:
+        frame_tokens, window, sink, local_end = (int(x) for x in state["meta"].tolist())
+        k, v = cls._layer_lists(state)
+        return cls(k, v, frame_tokens, window, sink, [int(g) for g in state["global_end"].tolist()], local_end)
+
+    def select_rows(self, rows: Sequence[int] | Tensor) -> KVCache:
+        idx = _row_index(rows, self.k[0].device)
+        ends = [self.global_end[i] for i in idx.tolist()]
+        return self._map(lambda t: t.index_select(0, idx), global_end=ends)
+
+    @classmethod
+    def concat(cls, caches: Sequence[KVCache]) -> KVCache:
+        """Stack caches with the same geometry and fill level into one batch (rows in order)."""
+        if not caches:
+            raise ValueError("KVCache.concat needs at least one cache")
+        first = caches[0]
+        for c in caches[1:]:
+            if (c.frame_tokens, c.window_frames, c.sink_frames, c.local_end) != (
+                first.frame_tokens,
+                first.window_frames,
+                first.sink_frames,
+                first.local_end,
+            ):
+                raise ValueError(
+                    "KVCache.concat needs equal frame_tokens/window/sink/fill level, got "
+                    f"{(first.frame_tokens, first.window_frames, first.sink_frames, first.local_end)} and "
+                    f"{(c.frame_tokens, c.window_frames, c.sink_frames, c.local_end)}"
+                )
+        n = first.num_layers
+        return cls(
+            [torch.cat([c.k[i] for c in caches]) for i in range(n)],
+            [torch.cat([c.v[i] for c in caches]) for i in range(n)],
+            first.frame_tokens,
+            first.window_frames,
+            first.sink_frames,
+            [g for c in caches for g in c.global_end],
+            first.local_end,
+        )
+
+    def split(self, sizes: Sequence[int] | None = None) -> list[KVCache]:
+        """Split rows back into consecutive groups (default: one cache per row)."""
+        bounds = _split_bounds(self.batch_size, sizes)
+        return [self.select_rows(list(range(a, b))) for a, b in bounds]
+
+
+def _row_index(rows: Sequence[int] | Tensor, device: torch.device) -> Tensor:
+    return torch.as_tensor(rows, dtype=torch.long).reshape(-1).to(device)
+
+
+def _split_bounds(total: int, sizes: Sequence[int] | None) -> list[tuple[int, int]]:
+    sizes = [1] * total if sizes is None else list(sizes)
+    if sum(sizes) != total or min(sizes, default=1) < 1:
+        raise ValueError(f"split sizes {sizes} do not partition {total} rows")
+    bounds, start = [], 0
+    for s in sizes:
+        bounds.append((start, start + s))
+        start += s
+    return bounds
+
+
+# --------------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------------
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Softmax attention on ``[B, S, heads, hd]`` tensors; ``mask`` is bool ``[Sq, Sk]``, True = visible."""
+    if mask is None and _flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return _flash_attn_func(q, k, v)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+def sinusoidal_embedding(t: Tensor, dim: int) -> Tensor:
+    """Wan's timestep sinusoid ``[cos | sin]`` with w_i = 10000^(-i/(dim/2)), in float64 like the original."""
+    half = dim // 2
+    freqs = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64, device=t.device) / half)
+    angles = torch.outer(t.reshape(-1).to(torch.float64), freqs)
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=1)
+
+
+def rope_tables(config: WanDiTConfig, frame_starts: Sequence[int], frames: int, rows: int, cols: int,
+                device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos/sin ``[B, frames*rows*cols, 1, head_dim/2]`` of Wan's 3D RoPE, one temporal start per sample.
+
+    Angles are computed in float64 (as the reference tables are) and rounded to float32 once; rows and
+    columns restart at 0 in every frame, frames count from the sample's temporal start.
+    """
+    limit = config.rope_max_positions
+    if min(frame_starts) < 0 or max(frame_starts) + frames > limit or max(rows, cols) > limit:
+        raise ValueError(
+            f"RoPE positions out of range [0, {limit}): frame starts {list(frame_starts)} + {frames} frames, "
+            f"grid {rows}x{cols}"
+        )
+
+    def inv_freq(width: int) -> Tensor:
+        return 1.0 / config.rope_theta ** (torch.arange(0, width, 2, dtype=torch.float64, device=device) / width)
+
+    wt, wh, ww = config.rope_split
+    starts = torch.tensor(list(frame_starts), dtype=torch.float64, device=device)
+    f_pos = starts[:, None] + torch.arange(frames, dtype=torch.float64, device=device)  # [B, F]
+    ang_t = f_pos[..., None] * inv_freq(wt)  # [B, F, wt/2]
+    ang_h = torch.arange(rows, dtype=torch.float64, device=device)[:, None] * inv_freq(wh)
+    ang_w = torch.arange(cols, dtype=torch.float64, device=device)[:, None] * inv_freq(ww)
+    b = len(frame_starts)
+    angles = torch.cat(
+        [
+            ang_t[:, :, None, None].expand(b, frames, rows, cols, -1),
+            ang_h[None, None, :, None].expand(b, frames, rows, cols, -1),
+            ang_w[None, None, None, :].expand(b, frames, rows, cols, -1),
+        ],
+        dim=-1,
+    ).reshape(b, frames * rows * cols, 1, -1)
+    return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate adjacent pairs (x_2j, x_2j+1) by the table's angles (complex multiply), in float32."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class RMSNorm(nn.Module):
+    """Wan's RMSNorm (statistics in float32, weight applied in the input dtype)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in float32 whatever the weight dtype (Wan's WanLayerNorm)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).type_as(x)
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections with RMSNorm over all heads on q and k (Wan's self_attn / cross_attn modules)."""
+
+    def __init__(self, dim: int, num_heads: int, eps: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+        self.norm_q = RMSNorm(dim, eps)
+        self.norm_k = RMSNorm(dim, eps)
+
+    def heads(self, x: Tensor) -> Tensor:
+        return x.unflatten(-1, (self.num_heads, -1))
+
+    def project_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
+        return self.heads(self.norm_k(self.k(context))), self.heads(self.v(context))
+
+
+def _modulate(x: Tensor, shift: Tensor, scale: Tensor, frames: int, eps: float) -> Tensor:
+    """LayerNorm (non-affine, float32) then per-frame ``* (1 + scale) + shift``; shift/scale ``[B, F, dim]``."""
+    h = F.layer_norm(x.float(), x.shape[-1:], eps=eps).unflatten(1, (frames, -1))
+    return (h * (1 + scale[:, :, None]) + shift[:, :, None]).flatten(1, 2).type_as(x)
+
+
+def _gated_add(x: Tensor, y: Tensor, gate: Tensor, frames: int) -> Tensor:
+    """Residual ``x + y * gate`` with a per-frame gate, accumulated in float32."""
+    y = y.float().unflatten(1, (frames, -1)) * gate[:, :, None]
+    return (x.float() + y.flatten(1, 2)).type_as(x)
+
+
+@dataclass
+class _SelfAttnContext:
+    """What every block's self-attention needs for one forward (shared across blocks)."""
+
+    cos: Tensor
+    sin: Tensor
+    mask: Tensor | None = None
+    cache: KVCache | None = None
+    write: tuple[int, int] | None = None  # token slice in the cache buffers reserved for this forward
+
+
+class WanBlock(nn.Module):
+    def __init__(self, config: WanDiTConfig) -> None:
+        super().__init__()
+        dim, eps = config.dim, config.eps
+        self.eps = eps
+        self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+        self.self_attn = Attention(dim, config.num_heads, eps)
+        # Wan's naming: norm1/norm2 are the (parameter-free) pre-norms of self-attn/FFN, norm3 the affine
+        # pre-norm of cross-attention.
+        self.norm3 = LayerNorm(dim, eps=eps, elementwise_affine=True)
+        self.cross_attn = Attention(dim, config.num_heads, eps)
+        self.ffn = nn.Sequential(
+            nn.Linear(dim, config.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(config.ffn_dim, dim)
+        )
+
+    def forward(self, x: Tensor, e0: Tensor, prompt_k: Tensor, prompt_v: Tensor, layer: int,
+                sa: _SelfAttnContext) -> Tensor:
+        frames = e0.shape[1]
+        shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation.float()[None] + e0).unbind(2)
+
+        y = self._self_attention(_modulate(x, shift1, scale1, frames, self.eps), layer, sa)
+        x = _gated_add(x, y, gate1, frames)
+
+        ca = self.cross_attn
+        q = ca.heads(ca.norm_q(ca.q(self.norm3(x))))
+        x = x + ca.o(attention(q, prompt_k, prompt_v).flatten(2))
+
+        y = self.ffn(_modulate(x, shift2, scale2, frames, self.eps))
+        return _gated_add(x, y, gate2, frames)
+
+    def _self_attention(self, h: Tensor, layer: int, sa: _SelfAttnContext) -> Tensor:
+        at = self.self_attn
+        q = apply_rope(at.heads(at.norm_q(at.q(h))), sa.cos, sa.sin)
+        k = apply_rope(at.heads(at.norm_k(at.k(h))), sa.cos, sa.sin)
+        v = at.heads(at.v(h))
+        if sa.cache is not None and sa.write is not None:
+            # Write first, then attend to the buffer up to our end: this is [visible cached frames ; own
+            # frames], and it excludes slots a rewrite replaces and frames the window has just evicted.
+            start, end = sa.write
+            kb, vb = sa.cache.k[layer], sa.cache.v[layer]
+            kb[:, start:end] = k.to(kb.dtype)
+            vb[:, start:end] = v.to(vb.dtype)
+            k, v = kb[:, :end].to(q.dtype), vb[:, :end].to(q.dtype)
+        return at.o(attention(q, k, v, sa.mask).flatten(2))
+
+
+class WanHead(nn.Module):
+    def __init__(self, config: WanDiTConfig) -> None:
+        super().__init__()
+        self.eps = config.eps
+        self.modulation = nn.Parameter(torch.randn(1, 2, config.dim) / config.dim**0.5)
+        self.head = nn.Linear(config.dim, config.out_channels * math.prod(config.patch_size))
+
+    def forward(self, x: Tensor, e: Tensor) -> Tensor:
+        shift, scale = (self.modulation.float()[None] + e[:, :, None]).unbind(2)
+        return self.head(_modulate(x, shift, scale, e.shape[1], self.eps))
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------------
+
+
+class CausalWanDiT(nn.Module):
+    def __init__(self, config: WanDiTConfig) -> None:
+        super().__init__()
+        self.config = config
+        dim = config.dim
+        self.patch_embedding = nn.Conv3d(
+            config.in_channels, dim, kernel_size=config.patch_size, stride=config.patch_size
+        )
+        self.text_embedding = nn.Sequential(
+            nn.Linear(config.text_dim, dim), nn.GELU(approximate="tanh"), nn.Linear(dim, dim)
+        )
+        self.time_embedding = nn.Sequential(nn.Linear(config.freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(dim, dim * 6))
+        self.blocks = nn.ModuleList([WanBlock(config) for _ in range(config.num_layers)])
+        self.head = WanHead(config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embedding.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.patch_embedding.weight.device
+
+    # -- prompt and cache construction --------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_prompt(self, context: Tensor) -> PromptCache:
+        """Text encoder states ``[B, L, text_dim]`` -> cached cross-attention K/V of every block.
+
+        Rows are zero-padded (or truncated) to ``text_len`` like Wan does; all ``text_len`` rows are attended,
+        so padding rows contribute MLP(0) exactly as in the original. Pad variable-length prompts with zeros.
+        """
+        cfg = self.config
+        if context.ndim != 3 or context.shape[-1] != cfg.text_dim:
+            raise ValueError(f"context must be [B, L, {cfg.text_dim}], got {tuple(context.shape)}")
+        context = context[:, : cfg.text_len].to(device=self.device, dtype=self.dtype)
+        context = F.pad(context, (0, 0, 0, cfg.text_len - context.shape[1]))
+        ctx = self.text_embedding(context)
+        ks, vs = zip(*(cast(WanBlock, block).cross_attn.project_kv(ctx) for block in self.blocks), strict=True)
+        return PromptCache(list(ks), list(vs))
+
+    def new_kv_cache(self, batch: int, frame_tokens: int, window_frames: int, sink_frames: int = 0,
+                     device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty self-attention cache holding ``window_frames`` latent frames per row."""
+        if not 0 <= sink_frames < window_frames:
+            raise ValueError(f"need 0 <= sink_frames < window_frames, got {sink_frames} and {window_frames}")
+        cfg = self.config
+        shape = (batch, window_frames * frame_tokens, cfg.num_heads, cfg.head_dim)
+        device = self.device if device is None else device
+        dtype = self.dtype if dtype is None else dtype
+        k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        return KVCache(k, v, frame_tokens, window_frames, sink_frames, [0] * batch)
+
+    # -- forward passes -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, x: Tensor, timestep: Tensor, prompt: PromptCache, kv_cache: KVCache | None = None,
+                start_frame: int | Sequence[int] | Tensor = 0,
+                rope_start: int | Sequence[int] | Tensor | None = None) -> Tensor:
+        """Velocity for latent frames ``x`` ``[B, C, F, H, W]`` at per-frame ``timestep`` ``[B, F]`` (or ``[B]``).
+
+        ``start_frame``: absolute frame index of x's first frame (cache bookkeeping, per row allowed).
+        ``rope_start``: temporal RoPE position of x's first frame, per row allowed (default: start_frame).
+        With ``kv_cache`` the frames attend to the visible cached frames and themselves, and their K/V are
+        written into the cache; without, attention is bidirectional over x's own frames.
+        """
+        batch = x.shape[0]
+        starts = _per_row(start_frame, batch, "start_frame")
+        ropes = starts if rope_start is None else _per_row(rope_start, batch, "rope_start")
+        tokens, e, e0, grid = self._embed(x, timestep)
+        cos, sin = rope_tables(self.config, ropes, *grid, device=tokens.device)
+        sa = _SelfAttnContext(cos, sin)
+        if kv_cache is not None:
+            frame_tokens = grid[1] * grid[2]
+            if frame_tokens != kv_cache.frame_tokens:
+                raise ValueError(f"x has {frame_tokens} tokens per frame, the cache {kv_cache.frame_tokens}")
+            if kv_cache.num_layers != len(self.blocks):
+                raise ValueError(f"cache has {kv_cache.num_layers} layers, the model {len(self.blocks)}")
+            sa.cache, sa.write = kv_cache, kv_cache.reserve(starts, grid[0])
+        return self._run(tokens, e, e0, grid, prompt, sa)
+
+    @torch.no_grad()
+    def forward_masked(self, x: Tensor, timestep: Tensor, prompt: PromptCache, chunk_frames: int,
+                       window_frames: int | None = None, sink_frames: int = 0) -> Tensor:
+        """Reference: one forward over all frames with the block-causal mask (RoPE frames start at 0).
+
+        A token sees every token of earlier chunks and of its own chunk. With ``window_frames``, a chunk
+        ending at frame e sees only frames ``[0, sink_frames)`` and ``[e - (window - sink), e)``, which is
+        what the rolling cache with sinks keeps.
+        """
+        tokens, e, e0, grid = self._embed(x, timestep)
+        frames, frame_tokens = grid[0], grid[1] * grid[2]
+        f = torch.arange(frames, device=tokens.device)
+        chunk_end = torch.clamp((f // chunk_frames + 1) * chunk_frames, max=frames)  # per query frame
+        visible = f[None, :] < chunk_end[:, None]  # [query frame, key frame]
+        if window_frames is not None:
+            recent = f[None, :] >= (chunk_end - (window_frames - sink_frames))[:, None]
+            visible &= recent | (f[None, :] < sink_frames)
+        mask = visible.repeat_interleave(frame_tokens, 0).repeat_interleave(frame_tokens, 1)
+        cos, sin = rope_tables(self.config, [0] * x.shape[0], *grid, device=tokens.device)
+        return self._run(tokens, e, e0, grid, prompt, _SelfAttnContext(cos, sin, mask=mask))
+
+    def _embed(self, x: Tensor, timestep: Tensor) -> tuple[Tensor, Tensor, Tensor, tuple[int, int, int]]:
+        """Patch tokens ``[B, N, dim]``, time embedding e ``[B, F, dim]`` and e0 ``[B, F, 6, dim]`` (float32)."""
+        cfg = self.config
+        if x.ndim != 5 or x.shape[1] != cfg.in_channels:
+            raise ValueError(f"x must be [B, {cfg.in_channels}, F, H, W], got {tuple(x.shape)}")
+        b, _, frames, height, width = x.shape
+        if height % cfg.patch_size[1] or width % cfg.patch_size[2]:
+            raise ValueError(f"latent {height}x{width} is not divisible by patch {cfg.patch_size[1:]}")
+        if timestep.ndim == 1:
+            timestep = timestep[:, None].expand(-1, frames)
+        if tuple(timestep.shape) != (b, frames):
+            raise ValueError(f"timestep must be [B, F] = [{b}, {frames}] (or [B]), got {tuple(timestep.shape)}")
+        tokens = self.patch_embedding(x.to(self.dtype))
+        grid = (tokens.shape[2], tokens.shape[3], tokens.shape[4])
+        tokens = tokens.flatten(2).transpose(1, 2).contiguous()
+        # The time MLPs run in the weight dtype; modulation arithmetic downstream is float32.
+        sinus = sinusoidal_embedding(timestep.to(x.device), cfg.freq_dim).to(self.dtype)
+        e = self.time_embedding(sinus)
+        e0 = self.time_projection(e).float().unflatten(1, (6, cfg.dim)).unflatten(0, (b, frames))
+        return tokens, e.float().unflatten(0, (b, frames)), e0, grid
+
+    def _run(self, tokens: Tensor, e: Tensor, e0: Tensor, grid: tuple[int, int, int], prompt: PromptCache,
+             sa: _SelfAttnContext) -> Tensor:
+        if prompt.num_layers != len(self.blocks) or prompt.batch_size != tokens.shape[0]:
+            raise ValueError(
+                f"prompt cache has {prompt.num_layers} layers x {prompt.batch_size} rows, expected "
+                f"{len(self.blocks)} x {tokens.shape[0]}"
+            )
+        for i, block in enumerate(self.blocks):
+            tokens = block(tokens, e0, prompt.k[i], prompt.v[i], i, sa)
+        return self._unpatchify(self.head(tokens, e), grid)
+
+    def _unpatchify(self, tokens: Tensor, grid: tuple[int, int, int]) -> Tensor:
+        """``[B, N, pt*ph*pw*C]`` -> ``[B, C, F, H, W]``; the channel index is fastest within a token."""
+        pt, ph, pw = self.config.patch_size
+        f, h, w = grid
+        out = tokens.float().reshape(tokens.shape[0], f, h, w, pt, ph, pw, -1)
+        return out.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(tokens.shape[0], -1, f * pt, h * ph, w * pw)
+
+
+def _per_row(value: int | Sequence[int] | Tensor, batch: int, name: str) -> list[int]:
+    if isinstance(value, int):
+        return [value] * batch
+    rows = [int(v) for v in (value.reshape(-1).tolist() if isinstance(value, Tensor) else value)]
+    if len(rows) != batch:
+        raise ValueError(f"{name} has {len(rows)} entries for a batch of {batch}")
+    return rows
