@@ -12,6 +12,7 @@ from collections.abc import Sequence
 COMMAND_MODULES: tuple[str, ...] = (
     "app.commands.stylize",
     "app.commands.bench",
+    "app.commands.serve",
 )
 
 

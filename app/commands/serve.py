@@ -1,0 +1,77 @@
+"""`diffcast serve`: the live WebRTC service (page, WHIP/WHEP, WebSocket fallback, metrics)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+NAME = "serve"
+HELP = "run the live web service: webcam in over WebRTC/WHIP, stylized video out (page, WHEP, /ws)"
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
+    parser.add_argument(
+        "--model", default=None,
+        help="model: omitted = the embedded default; 'tiny-random' = random-weight test model; or a path",
+    )
+    parser.add_argument("--device", default="cpu", help="torch device for the engine (default cpu)")
+    parser.add_argument("--max-streams", type=int, default=4, help="concurrent streams before 503 (default 4)")
+    parser.add_argument(
+        "--ice-server", action="append", default=[], metavar="URL",
+        help="STUN/TURN server URL (repeatable), e.g. stun:stun.l.google.com:19302 or turn:host:3478",
+    )
+    parser.add_argument("--ice-username", default=None, help="username for the TURN servers")
+    parser.add_argument("--ice-credential", default=None, help="credential for the TURN servers")
+    parser.add_argument(
+        "--allow-loopback-candidates", action="store_true",
+        help="offer 127.0.0.1 as an ICE candidate (single-machine use and tests)",
+    )
+    parser.add_argument("--token", default=None, help="Bearer token required on WHIP/WHEP requests")
+    parser.add_argument("--max-prompt-chars", type=int, default=500, help="longest accepted prompt")
+    parser.add_argument("--max-fps", type=float, default=30.0, help="upper bound of the output frame rate")
+    parser.add_argument("--engine-delay-ms", type=float, default=0.0, help="test knob: extra delay per chunk")
+    parser.add_argument(
+        "--trace-stamp", action="store_true",
+        help="copy each input frame's frame-ID band onto its output (glass-to-glass measurements)",
+    )
+    parser.add_argument("--break-ice", action="store_true", help="test knob: make every ICE negotiation fail")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads for the engine (0 = torch default)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.server.app import create_app
+    from app.server.config import ServerConfig
+
+    if args.max_streams < 1:
+        raise SystemExit(f"--max-streams must be at least 1, got {args.max_streams}")
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        device=args.device,
+        max_streams=args.max_streams,
+        ice_servers=tuple(args.ice_server),
+        ice_username=args.ice_username,
+        ice_credential=args.ice_credential,
+        allow_loopback_candidates=args.allow_loopback_candidates,
+        token=args.token,
+        max_prompt_chars=args.max_prompt_chars,
+        max_fps=args.max_fps,
+        engine_delay_ms=args.engine_delay_ms,
+        trace_stamp=args.trace_stamp,
+        break_ice=args.break_ice,
+    )
+    app = create_app(config)
+    log.info("serving on http://%s:%d/", args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, ws="websockets", log_level="info")
+    return 0

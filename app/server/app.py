@@ -1,0 +1,167 @@
+"""The FastAPI application: page, offer/answer API, WHIP/WHEP, WebSocket fallback, health, metrics."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+from app.server.config import ServerConfig
+from app.server.control import ControlError, StreamOptions, options_from_query
+from app.server.engine_bridge import DelayedFactory, PipelineFactory, ProcessorFactory
+from app.server.gateway import Gateway
+from app.server.ice import allow_loopback_candidates, browser_ice_servers
+from app.server.metrics import CONTENT_TYPE, build_registry, metrics_text
+from app.server.sdp import OfferError
+from app.server.session import CapacityError, SessionManager
+from app.server.whip import whip_router
+from app.server.ws import serve_websocket
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+WEB_DIR = ROOT / "web"
+STATIC_DIR = ROOT / "static"
+TRACE_ROWS = 300
+
+
+class OfferRequest(StreamOptions):
+    sdp: str
+    type: Literal["offer"]
+
+
+def _json_error(status: int, reason: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": reason}, status_code=status, headers=headers)
+
+
+def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) -> FastAPI:
+    """Build the app. ``factory`` defaults to the real engine pipeline loaded from ``config.model``."""
+    if config.allow_loopback_candidates:
+        allow_loopback_candidates()
+    if factory is None:
+        factory = PipelineFactory.load(config.model, config.device)
+    if config.engine_delay_ms > 0:
+        factory = DelayedFactory(factory, config.engine_delay_ms / 1000.0)
+    manager = SessionManager(factory, config)
+    gateway = Gateway(manager, config)
+    registry = build_registry(manager)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await manager.close_all()
+
+    app = FastAPI(title="diffcast", lifespan=lifespan)
+    app.state.manager = manager
+    app.state.config = config
+    # Browser WHIP/WHEP clients on other origins need CORS, and must be able to read Location.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=["*"],
+        allow_methods=["GET", "POST", "DELETE", "PATCH", "OPTIONS"],
+        allow_headers=["*"],
+        expose_headers=["Location", "Accept-Post", "Retry-After"],
+    )
+    app.include_router(whip_router(manager, gateway, config))
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> FileResponse:
+        return FileResponse(WEB_DIR / "index.html")
+
+    @app.get("/view/{stream_id}", include_in_schema=False)
+    async def viewer(stream_id: str) -> FileResponse:
+        # Served for any id: an OBS Browser Source is set up before its stream starts, and the
+        # page retries WHEP until the stream exists.
+        return FileResponse(WEB_DIR / "view.html")
+
+    @app.get("/api/config")
+    async def client_config() -> dict[str, Any]:
+        width, height = manager.size
+        return {
+            "iceServers": browser_ice_servers(config),
+            "presets": list(config.presets),
+            "defaultPrompt": config.default_prompt,
+            "maxPromptChars": config.max_prompt_chars,
+            "width": width,
+            "height": height,
+        }
+
+    @app.post("/api/offer")
+    async def offer(body: OfferRequest) -> Response:
+        try:
+            settings = body.to_settings(config.default_prompt, config.max_prompt_chars)
+            session, answer = await gateway.publish(body.sdp, settings, kind="webrtc", send_output=True)
+        except ControlError as exc:
+            return _json_error(422, str(exc))
+        except OfferError as exc:
+            return _json_error(400, str(exc))
+        except CapacityError as exc:
+            return _json_error(503, str(exc), {"Retry-After": str(config.retry_after_s)})
+        return JSONResponse(
+            {
+                "sdp": answer,
+                "type": "answer",
+                "stream_id": session.id,
+                "whep_url": f"/whep/{session.id}",
+                "view_url": f"/view/{session.id}",
+            }
+        )
+
+    @app.get("/api/streams")
+    async def streams() -> list[dict[str, Any]]:
+        return [s.stats() for s in manager.sessions.values()]
+
+    @app.get("/api/streams/{stream_id}")
+    async def stream(stream_id: str) -> Response:
+        session = manager.get(stream_id)
+        if session is None:
+            return _json_error(404, f"no stream {stream_id}")
+        trace = list(session.playout.trace)[-TRACE_ROWS:]
+        return JSONResponse(
+            {**session.stats(), "trace": [{"seq": q, "arrival": a, "shown": s} for q, a, s in trace]}
+        )
+
+    @app.post("/api/streams/{stream_id}/control")
+    async def control(stream_id: str, request: Request) -> Response:
+        session = manager.get(stream_id)
+        if session is None:
+            return _json_error(404, f"no stream {stream_id}")
+        reply = await session.handle_text((await request.body()).decode("utf-8", "replace"), config.max_prompt_chars)
+        return JSONResponse(reply, status_code=422 if reply["type"] == "error" else 200)
+
+    @app.delete("/api/streams/{stream_id}")
+    async def stop(stream_id: str) -> Response:
+        if not await manager.close(stream_id):
+            return _json_error(404, f"no stream {stream_id}")
+        return Response(status_code=204)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "streams": len(manager.sessions), "max_streams": config.max_streams}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(metrics_text(registry), media_type=CONTENT_TYPE)
+
+    @app.websocket("/ws")
+    async def websocket(ws: WebSocket) -> None:
+        try:
+            options = options_from_query(ws.query_params)
+            settings = options.to_settings(config.default_prompt, config.max_prompt_chars)
+        except ControlError as exc:
+            await ws.accept()
+            await ws.send_json({"type": "error", "message": str(exc)})
+            await ws.close(code=1008, reason=str(exc)[:120])
+            return
+        await serve_websocket(ws, manager, config, settings)
+
+    app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    return app

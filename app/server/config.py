@@ -1,0 +1,50 @@
+"""Server configuration (one dataclass, filled by `diffcast serve` or by tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # None = the engine's embedded default model; "tiny-random" = tiny random-weight model (tests).
+    model: str | None = None
+    device: str = "cpu"
+    max_streams: int = 4
+    # STUN/TURN URLs handed to aiortc and to the page. Empty by default: a public STUN server delays
+    # every answer by seconds on an offline host and is not needed on a LAN.
+    ice_servers: tuple[str, ...] = ()
+    ice_username: str | None = None
+    ice_credential: str | None = None
+    # aioice leaves 127.0.0.1 out of host candidates; tests and single-machine use need it.
+    allow_loopback_candidates: bool = False
+    # Bearer token required on WHIP/WHEP requests (OBS "Bearer Token" field); None = open.
+    token: str | None = None
+    max_prompt_chars: int = 500
+    # Seconds a client is told to wait when the server is full.
+    retry_after_s: int = 5
+    # Test knob: extra sleep per engine chunk, to emulate a model slower than the camera.
+    engine_delay_ms: float = 0.0
+    # Test/bench knob: copy the frame-ID band (app.server.framecode) of each input frame onto the
+    # output frame made from it, so an external client can measure glass-to-glass latency.
+    trace_stamp: bool = False
+    # Test knob: strip ICE candidates from both sides of every WebRTC negotiation so ICE must
+    # fail (exercises the page's WebSocket fallback).
+    break_ice: bool = False
+    # Playout bounds: the output clock follows the model's production rate within these limits.
+    max_fps: float = 30.0
+    min_fps: float = 2.0
+    jpeg_quality: int = 80
+    default_prompt: str = "oil painting"
+    presets: tuple[str, ...] = field(
+        default=(
+            "oil painting",
+            "watercolor sketch",
+            "anime cel shading",
+            "cyberpunk neon city",
+            "charcoal drawing",
+            "claymation",
+        )
+    )

@@ -1,0 +1,116 @@
+"""Control messages from clients (data channel or WebSocket text): parsed and checked at the edge."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from app.server.engine_bridge import StreamSettings
+
+MAX_STEPS = 4  # StreamDiffusionV2's V2V schedule has at most 4 denoising steps
+MIN_NOISE_SCALE = 0.1  # exclusive: the first timestep is 1000*s - 100, which must stay positive
+
+
+class ControlError(ValueError):
+    """A control message or stream option that cannot be applied; the text goes back to the client."""
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class UpdateMessage(_Message):
+    """Change what a stream generates; every field is optional, applied at the next chunk boundary."""
+
+    type: Literal["update"]
+    prompt: str | list[str] | None = None
+    prompt_weights: list[float] | None = None
+    transition_chunks: int | None = Field(default=None, ge=0, le=64)
+    noise_scale: float | None = Field(default=None, gt=MIN_NOISE_SCALE, le=1.0)
+    steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+
+    def changes(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"type"}, exclude_none=True)
+
+
+class PauseMessage(_Message):
+    type: Literal["pause"]
+
+
+class ResumeMessage(_Message):
+    type: Literal["resume"]
+
+
+class ResetMessage(_Message):
+    type: Literal["reset"]
+
+
+ControlMessage = Annotated[
+    UpdateMessage | PauseMessage | ResumeMessage | ResetMessage, Field(discriminator="type")
+]
+_ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
+
+
+def check_prompt(prompt: str | list[str] | None, weights: list[float] | None, max_chars: int) -> None:
+    if prompt is None:
+        if weights is not None:
+            raise ControlError("prompt_weights given without prompt")
+        return
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not prompts:
+        raise ControlError("prompt list is empty")
+    for text in prompts:
+        if not text.strip():
+            raise ControlError("prompt is empty")
+        if len(text) > max_chars:
+            raise ControlError(f"prompt is {len(text)} characters long; the limit is {max_chars}")
+    if weights is not None:
+        if len(weights) != len(prompts):
+            raise ControlError(f"{len(prompts)} prompts but {len(weights)} prompt_weights")
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ControlError(f"prompt_weights must be non-negative and not all zero, got {weights}")
+
+
+def parse_control(text: str, max_prompt_chars: int) -> ControlMessage:
+    """Parse one JSON control message; ControlError with a readable reason when it is wrong."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ControlError(f"control message is not JSON: {exc}") from exc
+    try:
+        message = _ADAPTER.validate_python(raw)
+    except ValidationError as exc:
+        reasons = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'message'}: {e['msg']}" for e in exc.errors())
+        raise ControlError(f"bad control message: {reasons}") from exc
+    if isinstance(message, UpdateMessage):
+        check_prompt(message.prompt, message.prompt_weights, max_prompt_chars)
+    return message
+
+
+class StreamOptions(_Message):
+    """Options a client may give when it opens a stream (offer body, WHIP or /ws query)."""
+
+    prompt: str | None = None
+    noise_scale: float = Field(default=0.8, gt=MIN_NOISE_SCALE, le=1.0)
+    steps: int = Field(default=2, ge=1, le=MAX_STEPS)
+    seed: int = Field(default=0, ge=0, lt=2**63)
+
+    def to_settings(self, default_prompt: str, max_prompt_chars: int) -> StreamSettings:
+        check_prompt(self.prompt, None, max_prompt_chars)
+        return StreamSettings(
+            prompt=self.prompt or default_prompt, noise_scale=self.noise_scale, steps=self.steps, seed=self.seed
+        )
+
+
+def options_from_query(query: Mapping[str, str]) -> StreamOptions:
+    """StreamOptions from URL query parameters; ControlError naming the bad parameter."""
+    fields = StreamOptions.model_fields
+    try:
+        return StreamOptions.model_validate({k: v for k, v in query.items() if k in fields})
+    except ValidationError as exc:
+        reasons = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ControlError(f"bad stream option: {reasons}") from exc

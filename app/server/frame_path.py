@@ -1,0 +1,338 @@
+"""The per-stream frame path: latest-frames-win input, chunk assembly, engine thread, playout clock.
+
+    camera frames ──push──▶ ChunkAssembler (holds at most one chunk of the newest frames)
+                               │ take(n) when the engine is free
+                               ▼
+                           StreamRunner ──engine thread──▶ StreamProcessor.process
+                               │ push_chunk
+                               ▼
+                           Playout (bounded buffer) ──tick at the production rate──▶ output tracks
+
+Delay cannot accumulate anywhere: the assembler overwrites old frames while the engine is busy
+(counted as dropped), and the playout buffer holds at most a few chunks (overflow is dropped too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import av
+import cv2
+import numpy as np
+
+from app.server.engine_bridge import StreamProcessor
+from app.server.framecode import copy_band
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class FrameMeta:
+    seq: int  # per-stream input sequence number
+    arrival: float  # time.monotonic() when the server received the frame
+
+
+@dataclass(frozen=True)
+class InputFrame:
+    source: av.VideoFrame | np.ndarray  # decoded lazily on the engine thread
+    meta: FrameMeta
+
+
+@dataclass(frozen=True)
+class OutputFrame:
+    image: np.ndarray  # uint8 [H, W, 3] RGB
+    meta: FrameMeta | None  # None for the placeholder shown before the first chunk
+
+
+def fit_frame(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Centre-crop to the target aspect ratio, then resize to ``size`` = (width, height)."""
+    width, height = size
+    h, w = image.shape[:2]
+    if (w, h) == (width, height):
+        return image
+    if w * height > h * width:  # too wide
+        crop = h * width // height
+        x0 = (w - crop) // 2
+        image = image[:, x0 : x0 + crop]
+    elif w * height < h * width:  # too tall
+        crop = w * height // width
+        y0 = (h - crop) // 2
+        image = image[y0 : y0 + crop]
+    return cv2.resize(image, (width, height), interpolation=cv2.INTER_AREA)
+
+
+def to_rgb(source: av.VideoFrame | np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    image = source if isinstance(source, np.ndarray) else source.to_ndarray(format="rgb24")
+    return fit_frame(image, size)
+
+
+def decode_jpeg(data: bytes) -> np.ndarray:
+    """JPEG bytes -> uint8 RGB; ValueError saying so when the bytes are not an image."""
+    image = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)
+    if image is None:
+        raise ValueError(f"binary message of {len(data)} bytes is not a JPEG/PNG image")
+    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+
+
+def encode_jpeg(image: np.ndarray, quality: int) -> bytes:
+    ok, data = cv2.imencode(".jpg", cv2.cvtColor(image, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality])
+    if not ok:
+        raise RuntimeError("JPEG encoding failed")
+    return data.tobytes()
+
+
+class ChunkAssembler:
+    """Latest-frames-win input buffer: keeps at most ``capacity`` frames received since the last take."""
+
+    def __init__(self, capacity: int, clock: Clock = time.monotonic) -> None:
+        self._capacity = capacity
+        self._clock = clock
+        self._frames: deque[InputFrame] = deque()
+        self._changed = asyncio.Event()
+        self._seq = 0
+        self.accepting = True
+        self.received = 0
+        self.dropped = 0
+
+    def push(self, source: av.VideoFrame | np.ndarray) -> FrameMeta:
+        meta = FrameMeta(self._seq, self._clock())
+        self._seq += 1
+        self.received += 1
+        if not self.accepting:  # paused: nothing will be generated from this frame
+            return meta
+        if len(self._frames) == self._capacity:
+            self._frames.popleft()
+            self.dropped += 1
+        self._frames.append(InputFrame(source, meta))
+        self._changed.set()
+        return meta
+
+    async def take(self, n: int) -> list[InputFrame]:
+        """Wait for ``n`` frames newer than the last take; return the newest ``n``."""
+        if not 0 < n <= self._capacity:
+            raise ValueError(f"chunk of {n} frames does not fit an assembler of capacity {self._capacity}")
+        while len(self._frames) < n:
+            self._changed.clear()
+            await self._changed.wait()
+        chunk = list(self._frames)[-n:]
+        self.dropped += len(self._frames) - n
+        self._frames.clear()
+        return chunk
+
+    def clear(self) -> None:
+        self._frames.clear()
+
+
+class Playout:
+    """Per-stream bounded output buffer and the clock that plays it out.
+
+    The clock ticks at the rate the model produces frames (measured between chunks, clamped to
+    [min_fps, max_fps]) and a little faster while more than one chunk is buffered, so slack stays
+    small. A tick with nothing new repeats the last frame. Every consumer (WebRTC tracks, WHEP
+    viewers, the WebSocket sender) sees every tick; none of them holds a queue of its own.
+    """
+
+    def __init__(
+        self,
+        size: tuple[int, int],
+        chunk_frames: int,
+        max_fps: float,
+        min_fps: float,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        width, height = size
+        self._clock = clock
+        self._chunk_frames = chunk_frames
+        self._max_buffer = 3 * chunk_frames
+        self._min_interval = 1.0 / max_fps
+        self._max_interval = 1.0 / min_fps
+        self._frame_period = self._min_interval
+        self._last_push: float | None = None
+        self._buffer: deque[OutputFrame] = deque()
+        self._current = OutputFrame(np.zeros((height, width, 3), np.uint8), None)
+        self._tick = 0
+        self._tick_event = asyncio.Event()
+        self._start = clock()
+        self._shown: deque[float] = deque()
+        self._latencies: deque[tuple[float, float]] = deque()
+        self.trace: deque[tuple[int, float, float]] = deque(maxlen=2000)  # (seq, arrival, shown)
+        self.frames_shown = 0
+        self.repeats = 0
+        self.dropped = 0
+        self.first_frame_at: float | None = None
+
+    @property
+    def interval(self) -> float:
+        interval = min(max(self._frame_period, self._min_interval), self._max_interval)
+        if len(self._buffer) > self._chunk_frames:
+            interval *= 0.75  # drain a backlog instead of carrying it as latency
+        return interval
+
+    @property
+    def slack_s(self) -> float:
+        """Seconds of generated output not yet played."""
+        return len(self._buffer) * self.interval
+
+    @property
+    def elapsed_s(self) -> float:
+        return self._clock() - self._start
+
+    def push_chunk(self, images: np.ndarray, metas: list[FrameMeta]) -> None:
+        now = self._clock()
+        if self._last_push is not None:
+            period = (now - self._last_push) / len(images)
+            self._frame_period = 0.7 * self._frame_period + 0.3 * period
+        self._last_push = now
+        for image, meta in zip(images, metas, strict=True):
+            self._buffer.append(OutputFrame(image, meta))
+        while len(self._buffer) > self._max_buffer:
+            self._buffer.popleft()
+            self.dropped += 1
+
+    def mark_gap(self) -> None:
+        """Production stopped on purpose (pause, reset): do not count the gap as model speed."""
+        self._last_push = None
+
+    def tick(self) -> None:
+        now = self._clock()
+        if self._buffer:
+            self._current = self._buffer.popleft()
+            meta = self._current.meta
+            self.frames_shown += 1
+            self._shown.append(now)
+            if meta is not None:
+                if self.first_frame_at is None:
+                    self.first_frame_at = now
+                self._latencies.append((now, now - meta.arrival))
+                self.trace.append((meta.seq, meta.arrival, now))
+        elif self.frames_shown:
+            self.repeats += 1
+        self._tick += 1
+        event, self._tick_event = self._tick_event, asyncio.Event()
+        event.set()
+
+    async def run(self) -> None:
+        due = self._clock()
+        while True:
+            self.tick()
+            interval = self.interval
+            now = self._clock()
+            due = max(due + interval, now)  # after a stall, restart the clock instead of bursting
+            await asyncio.sleep(due - now)
+
+    async def next_frame(self, after: int) -> tuple[int, OutputFrame, float]:
+        """The frame of the first tick after tick number ``after``: (tick, frame, seconds since start)."""
+        while self._tick <= after:
+            await self._tick_event.wait()
+        return self._tick, self._current, self._clock() - self._start
+
+    def output_fps(self, window_s: float = 2.0) -> float:
+        now = self._clock()
+        while self._shown and self._shown[0] < now - window_s:
+            self._shown.popleft()
+        span = min(window_s, now - self._start)
+        return len(self._shown) / span if span > 0 else 0.0
+
+    def latency_s(self, window_s: float = 5.0) -> dict[str, float]:
+        """Server-side latency (arrival of an input frame -> its output frame played): last, p50, p95."""
+        now = self._clock()
+        while self._latencies and self._latencies[0][0] < now - window_s:
+            self._latencies.popleft()
+        if not self._latencies:
+            return {}
+        values = np.array([lat for _, lat in self._latencies])
+        return {
+            "last": float(values[-1]),
+            "p50": float(np.percentile(values, 50)),
+            "p95": float(np.percentile(values, 95)),
+        }
+
+
+class StreamRunner:
+    """Feeds chunks from the assembler through the engine thread into the playout buffer."""
+
+    def __init__(
+        self,
+        processor: StreamProcessor,
+        assembler: ChunkAssembler,
+        playout: Playout,
+        executor: Executor,
+        size: tuple[int, int],
+        trace_stamp: bool = False,
+    ) -> None:
+        self._processor = processor
+        self._assembler = assembler
+        self._playout = playout
+        self._executor = executor
+        self._size = size
+        self._trace_stamp = trace_stamp
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._restart = True
+        self.chunks = 0
+        self.chunk_seconds = 0.0  # engine time of the last chunk
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    def pause(self) -> None:
+        self._resumed.clear()
+        self._assembler.accepting = False
+        self._assembler.clear()
+        self._playout.mark_gap()
+
+    def resume(self) -> None:
+        self._assembler.accepting = True
+        self._playout.mark_gap()
+        self._resumed.set()
+
+    async def call(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        """Run a processor method on the engine thread (the engine is not thread-safe)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(**kwargs))
+
+    async def update(self, **changes: Any) -> None:
+        await self.call(self._processor.update, **changes)
+
+    async def reset(self) -> None:
+        await self.call(self._processor.reset)
+        self._restart = True
+        self._playout.mark_gap()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._resumed.wait()
+            n = self._processor.first_chunk_frames if self._restart else self._processor.chunk_frames
+            # Cleared before the chunk runs so that a reset arriving meanwhile is not lost.
+            self._restart = False
+            frames = await self._assembler.take(n)
+            t0 = time.perf_counter()
+            out = await loop.run_in_executor(self._executor, self._process, frames)
+            self.chunk_seconds = time.perf_counter() - t0
+            self.chunks += 1
+            self._playout.push_chunk(out, [frame.meta for frame in frames])
+
+    def _process(self, frames: list[InputFrame]) -> np.ndarray:
+        """Engine thread: decode + resize, run the model, optionally stamp the frame-ID band."""
+        inputs = np.stack([to_rgb(frame.source, self._size) for frame in frames])
+        out = self._processor.process(inputs)
+        if out.ndim != 4 or out.shape[0] != len(frames) or out.shape[3] != 3:
+            raise RuntimeError(f"engine returned {out.shape} for an input chunk of {inputs.shape}")
+        if out.shape != inputs.shape:  # an engine working at another size: play out at ours
+            out = np.stack([fit_frame(image, self._size) for image in out])
+        if self._trace_stamp:
+            out = np.array(out, copy=True)
+            for source, target in zip(inputs, out, strict=True):
+                copy_band(source, target)
+        return out

@@ -1,0 +1,163 @@
+"""WebRTC gateway (aiortc): publishers send camera video in, viewers get a stream's stylized output."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from fractions import Fraction
+
+import av
+from aiortc import MediaStreamTrack, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
+from aiortc.contrib.media import MediaBlackhole, MediaRelay
+from aiortc.mediastreams import MediaStreamError
+
+from app.server.config import ServerConfig
+from app.server.engine_bridge import StreamSettings
+from app.server.frame_path import ChunkAssembler, Playout
+from app.server.ice import rtc_configuration, strip_candidates
+from app.server.sdp import OfferError, check_offer
+from app.server.session import Session, SessionManager
+
+log = logging.getLogger(__name__)
+
+VIDEO_CLOCK = 90_000
+VIDEO_TIME_BASE = Fraction(1, VIDEO_CLOCK)
+
+
+class PlayoutTrack(MediaStreamTrack):
+    """Outgoing video: one frame per playout tick, stamped with the playout clock."""
+
+    kind = "video"
+
+    def __init__(self, playout: Playout) -> None:
+        super().__init__()
+        self._playout = playout
+        self._tick = 0
+
+    async def recv(self) -> av.VideoFrame:
+        self._tick, out, seconds = await self._playout.next_frame(self._tick)
+        frame = av.VideoFrame.from_ndarray(out.image, format="rgb24")
+        frame.pts = int(seconds * VIDEO_CLOCK)
+        frame.time_base = VIDEO_TIME_BASE
+        return frame
+
+
+async def read_input(track: MediaStreamTrack, assembler: ChunkAssembler) -> None:
+    while True:
+        try:
+            frame = await track.recv()
+        except MediaStreamError:
+            return
+        if isinstance(frame, av.VideoFrame):
+            assembler.push(frame)
+
+
+class Gateway:
+    def __init__(self, manager: SessionManager, config: ServerConfig) -> None:
+        self._manager = manager
+        self._config = config
+        # Unbuffered subscriptions: a buffered relay queues every frame the model cannot keep up
+        # with and latency grows without bound (DESIGN.md §4).
+        self._relay = MediaRelay()
+
+    def _peer(self) -> RTCPeerConnection:
+        return RTCPeerConnection(configuration=rtc_configuration(self._config))
+
+    def _incoming(self, sdp: str) -> RTCSessionDescription:
+        return RTCSessionDescription(sdp=strip_candidates(sdp) if self._config.break_ice else sdp, type="offer")
+
+    async def _answer(self, pc: RTCPeerConnection, offer_sdp: str) -> str:
+        try:
+            await pc.setRemoteDescription(self._incoming(offer_sdp))
+        except ValueError as exc:  # aiortc's checks on what it cannot negotiate
+            raise OfferError(f"cannot use this offer: {exc}") from exc
+        # setLocalDescription gathers all candidates: the answer is complete (no trickle ICE).
+        await pc.setLocalDescription(await pc.createAnswer())
+        sdp = pc.localDescription.sdp
+        return strip_candidates(sdp) if self._config.break_ice else sdp
+
+    async def publish(
+        self, offer_sdp: str, settings: StreamSettings, kind: str, send_output: bool
+    ) -> tuple[Session, str]:
+        """A camera publisher (the page, or a WHIP client): returns the new session and the answer SDP."""
+        check_offer(offer_sdp, publish=True)
+        session = await self._manager.open(kind, settings)
+        pc = self._peer()
+        session.peers["publisher"] = pc
+
+        @pc.on("track")
+        def on_track(track: MediaStreamTrack) -> None:
+            if track.kind == "video":
+                source = self._relay.subscribe(track, buffered=False)
+                session.spawn(read_input(source, session.assembler), "input")
+            else:  # e.g. OBS's Opus audio: drain it, or aiortc's receive queue grows forever
+                sink = MediaBlackhole()
+                sink.addTrack(track)
+                session.spawn(sink.start(), "audio-sink")
+
+        @pc.on("datachannel")
+        def on_datachannel(channel: RTCDataChannel) -> None:
+            self._attach_control(channel, session)
+
+        @pc.on("connectionstatechange")
+        async def on_state() -> None:
+            log.info("stream %s publisher: %s", session.id, pc.connectionState)
+            if pc.connectionState in ("failed", "closed"):
+                await session.close()
+
+        try:
+            if send_output:
+                pc.addTrack(PlayoutTrack(session.playout))
+            answer = await self._answer(pc, offer_sdp)
+        except BaseException:
+            await session.close()
+            raise
+        return session, answer
+
+    def _attach_control(self, channel: RTCDataChannel, session: Session) -> None:
+        limit = self._config.max_prompt_chars
+
+        @channel.on("message")
+        def on_message(message: str | bytes) -> None:
+            async def handle() -> None:
+                text = message if isinstance(message, str) else message.decode("utf-8", "replace")
+                reply = await session.handle_text(text, limit)
+                if channel.readyState == "open":
+                    channel.send(json.dumps(reply))
+
+            session.spawn(handle(), "control")
+
+        async def send(text: str) -> None:
+            channel.send(text)
+
+        session.spawn(session.send_stats(send, lambda: channel.readyState == "open"), "stats")
+
+    async def add_viewer(self, session: Session, offer_sdp: str) -> tuple[str, str]:
+        """A WHEP viewer of a stream's output: returns (viewer id, answer SDP)."""
+        check_offer(offer_sdp, publish=False)
+        pc = self._peer()
+        viewer_id = secrets.token_hex(8)
+        pc.addTrack(PlayoutTrack(session.playout))
+
+        @pc.on("connectionstatechange")
+        async def on_state() -> None:
+            if pc.connectionState in ("failed", "closed"):
+                await self.remove_viewer(session, viewer_id)
+
+        try:
+            answer = await self._answer(pc, offer_sdp)
+        except BaseException:
+            await pc.close()
+            raise
+        session.peers[viewer_id] = pc
+        return viewer_id, answer
+
+    async def remove_viewer(self, session: Session, viewer_id: str) -> bool:
+        if viewer_id == "publisher":
+            return False
+        pc = session.peers.pop(viewer_id, None)
+        if pc is None:
+            return False
+        await pc.close()
+        return True

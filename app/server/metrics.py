@@ -1,0 +1,62 @@
+"""Prometheus metrics, collected from the live sessions at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from app.server.session import SessionManager
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class SessionCollector(Collector):
+    def __init__(self, manager: SessionManager) -> None:
+        self._manager = manager
+
+    def collect(self) -> Iterator[Metric]:
+        sessions = list(self._manager.sessions.values())
+        labels = ["stream_id", "kind"]
+        active = GaugeMetricFamily("diffcast_streams", "Active streams")
+        active.add_metric([], len(sessions))
+        capacity = GaugeMetricFamily("diffcast_streams_max", "Stream capacity (--max-streams)")
+        capacity.add_metric([], self._manager.config.max_streams)
+        fps = GaugeMetricFamily("diffcast_stream_output_fps", "Output frames per second", labels=labels)
+        latency = GaugeMetricFamily(
+            "diffcast_stream_latency_seconds",
+            "Input frame arrival to output playout, over the last 5 s",
+            labels=[*labels, "quantile"],
+        )
+        slack = GaugeMetricFamily("diffcast_stream_playout_slack_seconds", "Generated output not yet played", labels=labels)
+        viewers = GaugeMetricFamily("diffcast_stream_viewers", "WHEP viewers", labels=labels)
+        frames_in = CounterMetricFamily("diffcast_stream_input_frames", "Input frames received", labels=labels)
+        frames_out = CounterMetricFamily("diffcast_stream_output_frames", "New output frames played", labels=labels)
+        dropped = CounterMetricFamily(
+            "diffcast_stream_dropped_frames", "Input frames skipped and output frames discarded", labels=labels
+        )
+        for s in sessions:
+            key = [s.id, s.kind]
+            fps.add_metric(key, s.playout.output_fps())
+            for quantile, name in (("0.5", "p50"), ("0.95", "p95")):
+                value = s.playout.latency_s().get(name)
+                if value is not None:
+                    latency.add_metric([*key, quantile], value)
+            slack.add_metric(key, s.playout.slack_s)
+            viewers.add_metric(key, sum(1 for peer in s.peers if peer != "publisher"))
+            frames_in.add_metric(key, s.assembler.received)
+            frames_out.add_metric(key, s.playout.frames_shown)
+            dropped.add_metric(key, s.dropped_frames)
+        yield from (active, capacity, fps, latency, slack, viewers, frames_in, frames_out, dropped)
+
+
+def metrics_text(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)
+
+
+def build_registry(manager: SessionManager) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(SessionCollector(manager))
+    return registry

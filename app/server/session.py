@@ -1,0 +1,203 @@
+"""Streams and their lifetime: one Session per camera (page, WHIP publisher or WebSocket client)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from aiortc import RTCPeerConnection
+
+from app.server.config import ServerConfig
+from app.server.control import (
+    ControlError,
+    ControlMessage,
+    PauseMessage,
+    ResetMessage,
+    ResumeMessage,
+    UpdateMessage,
+    parse_control,
+)
+from app.server.engine_bridge import ProcessorFactory, StreamSettings
+from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 1.0
+
+
+class CapacityError(RuntimeError):
+    """The server already runs --max-streams streams."""
+
+
+class Session:
+    def __init__(
+        self, stream_id: str, kind: str, settings: StreamSettings, runner: StreamRunner,
+        assembler: ChunkAssembler, playout: Playout, on_close: Callable[[str], None],
+    ) -> None:
+        self.id = stream_id
+        self.kind = kind  # "webrtc" (the page), "whip" or "ws"
+        self.settings = settings
+        self.runner = runner
+        self.assembler = assembler
+        self.playout = playout
+        self.created = time.monotonic()
+        self.peers: dict[str, RTCPeerConnection] = {}  # "publisher" and WHEP viewer ids
+        self.closed = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._on_close = on_close
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Run a task that lives as long as the session; a crash ends the session."""
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self.id[:8]}:{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or self.closed.is_set():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("stream %s: task %s failed: %r", self.id, task.get_name(), exc, exc_info=exc)
+            asyncio.get_running_loop().create_task(self.close())
+
+    async def apply(self, message: ControlMessage) -> None:
+        if isinstance(message, UpdateMessage):
+            changes = message.changes()
+            await self.runner.update(**changes)
+            known = {f.name for f in dataclasses.fields(StreamSettings)}
+            current = {k: v for k, v in changes.items() if k in known and not isinstance(v, list)}
+            if isinstance(changes.get("prompt"), list):
+                current["prompt"] = " + ".join(changes["prompt"])
+            self.settings = dataclasses.replace(self.settings, **current)
+        elif isinstance(message, PauseMessage):
+            self.runner.pause()
+        elif isinstance(message, ResumeMessage):
+            self.runner.resume()
+        elif isinstance(message, ResetMessage):
+            await self.runner.reset()
+
+    async def handle_text(self, text: str, max_prompt_chars: int) -> dict[str, Any]:
+        """One control message from a client -> the reply to send back (ack or error)."""
+        try:
+            message = parse_control(text, max_prompt_chars)
+            await self.apply(message)
+        except ValueError as exc:  # ControlError, or the engine refusing a value
+            return {"type": "error", "message": str(exc)}
+        return {"type": "ack", "applied": message.type}
+
+    @property
+    def dropped_frames(self) -> int:
+        return self.assembler.dropped + self.playout.dropped
+
+    def stats(self) -> dict[str, Any]:
+        latency = self.playout.latency_s()
+        ttff = None if self.playout.first_frame_at is None else self.playout.first_frame_at - self.created
+        return {
+            "type": "stats",
+            "stream_id": self.id,
+            "kind": self.kind,
+            "fps": round(self.playout.output_fps(), 2),
+            "latency_ms": round(1000 * latency["last"], 1) if latency else None,
+            "latency_p50_ms": round(1000 * latency["p50"], 1) if latency else None,
+            "latency_p95_ms": round(1000 * latency["p95"], 1) if latency else None,
+            "slack_s": round(self.playout.slack_s, 3),
+            "ttff_s": None if ttff is None else round(ttff, 3),
+            "prompt": self.settings.prompt,
+            "noise_scale": self.settings.noise_scale,
+            "steps": self.settings.steps,
+            "seed": self.settings.seed,
+            "chunk_ms": round(1000 * self.runner.chunk_seconds, 1),
+            "paused": self.runner.paused,
+            "frames_in": self.assembler.received,
+            "frames_out": self.playout.frames_shown,
+            "dropped_frames": self.dropped_frames,
+            "repeated_frames": self.playout.repeats,
+            "viewers": sum(1 for key in self.peers if key != "publisher"),
+        }
+
+    async def send_stats(self, send: Callable[[str], Awaitable[None]], is_open: Callable[[], bool]) -> None:
+        """Stats to a client about once a second, while its channel is open."""
+        while is_open():
+            await send(json.dumps(self.stats()))
+            await asyncio.sleep(STATS_INTERVAL_S)
+
+    async def close(self) -> None:
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        self._on_close(self.id)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*(pc.close() for pc in self.peers.values()), return_exceptions=True)
+        self.peers.clear()
+        log.info("stream %s (%s) closed", self.id, self.kind)
+
+
+class SessionManager:
+    """Creates and tracks sessions; all engine work goes through one dedicated thread."""
+
+    def __init__(self, factory: ProcessorFactory, config: ServerConfig) -> None:
+        self.factory = factory
+        self.config = config
+        # One thread: the engine is synchronous, CPU-heavy and not thread-safe. Streams take turns
+        # chunk by chunk, since each has at most one chunk in flight.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.sessions: dict[str, Session] = {}
+        self._opening = 0
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.factory.size
+
+    def check_capacity(self) -> None:
+        if len(self.sessions) + self._opening >= self.config.max_streams:
+            raise CapacityError(f"server is at capacity ({self.config.max_streams} streams)")
+
+    async def open(self, kind: str, settings: StreamSettings) -> Session:
+        self.check_capacity()
+        self._opening += 1
+        try:
+            loop = asyncio.get_running_loop()
+            processor = await loop.run_in_executor(self.executor, self.factory.open, settings)
+        except ValueError as exc:  # the engine refusing an option (e.g. a prompt it cannot encode)
+            raise ControlError(str(exc)) from exc
+        finally:
+            self._opening -= 1
+        cfg = self.config
+        assembler = ChunkAssembler(capacity=max(processor.first_chunk_frames, processor.chunk_frames))
+        playout = Playout(self.size, processor.chunk_frames, cfg.max_fps, cfg.min_fps)
+        runner = StreamRunner(processor, assembler, playout, self.executor, self.size, cfg.trace_stamp)
+        session = Session(
+            secrets.token_hex(8), kind, settings, runner, assembler, playout, on_close=self._forget
+        )
+        self.sessions[session.id] = session
+        session.spawn(runner.run(), "engine")
+        session.spawn(playout.run(), "playout")
+        log.info("stream %s (%s) opened: %s", session.id, kind, settings)
+        return session
+
+    def get(self, stream_id: str) -> Session | None:
+        return self.sessions.get(stream_id)
+
+    def _forget(self, stream_id: str) -> None:
+        self.sessions.pop(stream_id, None)
+
+    async def close(self, stream_id: str) -> bool:
+        session = self.sessions.get(stream_id)
+        if session is None:
+            return False
+        await session.close()
+        return True
+
+    async def close_all(self) -> None:
+        await asyncio.gather(*(self.close(sid) for sid in list(self.sessions)))
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,135 @@
+"""WHIP ingest (RFC 9725) and WHEP playback over the gateway.
+
+No trickle ICE: answers carry every candidate, so PATCH on a session gets 405 with an Allow
+header, as RFC 9725 §4.3.1 asks of servers without trickle ICE or ICE restart support.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import PlainTextResponse
+
+from app.server.config import ServerConfig
+from app.server.control import ControlError, options_from_query
+from app.server.gateway import Gateway
+from app.server.sdp import OfferError
+from app.server.session import CapacityError, SessionManager
+
+SDP = "application/sdp"
+SESSION_METHODS = "DELETE, OPTIONS"
+
+
+def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> PlainTextResponse:
+    return PlainTextResponse(reason + "\n", status_code=status, headers=headers)
+
+
+def _sdp_response(answer: str, location: str) -> Response:
+    return Response(answer, status_code=201, media_type=SDP, headers={"Location": location})
+
+
+class _Refusal(Exception):
+    def __init__(self, response: Response) -> None:
+        self.response = response
+
+
+def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig) -> APIRouter:
+    router = APIRouter()
+
+    def check_auth(request: Request) -> None:
+        if config.token is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), config.token):
+            raise _Refusal(
+                _error(401, "a valid 'Authorization: Bearer <token>' header is required", {"WWW-Authenticate": "Bearer"})
+            )
+
+    async def read_offer(request: Request) -> str:
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type != SDP:
+            raise _Refusal(_error(415, f"Content-Type must be {SDP}, got {content_type or 'none'}", {"Accept-Post": SDP}))
+        return (await request.body()).decode("utf-8", "replace")
+
+    async def guarded(request: Request, handler: Callable[[], Awaitable[Response]]) -> Response:
+        try:
+            check_auth(request)
+            return await handler()
+        except _Refusal as refusal:
+            return refusal.response
+        except OfferError as exc:
+            return _error(400, str(exc))
+        except ControlError as exc:
+            return _error(400, str(exc))
+        except CapacityError as exc:
+            return _error(503, str(exc), {"Retry-After": str(config.retry_after_s)})
+
+    @router.options("/whip")
+    @router.options("/whep/{stream_id}")
+    async def endpoint_options() -> Response:
+        return Response(status_code=204, headers={"Accept-Post": SDP, "Allow": "POST, OPTIONS"})
+
+    @router.post("/whip")
+    async def whip_publish(request: Request) -> Response:
+        async def handle() -> Response:
+            settings = options_from_query(request.query_params).to_settings(
+                config.default_prompt, config.max_prompt_chars
+            )
+            manager.check_capacity()  # before reading a large body or touching the engine
+            offer = await read_offer(request)
+            session, answer = await gateway.publish(offer, settings, kind="whip", send_output=False)
+            return _sdp_response(answer, f"/whip/{session.id}")
+
+        return await guarded(request, handle)
+
+    @router.delete("/whip/{stream_id}")
+    async def whip_stop(stream_id: str, request: Request) -> Response:
+        async def handle() -> Response:
+            if not await manager.close(stream_id):
+                return _error(404, f"no WHIP session {stream_id}")
+            return Response(status_code=200)
+
+        return await guarded(request, handle)
+
+    @router.patch("/whip/{stream_id}")
+    @router.patch("/whep/{stream_id}/{viewer_id}")
+    async def no_trickle(request: Request, stream_id: str, viewer_id: str | None = None) -> Response:
+        async def handle() -> Response:
+            session = manager.get(stream_id)
+            if session is None or (viewer_id is not None and viewer_id not in session.peers):
+                return _error(404, f"no session {request.url.path}")
+            return _error(405, "trickle ICE and ICE restarts are not supported", {"Allow": SESSION_METHODS})
+
+        return await guarded(request, handle)
+
+    @router.options("/whip/{stream_id}")
+    @router.options("/whep/{stream_id}/{viewer_id}")
+    async def session_options() -> Response:
+        return Response(status_code=204, headers={"Allow": SESSION_METHODS})
+
+    @router.post("/whep/{stream_id}")
+    async def whep_play(stream_id: str, request: Request) -> Response:
+        async def handle() -> Response:
+            session = manager.get(stream_id)
+            if session is None:
+                return _error(404, f"no stream {stream_id}")
+            offer = await read_offer(request)
+            viewer_id, answer = await gateway.add_viewer(session, offer)
+            return _sdp_response(answer, f"/whep/{stream_id}/{viewer_id}")
+
+        return await guarded(request, handle)
+
+    @router.delete("/whep/{stream_id}/{viewer_id}")
+    async def whep_stop(stream_id: str, viewer_id: str, request: Request) -> Response:
+        async def handle() -> Response:
+            session = manager.get(stream_id)
+            if session is None or not await gateway.remove_viewer(session, viewer_id):
+                return _error(404, f"no WHEP viewer {viewer_id} on stream {stream_id}")
+            return Response(status_code=200)
+
+        return await guarded(request, handle)
+
+    return router

@@ -1,0 +1,97 @@
+"""Shared fixtures: a live server on a free port, the tiny real engine, a synthetic camera clip."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def running_server(app: Any, startup_timeout_s: float = 60.0) -> Iterator[str]:
+    """Run an ASGI app with uvicorn (websockets stack) in a background thread; yield its base URL."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, ws="websockets", log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, name=f"uvicorn:{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"server on port {port} did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine() -> Any:
+    """The real engine pipeline with the tiny random-weight model, loaded once per test session."""
+    import torch
+
+    from app.server.engine_bridge import PipelineFactory
+
+    torch.set_num_threads(1)
+    return PipelineFactory.load("tiny-random")
+
+
+@pytest.fixture
+def live_server(tiny_engine: Any) -> Callable[..., AbstractContextManager[str]]:
+    """``with live_server(max_streams=1, ...) as url:`` — the real app on the tiny engine, loopback ICE."""
+    from app.server.app import create_app
+    from app.server.config import ServerConfig
+
+    def start(**overrides: Any) -> AbstractContextManager[str]:
+        config = ServerConfig(**{"allow_loopback_candidates": True, **overrides})
+        return running_server(create_app(config, factory=tiny_engine))
+
+    return start
+
+
+def write_y4m(path: Path, frames: list[np.ndarray], fps: int = 30) -> Path:
+    """uint8 RGB frames -> a YUV4MPEG2 (4:2:0) clip, the format Chromium's fake camera reads."""
+    height, width = frames[0].shape[:2]
+    with path.open("wb") as out:
+        out.write(f"YUV4MPEG2 W{width} H{height} F{fps}:1 Ip A1:1 C420jpeg\n".encode())
+        for frame in frames:
+            out.write(b"FRAME\n")
+            out.write(cv2.cvtColor(frame, cv2.COLOR_RGB2YUV_I420).tobytes())
+    return path
+
+
+@pytest.fixture(scope="session")
+def camera_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two seconds of moving synthetic video (loops in Chromium's fake camera)."""
+    from app.server.probe import pattern_frame
+
+    frames = [pattern_frame(i, (320, 240)) for i in range(60)]
+    return write_y4m(tmp_path_factory.mktemp("camera") / "camera.y4m", frames)
+
+
+@pytest.fixture
+def chromium_path() -> Path:
+    if not CHROMIUM.exists():
+        pytest.skip(f"browser tests need Debian's chromium at {CHROMIUM} (CI installs it: apt-get install chromium)")
+    return CHROMIUM

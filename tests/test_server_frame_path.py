@@ -1,0 +1,139 @@
+"""Frame path units: latest-frames-win assembly, bounded playout, engine-thread runner."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+
+from app.server.frame_path import ChunkAssembler, Playout, StreamRunner, fit_frame
+from app.server.framecode import MAX_ID, draw_id, read_id
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_assembler_keeps_newest_frames_and_counts_drops() -> None:
+    clock = FakeClock()
+    assembler = ChunkAssembler(capacity=4, clock=clock)
+    for i in range(10):
+        clock.now = i / 30
+        assembler.push(np.full((2, 2, 3), i, np.uint8))
+    chunk = await assembler.take(4)
+    assert [f.meta.seq for f in chunk] == [6, 7, 8, 9]
+    assert assembler.dropped == 6 and assembler.received == 10
+
+
+async def test_assembler_take_waits_for_new_frames() -> None:
+    assembler = ChunkAssembler(capacity=5)
+    assembler.push(np.zeros((2, 2, 3), np.uint8))
+    waiter = asyncio.ensure_future(assembler.take(2))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    assembler.push(np.zeros((2, 2, 3), np.uint8))
+    chunk = await asyncio.wait_for(waiter, 1)
+    assert [f.meta.seq for f in chunk] == [0, 1]
+    with pytest.raises(ValueError, match="does not fit"):
+        await assembler.take(6)
+
+
+def test_playout_is_bounded_and_repeats_when_starved() -> None:
+    clock = FakeClock()
+    assembler = ChunkAssembler(capacity=4, clock=clock)
+    playout = Playout((4, 4), chunk_frames=4, max_fps=30, min_fps=2, clock=clock)
+    metas = [assembler.push(np.zeros((4, 4, 3), np.uint8)) for _ in range(20)]
+    images = np.arange(20, dtype=np.uint8)[:, None, None, None] * np.ones((1, 4, 4, 3), np.uint8)
+    for start in range(0, 20, 4):  # five chunks arrive at once: only 3 chunks may stay buffered
+        playout.push_chunk(images[start : start + 4], metas[start : start + 4])
+    assert playout.dropped == 8
+    shown = []
+    for _ in range(14):
+        clock.now += 0.05
+        playout.tick()
+        shown.append(int(playout._current.image[0, 0, 0]))
+    assert shown[:12] == list(range(8, 20))  # oldest surviving first, in order
+    assert shown[12:] == [19, 19] and playout.repeats == 2
+    assert playout.slack_s == 0
+
+
+def test_playout_clock_follows_production_rate() -> None:
+    clock = FakeClock()
+    playout = Playout((4, 4), chunk_frames=4, max_fps=30, min_fps=2, clock=clock)
+    frame = np.zeros((4, 4, 4, 3), np.uint8)
+    meta = [ChunkAssembler(4, clock).push(frame[0]) for _ in range(4)]
+    for i in range(30):  # 4 frames every 0.4 s = 10 fps
+        clock.now = 0.4 * i
+        playout.push_chunk(frame, meta)
+        for _ in range(4):
+            playout.tick()
+    assert playout.interval == pytest.approx(0.1, rel=0.05)
+
+
+class Negate:
+    """Independent, checkable stand-in for the model in this unit test: out = 255 - in."""
+
+    first_chunk_frames = 1
+    chunk_frames = 4
+
+    def __init__(self) -> None:
+        self.updates: list[dict[str, Any]] = []
+
+    def process(self, frames: np.ndarray) -> np.ndarray:
+        return 255 - frames
+
+    def update(self, **changes: Any) -> None:
+        self.updates.append(changes)
+
+    def reset(self) -> None:
+        pass
+
+
+async def test_runner_first_chunk_then_steady_chunks_with_trace_stamp() -> None:
+    size = (64, 48)
+    assembler = ChunkAssembler(capacity=4)
+    playout = Playout(size, chunk_frames=4, max_fps=30, min_fps=2)
+    processor = Negate()
+    with ThreadPoolExecutor(1) as executor:
+        runner = StreamRunner(processor, assembler, playout, executor, size, trace_stamp=True)
+        task = asyncio.ensure_future(runner.run())
+        for i in range(5):
+            image = np.full((96, 128, 3), 40, np.uint8)  # twice the engine size: resized on the way in
+            draw_id(image, 100 + i)
+            assembler.push(image)
+            await asyncio.sleep(0.02)
+        for _ in range(100):
+            if runner.chunks == 2:
+                break
+            await asyncio.sleep(0.01)
+        await runner.update(prompt="x")
+        task.cancel()
+    assert runner.chunks == 2 and processor.updates == [{"prompt": "x"}]
+    frames = list(playout._buffer)
+    assert [f.meta.seq for f in frames if f.meta] == [0, 1, 2, 3, 4]
+    for i, out in enumerate(frames):
+        assert out.image.shape == (48, 64, 3)
+        assert read_id(out.image) == 100 + i  # band copied from the input
+        assert abs(int(out.image[-1, -1, 0]) - (255 - 40)) <= 1  # the rest is the model's output
+
+
+def test_fit_frame_centre_crops() -> None:
+    image = np.zeros((100, 200, 3), np.uint8)
+    image[:, 50:150] = 255  # the centre square
+    out = fit_frame(image, (10, 10))
+    assert out.shape == (10, 10, 3) and out.min() == 255
+
+
+def test_framecode_roundtrip_and_guard() -> None:
+    image = np.full((128, 128, 3), 128, np.uint8)
+    assert read_id(image) is None
+    for value in (0, 1, 5461, MAX_ID - 1):
+        draw_id(image, value)
+        assert read_id(image) == value

@@ -1,0 +1,207 @@
+// The diffcast page: camera in, stylized video out; WebRTC first, WebSocket fallback when ICE fails.
+import { connectWebRTC } from "./rtc.js";
+import { connectWebSocket } from "./wsclient.js";
+
+const $ = (id) => document.getElementById(id);
+const query = new URLSearchParams(window.location.search);
+const ICE_TIMEOUT_MS = Number(query.get("ice_timeout_ms") || 8000);
+
+// State other code (and the browser tests) can read.
+const state = {
+  status: "idle",
+  transport: null,
+  streamId: null,
+  outputFrames: 0,
+  stats: null,
+  errors: [],
+  snapshot: () => snapshot(),
+};
+window.diffcast = state;
+
+let config = null;
+let camera = null;
+let connection = null;
+let paused = false;
+
+function setStatus(status) {
+  state.status = status;
+  $("status").textContent = status;
+  $("status").dataset.state = status;
+}
+
+function notice(text) {
+  $("notice").textContent = text;
+  $("notice").hidden = !text;
+}
+
+function options() {
+  return {
+    prompt: $("prompt").value.trim() || config.defaultPrompt,
+    noise_scale: Number($("noise").value),
+    steps: Number($("steps").value),
+    seed: Number($("seed").value) || 0,
+  };
+}
+
+const fmt = (value, unit, digits = 0) => (value === null || value === undefined ? "–" : `${Number(value).toFixed(digits)} ${unit}`);
+
+function renderStats(stats) {
+  state.stats = stats;
+  $("stat-fps").textContent = fmt(stats.fps, "fps", 1);
+  $("stat-latency").textContent = stats.latency_ms === null ? "–" : `${fmt(stats.latency_p50_ms, "ms")} (p95 ${fmt(stats.latency_p95_ms, "ms")})`;
+  $("stat-slack").textContent = fmt(stats.slack_s * 1000, "ms");
+  $("stat-fidelity").textContent = `${stats.steps} steps · noise ${Number(stats.noise_scale).toFixed(2)}`;
+  $("stat-dropped").textContent = String(stats.dropped_frames);
+  $("stat-frames").textContent = String(stats.frames_out);
+}
+
+function onMessage(message) {
+  if (message.type === "stats") renderStats(message);
+  else if (message.type === "error") {
+    state.errors.push(message.message);
+    notice(`server: ${message.message}`);
+  } else if (message.type === "closed" && state.status === "live") {
+    setStatus("disconnected");
+  }
+}
+
+function countVideoFrames(video) {
+  const step = () => {
+    state.outputFrames += 1;
+    video.requestVideoFrameCallback(step);
+  };
+  video.requestVideoFrameCallback(step);
+}
+
+function showOutput(kind) {
+  $("output").hidden = kind !== "video";
+  $("output-canvas").hidden = kind !== "canvas";
+}
+
+function snapshot(size = 32) {
+  // Output pixels, downsampled: lets tests (and curious users) compare what is on screen.
+  const source = $("output").hidden ? $("output-canvas") : $("output");
+  const canvas = document.createElement("canvas");
+  canvas.width = size;
+  canvas.height = size;
+  const context = canvas.getContext("2d", { willReadFrequently: true });
+  context.drawImage(source, 0, 0, size, size);
+  return Array.from(context.getImageData(0, 0, size, size).data);
+}
+
+async function start() {
+  $("start").disabled = true;
+  notice("");
+  setStatus("connecting");
+  try {
+    camera = await navigator.mediaDevices.getUserMedia({ video: { width: 640, height: 480 }, audio: false });
+    $("input").srcObject = camera;
+    if (query.get("transport") !== "ws") {
+      try {
+        connection = await connectWebRTC({
+          camera,
+          config,
+          options: options(),
+          iceTimeoutMs: ICE_TIMEOUT_MS,
+          onTrack: (stream) => {
+            $("output").srcObject = stream;
+          },
+          onMessage,
+        });
+        showOutput("video");
+      } catch (error) {
+        if (error.status) throw error; // the server refused the stream: a fallback would be refused too
+        notice(`WebRTC could not connect (${error.message}); switched to the WebSocket fallback.`);
+      }
+    }
+    if (!connection) {
+      connection = await connectWebSocket({
+        cameraVideo: $("input"),
+        config,
+        options: options(),
+        canvas: $("output-canvas"),
+        onFrame: () => {
+          state.outputFrames += 1;
+        },
+        onMessage,
+      });
+      showOutput("canvas");
+    }
+    state.transport = connection.transport;
+    state.streamId = connection.streamId;
+    $("transport").textContent = connection.transport === "webrtc" ? "WebRTC" : "WebSocket fallback";
+    if (connection.streamId) {
+      $("view-link").href = `/view/${connection.streamId}`;
+      $("view-link").hidden = connection.transport !== "webrtc";
+    }
+    setStatus("live");
+    $("stop").disabled = false;
+    $("pause").disabled = false;
+  } catch (error) {
+    notice(`Could not start: ${error.message}`);
+    await stop();
+    setStatus("error");
+  }
+}
+
+async function stop() {
+  if (connection) await connection.close();
+  connection = null;
+  if (camera) camera.getTracks().forEach((track) => track.stop());
+  camera = null;
+  paused = false;
+  $("pause").textContent = "Pause";
+  $("start").disabled = false;
+  $("stop").disabled = true;
+  $("pause").disabled = true;
+  state.transport = null;
+  $("transport").textContent = "";
+  setStatus("idle");
+}
+
+function sendUpdate(fields) {
+  if (connection) connection.send({ type: "update", ...fields });
+}
+
+function buildPresets() {
+  for (const preset of config.presets) {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.textContent = preset;
+    button.addEventListener("click", () => {
+      $("prompt").value = preset;
+      sendUpdate({ prompt: preset, transition_chunks: 2 });
+    });
+    $("presets").append(button);
+  }
+}
+
+async function init() {
+  config = await (await fetch("/api/config")).json();
+  $("prompt").value = config.defaultPrompt;
+  $("prompt").maxLength = config.maxPromptChars;
+  buildPresets();
+  countVideoFrames($("output"));
+  $("prompt-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    sendUpdate({ prompt: options().prompt, transition_chunks: 2 });
+  });
+  for (const id of ["noise", "steps"]) {
+    $(id).addEventListener("input", () => {
+      $(`${id}-value`).textContent = id === "noise" ? Number($(id).value).toFixed(2) : $(id).value;
+    });
+  }
+  $("noise").addEventListener("change", () => sendUpdate({ noise_scale: options().noise_scale }));
+  $("steps").addEventListener("change", () => sendUpdate({ steps: options().steps }));
+  $("seed").addEventListener("change", () => sendUpdate({ seed: options().seed }));
+  $("start").addEventListener("click", start);
+  $("stop").addEventListener("click", stop);
+  $("pause").addEventListener("click", () => {
+    paused = !paused;
+    connection?.send({ type: paused ? "pause" : "resume" });
+    $("pause").textContent = paused ? "Resume" : "Pause";
+  });
+  if (query.get("autostart") === "1") start();
+}
+
+init().catch((error) => notice(`Could not load the server configuration: ${error.message}`));

@@ -1,0 +1,74 @@
+// WebRTC client for the page: camera out, stylized video in, JSON control on a data channel.
+
+function waitForGathering(pc, timeoutMs) {
+  // The server does not take trickled candidates: send the offer once gathering is done.
+  if (pc.iceGatheringState === "complete") return Promise.resolve();
+  return new Promise((resolve) => {
+    const done = () => {
+      if (pc.iceGatheringState !== "complete") return;
+      pc.removeEventListener("icegatheringstatechange", done);
+      resolve();
+    };
+    pc.addEventListener("icegatheringstatechange", done);
+    setTimeout(resolve, timeoutMs);
+  });
+}
+
+function waitForConnection(pc, timeoutMs) {
+  return new Promise((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`ICE did not connect within ${timeoutMs} ms`)), timeoutMs);
+    const check = () => {
+      if (pc.connectionState === "connected") {
+        clearTimeout(timer);
+        resolve();
+      } else if (pc.connectionState === "failed" || pc.connectionState === "closed") {
+        clearTimeout(timer);
+        reject(new Error(`ICE ${pc.connectionState}`));
+      }
+    };
+    pc.addEventListener("connectionstatechange", check);
+    check();
+  });
+}
+
+export async function connectWebRTC({ camera, config, options, onTrack, onMessage, iceTimeoutMs }) {
+  const pc = new RTCPeerConnection({ iceServers: config.iceServers });
+  for (const track of camera.getVideoTracks()) pc.addTransceiver(track, { direction: "sendrecv" });
+  const channel = pc.createDataChannel("control");
+  channel.onmessage = (event) => onMessage(JSON.parse(event.data));
+  pc.ontrack = (event) => onTrack(event.streams[0] || new MediaStream([event.track]));
+
+  let streamId = null;
+  const close = async () => {
+    pc.close();
+    if (streamId) await fetch(`/api/streams/${streamId}`, { method: "DELETE" }).catch(() => {});
+  };
+  try {
+    await pc.setLocalDescription(await pc.createOffer());
+    await waitForGathering(pc, 3000);
+    const response = await fetch("/api/offer", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ sdp: pc.localDescription.sdp, type: "offer", ...options }),
+    });
+    const body = await response.json().catch(() => ({}));
+    if (!response.ok) {
+      const error = new Error(body.detail || `offer refused (${response.status})`);
+      error.status = response.status;
+      throw error;
+    }
+    streamId = body.stream_id;
+    await pc.setRemoteDescription({ type: "answer", sdp: body.sdp });
+    await waitForConnection(pc, iceTimeoutMs);
+  } catch (error) {
+    await close();
+    throw error;
+  }
+  return {
+    transport: "webrtc",
+    streamId,
+    pc,
+    send: (message) => channel.readyState === "open" && channel.send(JSON.stringify(message)),
+    close,
+  };
+}

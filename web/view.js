@@ -1,0 +1,59 @@
+// Bare WHEP viewer (e.g. an OBS Browser Source): plays /whep/<stream-id>, retries until it exists.
+const streamId = decodeURIComponent(window.location.pathname.split("/").filter(Boolean).pop());
+const video = document.getElementById("video");
+const RETRY_MS = 2000;
+const state = { status: "connecting", frames: 0 };
+window.diffcastViewer = state;
+
+function countFrames() {
+  state.frames += 1;
+  video.requestVideoFrameCallback(countFrames);
+}
+video.requestVideoFrameCallback(countFrames);
+
+async function play() {
+  const config = await (await fetch("/api/config")).json();
+  const pc = new RTCPeerConnection({ iceServers: config.iceServers });
+  pc.addTransceiver("video", { direction: "recvonly" });
+  pc.ontrack = (event) => {
+    video.srcObject = event.streams[0] || new MediaStream([event.track]);
+  };
+  await pc.setLocalDescription(await pc.createOffer());
+  await new Promise((resolve) => {
+    if (pc.iceGatheringState === "complete") return resolve();
+    pc.addEventListener("icegatheringstatechange", () => pc.iceGatheringState === "complete" && resolve());
+    setTimeout(resolve, 3000);
+  });
+  const response = await fetch(`/whep/${encodeURIComponent(streamId)}`, {
+    method: "POST",
+    headers: { "Content-Type": "application/sdp" },
+    body: pc.localDescription.sdp,
+  });
+  if (response.status !== 201) {
+    pc.close();
+    throw new Error(`WHEP ${response.status}: ${await response.text()}`);
+  }
+  const location = response.headers.get("Location");
+  await pc.setRemoteDescription({ type: "answer", sdp: await response.text() });
+  state.status = "playing";
+  window.addEventListener("pagehide", () => fetch(location, { method: "DELETE", keepalive: true }));
+  await new Promise((resolve) => {
+    pc.addEventListener("connectionstatechange", () => {
+      if (["failed", "closed", "disconnected"].includes(pc.connectionState)) resolve();
+    });
+  });
+  pc.close();
+  fetch(location, { method: "DELETE" }).catch(() => {});
+}
+
+async function loop() {
+  for (;;) {
+    try {
+      await play();
+    } catch (error) {
+      state.status = `waiting: ${error.message}`;
+    }
+    await new Promise((resolve) => setTimeout(resolve, RETRY_MS));
+  }
+}
+loop();

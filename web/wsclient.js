@@ -1,0 +1,66 @@
+// WebSocket fallback: JPEG frames both ways (binary), control and stats as JSON text.
+
+export function connectWebSocket({ cameraVideo, config, options, canvas, onFrame, onMessage, fps = 20 }) {
+  const url = new URL("/ws", window.location.href);
+  url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
+  for (const [key, value] of Object.entries(options)) {
+    if (value !== undefined && value !== null && value !== "") url.searchParams.set(key, value);
+  }
+  const ws = new WebSocket(url);
+  ws.binaryType = "blob";
+  const grab = document.createElement("canvas");
+  grab.width = config.width;
+  grab.height = config.height;
+  const grabContext = grab.getContext("2d");
+  const drawContext = canvas.getContext("2d");
+  let timer = null;
+  let streamId = null;
+
+  const sendFrame = () => {
+    // Skip a frame rather than queue it: a backlog here would be latency.
+    if (ws.readyState !== WebSocket.OPEN || ws.bufferedAmount > 64 * 1024) return;
+    if (cameraVideo.readyState < 2) return;
+    const w = cameraVideo.videoWidth, h = cameraVideo.videoHeight;
+    const scale = Math.max(grab.width / w, grab.height / h); // centre crop, like the server
+    const sw = grab.width / scale, sh = grab.height / scale;
+    grabContext.drawImage(cameraVideo, (w - sw) / 2, (h - sh) / 2, sw, sh, 0, 0, grab.width, grab.height);
+    grab.toBlob((blob) => blob && ws.readyState === WebSocket.OPEN && ws.send(blob), "image/jpeg", 0.8);
+  };
+
+  const opened = new Promise((resolve, reject) => {
+    ws.onopen = () => {
+      timer = setInterval(sendFrame, 1000 / fps);
+      resolve();
+    };
+    ws.onerror = () => reject(new Error("WebSocket connection failed"));
+  });
+  ws.onmessage = async (event) => {
+    if (typeof event.data === "string") {
+      const message = JSON.parse(event.data);
+      if (message.type === "hello") streamId = message.stream_id;
+      onMessage(message);
+      return;
+    }
+    const bitmap = await createImageBitmap(event.data);
+    if (canvas.width !== bitmap.width) canvas.width = bitmap.width;
+    if (canvas.height !== bitmap.height) canvas.height = bitmap.height;
+    drawContext.drawImage(bitmap, 0, 0);
+    bitmap.close();
+    onFrame();
+  };
+  ws.onclose = (event) => {
+    clearInterval(timer);
+    onMessage({ type: "closed", code: event.code, reason: event.reason });
+  };
+  return opened.then(() => ({
+    transport: "websocket",
+    get streamId() {
+      return streamId;
+    },
+    send: (message) => ws.readyState === WebSocket.OPEN && ws.send(JSON.stringify(message)),
+    close: async () => {
+      clearInterval(timer);
+      ws.close();
+    },
+  }));
+}
