@@ -11,6 +11,7 @@ import io
 
 import pytest
 import torch
+from _dit_fixtures import dit_single_thread  # noqa: F401  (autouse fixture)
 
 from engine.models.wan_dit import CONFIGS, CausalWanDiT, KVCache, PromptCache, WanDiTConfig
 
