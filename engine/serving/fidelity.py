@@ -1,0 +1,235 @@
+"""Fidelity configurations, latency/quality profiles, and the Pareto frontier.
+
+A *fidelity configuration* is one setting of every speed/quality knob the engine offers for one chunk.
+A *profile* maps configurations to their measured (or, until the profiler runs, derived) per-chunk
+latency and quality. The policy only ever reads profiles; the engine's profiler writes them.
+
+File format (JSON, ``format = "diffcast-fidelity-profile/1"``)::
+
+    {"format": "diffcast-fidelity-profile/1", "model": "...", "device": "H100-80GB",
+     "resolution": [832, 480], "chunk_latent_frames": 3, "chunk_pixel_frames": 12,
+     "first_chunk_pixel_frames": 9, "fps": 16.0, "source": "derived: ...",
+     "points": [{"config": {"steps": 4, ...}, "latency_s": 0.857, "first_chunk_latency_s": 0.74,
+                 "quality": 84.0, "state_bytes": 6.0e9, "source": "derived"}, ...]}
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROFILE_FORMAT = "diffcast-fidelity-profile/1"
+PRECISIONS = ("fp32", "bf16", "fp8")
+
+
+@dataclass(frozen=True, slots=True)
+class FidelityConfig:
+    """Every per-chunk knob the engine exposes; all can change at a chunk boundary.
+
+    ``kv_window_frames`` counts latent frames kept in the rolling KV cache (sink frames included);
+    ``precision`` is the attention compute precision (fp8 = SageAttention-style online quantisation,
+    weights stay bf16 so switching needs no reload); ``attention_sparsity`` is the fraction of
+    attention blocks skipped; ``stream_batch`` is how many streams share one forward.
+    """
+
+    steps: int = 4
+    kv_window_frames: int = 21
+    resolution_scale: float = 1.0
+    precision: str = "bf16"
+    attention_sparsity: float = 0.0
+    stream_batch: int = 1
+    gpus: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.steps <= 4:
+            raise ValueError(f"steps must be in 1..4, got {self.steps}")
+        if self.kv_window_frames < 1:
+            raise ValueError(f"kv_window_frames must be >= 1, got {self.kv_window_frames}")
+        if not 0.0 < self.resolution_scale <= 1.0:
+            raise ValueError(f"resolution_scale must be in (0, 1], got {self.resolution_scale}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not 0.0 <= self.attention_sparsity < 1.0:
+            raise ValueError(f"attention_sparsity must be in [0, 1), got {self.attention_sparsity}")
+        if self.stream_batch < 1:
+            raise ValueError(f"stream_batch must be >= 1, got {self.stream_batch}")
+        if self.gpus < 1:
+            raise ValueError(f"gpus must be >= 1, got {self.gpus}")
+
+    def label(self) -> str:
+        return (
+            f"S{self.steps}/W{self.kv_window_frames}/x{self.resolution_scale:g}/{self.precision}"
+            f"/sp{self.attention_sparsity:g}/b{self.stream_batch}" + (f"/g{self.gpus}" if self.gpus > 1 else "")
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilePoint:
+    """One profiled configuration: seconds per chunk (whole stream batch), quality score, state size."""
+
+    config: FidelityConfig
+    latency_s: float
+    first_chunk_latency_s: float
+    quality: float
+    state_bytes: float
+    source: str = "measured"
+
+    def __post_init__(self) -> None:
+        if self.latency_s <= 0 or self.first_chunk_latency_s <= 0:
+            raise ValueError(f"latencies must be positive, got {self.latency_s}, {self.first_chunk_latency_s}")
+        if self.state_bytes < 0:
+            raise ValueError(f"state_bytes must be >= 0, got {self.state_bytes}")
+
+
+@dataclass(frozen=True)
+class FidelityProfile:
+    """All profiled configurations of one model on one device at one base resolution."""
+
+    model: str
+    device: str
+    resolution: tuple[int, int]
+    chunk_latent_frames: int
+    chunk_pixel_frames: int
+    first_chunk_pixel_frames: int
+    fps: float
+    points: tuple[ProfilePoint, ...]
+    source: str = ""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError("a profile needs at least one point")
+
+    @property
+    def chunk_duration_s(self) -> float:
+        return self.chunk_pixel_frames / self.fps
+
+    @property
+    def first_chunk_duration_s(self) -> float:
+        return self.first_chunk_pixel_frames / self.fps
+
+    def per_stream(self) -> tuple[ProfilePoint, ...]:
+        """Single-stream, single-GPU points: the configurations a per-stream router chooses among."""
+        return tuple(p for p in self.points if p.config.stream_batch == 1 and p.config.gpus == 1)
+
+    def reference(self) -> ProfilePoint:
+        """The highest-quality single-stream point (ties: fastest): the static-fidelity default."""
+        return max(self.per_stream(), key=lambda p: (p.quality, -p.latency_s))
+
+    def find(self, config: FidelityConfig) -> ProfilePoint:
+        for p in self.points:
+            if p.config == config:
+                return p
+        raise KeyError(f"configuration {config.label()} is not in profile {self.model}/{self.device}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": PROFILE_FORMAT,
+            "model": self.model,
+            "device": self.device,
+            "resolution": list(self.resolution),
+            "chunk_latent_frames": self.chunk_latent_frames,
+            "chunk_pixel_frames": self.chunk_pixel_frames,
+            "first_chunk_pixel_frames": self.first_chunk_pixel_frames,
+            "fps": self.fps,
+            "source": self.source,
+            "notes": list(self.notes),
+            "points": [
+                {
+                    "config": asdict(p.config),
+                    "latency_s": round(p.latency_s, 6),
+                    "first_chunk_latency_s": round(p.first_chunk_latency_s, 6),
+                    "quality": round(p.quality, 4),
+                    "state_bytes": float(p.state_bytes),
+                    "source": p.source,
+                }
+                for p in self.points
+            ],
+        }
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def _require(obj: dict[str, Any], key: str, where: str) -> Any:
+    if key not in obj:
+        raise ValueError(f"{where}: missing required key {key!r}")
+    return obj[key]
+
+
+def profile_from_json(data: dict[str, Any], where: str = "profile") -> FidelityProfile:
+    """Parse a profile document; every error names the offending field and point index."""
+    fmt = _require(data, "format", where)
+    if fmt != PROFILE_FORMAT:
+        raise ValueError(f"{where}: unsupported format {fmt!r}, expected {PROFILE_FORMAT!r}")
+    points: list[ProfilePoint] = []
+    for i, raw in enumerate(_require(data, "points", where)):
+        at = f"{where}: points[{i}]"
+        cfg_raw = _require(raw, "config", at)
+        unknown = set(cfg_raw) - set(FidelityConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{at}: unknown config knobs {sorted(unknown)}")
+        try:
+            config = FidelityConfig(**cfg_raw)
+            latency = float(_require(raw, "latency_s", at))
+            points.append(
+                ProfilePoint(
+                    config=config,
+                    latency_s=latency,
+                    first_chunk_latency_s=float(raw.get("first_chunk_latency_s", latency)),
+                    quality=float(_require(raw, "quality", at)),
+                    state_bytes=float(raw.get("state_bytes", 0.0)),
+                    source=str(raw.get("source", "measured")),
+                )
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{at}: {exc}") from exc
+    res = _require(data, "resolution", where)
+    return FidelityProfile(
+        model=str(_require(data, "model", where)),
+        device=str(_require(data, "device", where)),
+        resolution=(int(res[0]), int(res[1])),
+        chunk_latent_frames=int(_require(data, "chunk_latent_frames", where)),
+        chunk_pixel_frames=int(_require(data, "chunk_pixel_frames", where)),
+        first_chunk_pixel_frames=int(_require(data, "first_chunk_pixel_frames", where)),
+        fps=float(_require(data, "fps", where)),
+        points=tuple(points),
+        source=str(data.get("source", "")),
+        notes=tuple(data.get("notes", ())),
+    )
+
+
+def load_profile(path: str | Path) -> FidelityProfile:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{p}: not valid JSON ({exc})") from exc
+    return profile_from_json(data, where=str(p))
+
+
+def pareto_frontier(points: Iterable[ProfilePoint]) -> tuple[ProfilePoint, ...]:
+    """Non-dominated points, sorted by latency ascending (so quality ascends too).
+
+    j dominates i when L_j <= L_i and Q_j >= Q_i with at least one strict. Exact duplicates in
+    (L, Q) do not dominate each other; the first one seen is kept.
+    """
+    ordered = sorted(points, key=lambda p: (p.latency_s, -p.quality))
+    frontier: list[ProfilePoint] = []
+    best_q = float("-inf")
+    for p in ordered:
+        if p.quality > best_q:
+            frontier.append(p)
+            best_q = p.quality
+    return tuple(frontier)
+
+
+def quality_floor(points: Sequence[ProfilePoint]) -> float:
+    """SlackServe's global floor: the median quality over ALL candidate configurations."""
+    if not points:
+        raise ValueError("quality_floor needs at least one point")
+    return float(statistics.median(p.quality for p in points))

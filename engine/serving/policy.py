@@ -1,0 +1,315 @@
+"""The playout-slack serving policy and its baselines, behind one pure interface.
+
+``SlackPolicy`` has three entry points, all pure functions of their arguments:
+
+* ``admit(request, snapshot)`` on stream arrival: initial slack, home worker, or a rejection reason;
+* ``dispatch(now, worker, streams)`` at a worker's step or chunk boundary: which stream(s) run next with
+  which fidelity point, whether the running stream is preempted, which states to evict/restore;
+* ``tick(snapshot)`` every control interval: fidelity, credits, tiers, per-worker queues, re-homes,
+  and (when configured) the autoscaler's desired worker count.
+
+The baselines are the same class with mechanisms switched off (``PolicyConfig``), so the simulator
+runs every policy through identical executor code and only the decisions differ.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+import numpy as np
+
+from engine.serving.autoscale import AutoscaleConfig, desired_worker_count
+from engine.serving.bmpr import BMPR
+from engine.serving.credit import Tier, TierThresholds, classify, classify_many
+from engine.serving.fidelity import FidelityProfile, ProfilePoint
+from engine.serving.rehoming import ClusterArrays, RehomingConfig, plan_rehomes
+from engine.serving.snapshot import (
+    Admission,
+    AdmissionRequest,
+    Dispatch,
+    Snapshot,
+    StreamView,
+    TickPlan,
+    WorkerView,
+)
+from engine.serving.transfer import TransferModel
+
+
+class Ordering(Enum):
+    TIER_CREDIT = "tier-credit"  # ours: three-tier queue, lowest credit first within a tier
+    LEAST_SLACK = "least-slack"  # TridentServe-chunk: per-chunk slack (credit), no tiers
+    STREAM_DEADLINE = "stream-deadline"  # TridentServe: per-stream completion deadline first
+    FIFO = "fifo"  # StreamDiffusionV2: arrival order, stream batching
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    name: str = "slackserve"
+    ordering: Ordering = Ordering.TIER_CREDIT
+    bmpr: bool = True
+    step_preemption: bool = True
+    rehoming: bool = True
+    credit_eviction: bool = True
+    admission_control: bool = True
+    max_batch: int = 1
+    gpus_per_worker: int = 1
+    initial_slack_mult: float = 4.0
+    thresholds: TierThresholds = field(default_factory=TierThresholds)
+    rehome: RehomingConfig = field(default_factory=RehomingConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_batch > 1 and self.ordering is not Ordering.FIFO:
+            raise ValueError("stream batching is only modelled for FIFO ordering")
+
+
+def policy_presets() -> dict[str, PolicyConfig]:
+    """Baselines, our policy, and the ablation ladder (mechanisms added in control-plane order)."""
+    base = PolicyConfig(bmpr=False, rehoming=False, credit_eviction=False, admission_control=False)
+    credit_only = replace(base, name="credit-only")
+    return {
+        "fifo-batch": replace(base, name="fifo-batch", ordering=Ordering.FIFO, step_preemption=False, max_batch=4,
+                              gpus_per_worker=4),
+        "ts-deadline": replace(base, name="ts-deadline", ordering=Ordering.STREAM_DEADLINE, step_preemption=False),
+        "ts-chunk-lsf": replace(base, name="ts-chunk-lsf", ordering=Ordering.LEAST_SLACK, step_preemption=False),
+        "credit-only": credit_only,
+        "+bmpr": replace(credit_only, name="+bmpr", bmpr=True),
+        "+rehoming": replace(credit_only, name="+rehoming", bmpr=True, rehoming=True),
+        "slackserve": PolicyConfig(name="slackserve"),
+    }
+
+
+BASELINES = ("fifo-batch", "ts-deadline", "ts-chunk-lsf")
+ABLATION_LADDER = ("credit-only", "+bmpr", "+rehoming", "slackserve")
+
+
+@dataclass(frozen=True, slots=True)
+class _Scored:
+    view: StreamView
+    point: ProfilePoint  # config of the next (or in-flight) chunk
+    credit: float
+    tier: Tier
+    key: tuple[float, ...]
+
+
+class SlackPolicy:
+    def __init__(
+        self,
+        profile: FidelityProfile,
+        config: PolicyConfig | None = None,
+        transfer: TransferModel | None = None,
+        autoscale: AutoscaleConfig | None = None,
+    ) -> None:
+        self.profile = profile
+        self.config = config = config if config is not None else PolicyConfig()
+        self.transfer = transfer if transfer is not None else TransferModel()
+        self.autoscale = autoscale
+        self.router = BMPR(profile.per_stream())
+        self.reference = profile.reference()
+        self._batch_points = {
+            b: profile.find(replace(self.reference.config, stream_batch=b, gpus=config.gpus_per_worker))
+            for b in range(1, config.max_batch + 1)
+        }
+        self.static_point = self._batch_points[1]
+        # Policy-independent playout contract: every policy promises the same first-chunk deadline.
+        self.initial_slack_s = config.initial_slack_mult * self.reference.first_chunk_latency_s
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    # ---- per-stream scoring -------------------------------------------------------------------
+    def next_point(self, slack_s: float, inflight_remaining_s: float) -> ProfilePoint:
+        if not self.config.bmpr:
+            return self.static_point
+        budget = self.router.budget(slack_s, inflight_remaining_s, self.config.thresholds.urgent_mult)
+        return self.router.route(budget).point
+
+    def _score(self, v: StreamView) -> _Scored:
+        point = v.inflight_point if v.inflight_point is not None else self.next_point(v.slack_s, 0.0)
+        if v.inflight_point is not None:
+            # Credit looks one chunk past the one in flight: that next chunk gets BMPR's choice.
+            t_next = self.next_point(v.slack_s, v.inflight_remaining_s).latency_s
+            credit = v.slack_s - (v.inflight_remaining_s + t_next)
+        else:
+            t_next = point.first_chunk_latency_s if v.first_chunk else point.latency_s
+            credit = v.slack_s - t_next
+        tier = classify(credit, t_next, self.config.thresholds)
+        order = self.config.ordering
+        if order is Ordering.TIER_CREDIT:
+            key: tuple[float, ...] = (float(tier), credit, v.arrival_t)
+        elif order is Ordering.LEAST_SLACK:
+            key = (credit, v.arrival_t)
+        elif order is Ordering.STREAM_DEADLINE:
+            key = (v.slack_s + v.remaining_content_s, v.arrival_t)
+        else:
+            key = (v.arrival_t,)
+        return _Scored(v, point, credit, tier, key)
+
+    # ---- admission ----------------------------------------------------------------------------
+    def admit(self, req: AdmissionRequest, snap: Snapshot) -> Admission:
+        s0 = self.initial_slack_s
+        live = [w for w in snap.workers if not w.draining]
+        if not live:
+            return Admission(req.stream_id, False, None, s0, "no live workers to host the stream")
+        by_worker: dict[int, list[StreamView]] = {w.worker_id: [] for w in live}
+        for v in snap.streams:
+            if v.worker_id in by_worker:
+                by_worker[v.worker_id].append(v)
+        newcomer = StreamView(req.stream_id, -1, s0, arrival_t=req.now, remaining_content_s=req.content_s,
+                              first_chunk=True)
+        new_scored = self._score(newcomer)
+        fastest_first = self.router.frontier[self.router.fastest_ok].first_chunk_latency_s
+        first_time = fastest_first if self.config.bmpr else new_scored.view.slack_s - new_scored.credit
+
+        def wait(w: WorkerView) -> float:
+            ahead = 0.0
+            for v in by_worker[w.worker_id]:
+                sc = self._score(v)
+                if v.running or (v.runnable and sc.key < new_scored.key):
+                    ahead += v.inflight_remaining_s if v.inflight_point is not None else sc.point.latency_s
+            return ahead
+
+        home = min(live, key=lambda w: (len(by_worker[w.worker_id]), wait(w), w.worker_id))
+        if self.config.admission_control:
+            est = wait(home) + first_time
+            if est > s0:
+                return Admission(
+                    req.stream_id, False, None, s0,
+                    f"first chunk would be ready in ~{est:.2f}s on the least-loaded worker {home.worker_id} "
+                    f"({len(by_worker[home.worker_id])} streams) but the initial slack is {s0:.2f}s",
+                )
+        return Admission(req.stream_id, True, home.worker_id, s0)
+
+    # ---- boundary dispatch --------------------------------------------------------------------
+    def dispatch(
+        self, now: float, worker: WorkerView, streams: Sequence[StreamView], step_boundary: bool = False
+    ) -> Dispatch:
+        """``streams``: every stream homed on ``worker``. ``step_boundary``: a chunk is mid-flight
+        (the stream with ``running=True``) and has steps left; otherwise this is a chunk boundary."""
+        scored = [self._score(v) for v in streams if v.runnable]
+        if not scored:
+            return Dispatch(worker.worker_id, (), None)
+        scored.sort(key=lambda s: s.key)
+        best = scored[0]
+        in_flight = tuple(s for s in scored if s.view.running)
+        if in_flight:
+            running = in_flight[0]
+            may_preempt = (
+                self.config.step_preemption
+                and step_boundary
+                and len(in_flight) == 1
+                and self.config.ordering is Ordering.TIER_CREDIT
+                and best.tier < running.tier
+            )
+            if not may_preempt:
+                return Dispatch(worker.worker_id, tuple(s.view.stream_id for s in in_flight), running.point)
+        if self.config.max_batch > 1:
+            chosen = [s for s in scored if s.view.inflight_point is None][: self.config.max_batch] or [best]
+            point = self._batch_points[len(chosen)] if chosen[0].view.inflight_point is None else chosen[0].point
+        else:
+            chosen = [best]
+            point = best.point
+        chosen_ids = {s.view.stream_id for s in chosen}
+        restore = tuple(s.view.stream_id for s in chosen if not s.view.resident)
+        evict = self._evictions(worker, scored, streams, chosen_ids, len(restore))
+        return Dispatch(
+            worker.worker_id,
+            tuple(s.view.stream_id for s in chosen),
+            point,
+            preempt=bool(in_flight),
+            evict=evict,
+            restore=restore,
+        )
+
+    def _evictions(
+        self,
+        worker: WorkerView,
+        scored: Sequence[_Scored],
+        streams: Sequence[StreamView],
+        chosen: set[int],
+        incoming: int,
+    ) -> tuple[int, ...]:
+        resident = [v for v in streams if v.resident]
+        overflow = len(resident) + incoming - worker.state_slots
+        if overflow <= 0:
+            return ()
+        credit = {s.view.stream_id: s.credit for s in scored}
+        victims = [v for v in resident if v.stream_id not in chosen and not v.running]
+        if self.config.credit_eviction:
+            # Highest credit first: the stream least likely to stall while it is away. Streams that
+            # cannot run now (paused at a cap, transferring) have unbounded credit for this purpose.
+            victims.sort(key=lambda v: -credit.get(v.stream_id, math.inf))
+        else:
+            victims.sort(key=lambda v: v.last_run_at)  # LRU
+        return tuple(v.stream_id for v in victims[:overflow])
+
+    # ---- control tick -------------------------------------------------------------------------
+    def tick(self, snap: Snapshot) -> TickPlan:
+        streams = snap.streams
+        n = len(streams)
+        ids = np.fromiter((v.stream_id for v in streams), np.int64, n)
+        slack = np.fromiter((v.slack_s for v in streams), np.float64, n)
+        rem = np.fromiter((v.inflight_remaining_s for v in streams), np.float64, n)
+        first = np.fromiter((v.first_chunk for v in streams), np.bool_, n)
+        wids = np.fromiter((v.worker_id for v in streams), np.int64, n)
+        if self.config.bmpr:
+            budgets = (slack - rem) / (1.0 + self.config.thresholds.urgent_mult)
+            idx = self.router.route_many(budgets)
+            lat = np.where(first, self.router.first_latencies[idx], self.router.latencies[idx])
+            frontier = self.router.frontier
+            fidelity: Sequence[ProfilePoint] = [frontier[i] for i in idx.tolist()]
+        else:
+            ref = self.static_point
+            lat = np.where(first, ref.first_chunk_latency_s, ref.latency_s)
+            fidelity = [ref] * n
+        credits = slack - (rem + lat)
+        tiers = classify_many(credits, lat, self.config.thresholds)
+
+        worker_ids = np.array([w.worker_id for w in snap.workers], dtype=np.int64)
+        pos = {w: i for i, w in enumerate(worker_ids.tolist())}
+        widx = np.fromiter((pos[w] for w in wids.tolist()), np.int64, n)
+        nw = len(worker_ids)
+        order = np.lexsort((credits, tiers, widx))
+        bounds = np.searchsorted(widx[order], np.arange(nw + 1))
+        sorted_ids = ids[order].tolist()
+        queues = {int(worker_ids[i]): tuple(sorted_ids[bounds[i] : bounds[i + 1]]) for i in range(nw)}
+        total = np.bincount(widx, minlength=nw)
+        most_urgent = np.full(nw, 3, dtype=np.int64)
+        np.minimum.at(most_urgent, widx, tiers.astype(np.int64))
+        worker_tiers = {int(worker_ids[i]): (Tier(int(most_urgent[i])) if total[i] else None) for i in range(nw)}
+
+        rehomes: tuple = ()
+        if self.config.rehoming and n:
+            arrays = ClusterArrays(
+                stream_ids=ids,
+                stream_worker=widx,
+                tiers=tiers,
+                credits=credits,
+                last_rehomed_at=np.fromiter((v.last_rehomed_at for v in streams), np.float64, n),
+                state_bytes=np.fromiter((v.state_bytes for v in streams), np.float64, n),
+                worker_ids=worker_ids,
+                worker_node=np.array([w.node_id for w in snap.workers], dtype=np.int64),
+                worker_slots=np.array([w.state_slots for w in snap.workers], dtype=np.int64),
+                worker_draining=np.array([w.draining for w in snap.workers], dtype=np.bool_),
+            )
+            rehomes = plan_rehomes(arrays, snap.now, self.config.rehome, self.transfer)
+        desired = None
+        if self.autoscale is not None:
+            live = sum(1 for w in snap.workers if not w.draining)
+            desired, _ = desired_worker_count(n, live, self.autoscale)
+        return TickPlan(
+            now=snap.now,
+            stream_ids=ids,
+            fidelity=fidelity,
+            credits=credits,
+            tiers=tiers,
+            queues=queues,
+            worker_tiers=worker_tiers,
+            rehomes=rehomes,
+            desired_workers=desired,
+        )
