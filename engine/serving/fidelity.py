@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 PROFILE_FORMAT = "diffcast-fidelity-profile/1"
+BUNDLED_PROFILES = Path(__file__).parent / "profiles"
 PRECISIONS = ("fp32", "bf16", "fp8")
 
 
@@ -233,3 +234,12 @@ def quality_floor(points: Sequence[ProfilePoint]) -> float:
     if not points:
         raise ValueError("quality_floor needs at least one point")
     return float(statistics.median(p.quality for p in points))
+
+
+def bundled_profile(name: str = "wan2.1-1.3b_h100_480p") -> FidelityProfile:
+    """A profile shipped with the package (``engine/serving/profiles/<name>.json``)."""
+    path = BUNDLED_PROFILES / f"{name}.json"
+    if not path.exists():
+        have = sorted(p.stem for p in BUNDLED_PROFILES.glob("*.json"))
+        raise FileNotFoundError(f"no bundled profile {name!r}; available: {have}")
+    return load_profile(path)

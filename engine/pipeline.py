@@ -1,0 +1,350 @@
+"""The public Python API of the engine: load a model, open a stream, process chunks, reset.
+
+    from engine.pipeline import Pipeline, StreamParams
+
+    pipe = Pipeline.load()                        # the embedded default model (or a path, or "tiny-random")
+    stream = pipe.open_stream(StreamParams(prompt="oil painting", steps=2, noise_scale=0.8, seed=0))
+    out = stream.process(frames)                  # uint8 [T, H, W, 3] RGB -> uint8 [T, h, w, 3] RGB
+    stream.update(prompt="pencil sketch", transition_chunks=2)   # no restart
+    stream.reset()
+
+``frames`` holds ``pipe.first_chunk_frames`` frames on a stream's first call and
+``pipe.chunk_frames`` frames after that. Frames of any size are resized to the stream's size
+(``StreamParams.size``, default ``pipe.default_size``); outputs come back at that size.
+This module is a stable contract: the service, the CLI and outside checks call it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.models.wan_dit import CONFIGS, CausalWanDiT, WanDiTConfig
+from engine.sampling import STREAMDIFFUSION_V2, SamplerPreset
+from engine.serving.fidelity import FidelityConfig
+from engine.streaming.config import RuntimeConfig
+from engine.streaming.noise import NoiseControllerConfig
+from engine.streaming.prompts import BlendMode
+from engine.streaming.runtime import ChunkResult, PromptEncoder, StreamRuntime
+from engine.streaming.state import StreamState
+from engine.vae import StreamVAE
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+DEFAULT_MODEL = WEIGHTS_DIR / "default.safetensors"
+MAX_PROMPT_CHARS = 1000
+
+
+class ModelNotAvailableError(RuntimeError):
+    """The requested model cannot be loaded (missing files, not trained yet, ...)."""
+
+
+@dataclass(frozen=True)
+class StreamParams:
+    prompt: str | tuple[str, ...]
+    noise_scale: float = 0.8
+    steps: int = 2
+    seed: int = 0
+    prompt_weights: tuple[float, ...] | None = None
+    blend_mode: BlendMode = "linear"
+    size: tuple[int, int] | None = None  # (width, height); None = the model's default size
+    kv_window_frames: int | None = None
+    resolution_scale: float = 1.0
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        prompts = (self.prompt,) if isinstance(self.prompt, str) else self.prompt
+        if not prompts or any(not p.strip() for p in prompts):
+            raise ValueError("prompt must be non-empty")
+        too_long = [len(p) for p in prompts if len(p) > MAX_PROMPT_CHARS]
+        if too_long:
+            raise ValueError(f"prompt is {max(too_long)} characters; the limit is {MAX_PROMPT_CHARS}")
+        if self.prompt_weights is not None and len(self.prompt_weights) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(self.prompt_weights)} prompt weights")
+        if not 0.1 < self.noise_scale <= 1.0:
+            raise ValueError(f"noise_scale must be in (0.1, 1.0], got {self.noise_scale}")
+
+    @property
+    def prompts(self) -> tuple[str, ...]:
+        return (self.prompt,) if isinstance(self.prompt, str) else tuple(self.prompt)
+
+    def with_(self, **changes: Any) -> StreamParams:
+        return replace(self, **changes)
+
+
+class Pipeline:
+    """A loaded model (DiT + stream VAE + text encoder + sampler recipe) that serves streams."""
+
+    def __init__(
+        self,
+        dit: CausalWanDiT,
+        vae: StreamVAE,
+        text_encoder: object,
+        preset: SamplerPreset,
+        runtime: RuntimeConfig,
+        default_size: tuple[int, int],
+        name: str,
+        styles: Any = None,
+    ) -> None:
+        self.name = name
+        self.default_size = default_size
+        self.styles = styles
+        self.runtime = StreamRuntime(dit, vae, PromptEncoder(text_encoder), preset, runtime)
+        self.first_chunk_frames = 1
+        self.chunk_frames = vae.temporal_compression * runtime.chunk_latent_frames
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, model: str | Path | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Pipeline:
+        """``None``: the embedded default; ``"tiny-random"``: a tiny random-weight model (tests);
+        a ``.safetensors`` file with a ``.json`` beside it (diffcast format); or a model directory
+        with a ``diffcast.json`` manifest pointing at real Wan/CausVid/StreamDiffusionV2 files."""
+        if model is None or str(model) == "default":
+            if not DEFAULT_MODEL.is_file():
+                raise ModelNotAvailableError(
+                    f"the embedded default model is not available ({DEFAULT_MODEL} is missing); "
+                    "train it with `diffcast train-default`, or pass --model PATH (or 'tiny-random' for a "
+                    "random-weight test model that produces noise-like output)"
+                )
+            return _load_diffcast_file(DEFAULT_MODEL, device, dtype)
+        if str(model) == "tiny-random":
+            return _tiny_random(device, dtype)
+        path = Path(model)
+        if path.is_file() and path.suffix == ".safetensors" and path.with_suffix(".json").is_file():
+            return _load_diffcast_file(path, device, dtype)
+        if path.is_dir() and (path / "diffcast.json").is_file():
+            return _load_manifest(path, device, dtype)
+        raise ModelNotAvailableError(
+            f"cannot load model {model!r}: expected 'default', 'tiny-random', a diffcast .safetensors file "
+            "with its .json beside it, or a directory with a diffcast.json manifest (see docs/api.md)"
+        )
+
+    # -- streams ----------------------------------------------------------------------------------
+
+    def fidelity_for(self, params: StreamParams) -> FidelityConfig:
+        return FidelityConfig(
+            steps=params.steps,
+            kv_window_frames=params.kv_window_frames or self.runtime.config.kv_window_frames,
+            resolution_scale=params.resolution_scale,
+            precision=params.precision,
+        )
+
+    def open_stream(self, params: StreamParams, stream_id: str | None = None) -> Stream:
+        return Stream(self, params, stream_id or uuid.uuid4().hex)
+
+
+class Stream:
+    """One live stream: feed chunks of frames, get stylised chunks back."""
+
+    def __init__(self, pipe: Pipeline, params: StreamParams, stream_id: str) -> None:
+        self.pipe = pipe
+        self.id = stream_id
+        self.params = params
+        self.state = self._open(params)
+        self.last: ChunkResult | None = None
+
+    def _open(self, params: StreamParams) -> StreamState:
+        return self.pipe.runtime.open(
+            self.id,
+            list(params.prompts),
+            params.size or self.pipe.default_size,
+            self.pipe.fidelity_for(params),
+            seed=params.seed,
+            weights=params.prompt_weights,
+            blend_mode=params.blend_mode,
+            noise_scale=params.noise_scale,
+        )
+
+    @property
+    def expected_frames(self) -> int:
+        return self.pipe.chunk_frames if self.state.chunks else self.pipe.first_chunk_frames
+
+    def process(self, frames: np.ndarray) -> np.ndarray:
+        """V2V: uint8 RGB frames [T, H, W, 3] -> stylised uint8 RGB frames [T, h, w, 3]."""
+        chunk = frames_to_tensor(frames, self.expected_frames)
+        self.last = self.pipe.runtime.step(self.state, chunk)
+        return tensor_to_frames(self.last.frames)
+
+    def generate(self) -> np.ndarray:
+        """T2V: the next chunk of a text-to-video stream (no input)."""
+        self.last = self.pipe.runtime.generate(self.state)
+        return tensor_to_frames(self.last.frames)
+
+    def update(
+        self,
+        prompt: str | tuple[str, ...] | list[str] | None = None,
+        prompt_weights: tuple[float, ...] | list[float] | None = None,
+        blend_mode: BlendMode | None = None,
+        transition_chunks: int = 0,
+        refresh_sinks: bool = False,
+        noise_scale: float | None = None,
+        steps: int | None = None,
+        seed: int | None = None,
+        kv_window_frames: int | None = None,
+        precision: str | None = None,
+    ) -> None:
+        """Change controls; everything takes effect at the next chunk boundary, without a restart."""
+        changes: dict[str, Any] = {}
+        if prompt is not None:
+            changes["prompt"] = prompt if isinstance(prompt, str) else tuple(prompt)
+            changes["prompt_weights"] = tuple(prompt_weights) if prompt_weights is not None else None
+        elif prompt_weights is not None:
+            changes["prompt_weights"] = tuple(prompt_weights)
+        if blend_mode is not None:
+            changes["blend_mode"] = blend_mode
+        for key, value in (("noise_scale", noise_scale), ("steps", steps), ("seed", seed),
+                           ("kv_window_frames", kv_window_frames), ("precision", precision)):
+            if value is not None:
+                changes[key] = value
+        new = self.params.with_(**changes)  # validates
+        runtime = self.pipe.runtime
+        fidelity = self.pipe.fidelity_for(new)
+        runtime.check_fidelity(fidelity)
+        if "prompt" in changes or "prompt_weights" in changes or "blend_mode" in changes:
+            runtime.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
+                               transition_chunks=transition_chunks, refresh_sinks=refresh_sinks)
+        runtime.set_fidelity(self.state, fidelity)
+        self.state.noise_scale = new.noise_scale
+        if seed is not None and seed != self.params.seed:
+            from engine.sampling import NoiseSource
+
+            self.state.noise = NoiseSource(seed)
+        self.params = new
+
+    def reset(self) -> None:
+        """Start over (fresh caches and noise) with the current controls."""
+        self.state = self._open(self.params)
+        self.last = None
+
+    def stats(self) -> dict[str, Any]:
+        s = self.state
+        return {
+            "chunks": s.chunks,
+            "frame": s.frame,
+            "rope_frame": s.rope_frame,
+            "noise_rate": s.last_noise_rate,
+            "sink_refreshes": s.sink_refreshes,
+            "rope_resets": s.rope_resets,
+            "steps": s.fidelity.steps,
+            "fidelity": s.fidelity.label(),
+        }
+
+
+def frames_to_tensor(frames: np.ndarray, expected: int | None = None) -> torch.Tensor:
+    """uint8 [T, H, W, 3] -> float [3, T, H, W] in [-1, 1], with clear errors for odd input."""
+    if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8:
+        raise ValueError(f"frames must be a uint8 numpy array, got {type(frames).__name__} {getattr(frames, 'dtype', '')}")
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"frames must be [T, H, W, 3] RGB, got shape {frames.shape}")
+    if expected is not None and frames.shape[0] != expected:
+        raise ValueError(f"this chunk needs {expected} frames, got {frames.shape[0]}")
+    return torch.from_numpy(np.ascontiguousarray(frames)).permute(3, 0, 1, 2).float().div(127.5).sub(1.0)
+
+
+def tensor_to_frames(frames: torch.Tensor) -> np.ndarray:
+    """float [3, T, H, W] in [-1, 1] -> uint8 [T, H, W, 3]."""
+    out = frames.detach().float().clamp(-1, 1).add(1.0).mul(127.5).round().to(torch.uint8)
+    return out.permute(1, 2, 3, 0).cpu().numpy()
+
+
+# -- loaders ------------------------------------------------------------------------------------------
+
+
+def _tiny_random(device: str, dtype: torch.dtype) -> Pipeline:
+    from engine.models.wan_vae import WanVAE, WanVAEConfig
+    from engine.text import load_text_encoder
+
+    torch.manual_seed(0)
+    dit = CausalWanDiT(CONFIGS["tiny"]).to(device=device, dtype=dtype).eval()
+    vae = WanVAE(WanVAEConfig.tiny()).to(device=device, dtype=dtype).eval()
+    text = load_text_encoder("minilm", device=device)
+    runtime = RuntimeConfig()
+    return Pipeline(dit, vae, text, STREAMDIFFUSION_V2, runtime, (128, 128), "tiny-random")
+
+
+def _runtime_from_json(data: dict[str, Any]) -> RuntimeConfig:
+    data = dict(data)
+    noise = NoiseControllerConfig(**data.pop("noise", {}))
+    return RuntimeConfig(noise=noise, **data)
+
+
+def _load_diffcast_file(path: Path, device: str, dtype: torch.dtype) -> Pipeline:
+    """One safetensors file (keys ``dit.*``, ``vae.*``) plus a JSON config beside it."""
+    from safetensors.torch import load_file
+
+    from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
+    from engine.text import load_text_encoder
+
+    config = json.loads(path.with_suffix(".json").read_text())
+    try:
+        dit_fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in config["dit"].items()}
+        dit_cfg = WanDiTConfig(**dit_fields)
+        vae_cfg = TinyVAEConfig.from_dict(config["vae"])
+    except (KeyError, TypeError) as exc:
+        raise ModelNotAvailableError(f"{path.with_suffix('.json')} is not a diffcast model config: {exc}") from exc
+    state = load_file(str(path))
+    dit_state = {k[4:]: v for k, v in state.items() if k.startswith("dit.")}
+    vae_state = {k[4:]: v for k, v in state.items() if k.startswith("vae.")}
+    dit = CausalWanDiT(dit_cfg)
+    vae = TinyVAE(vae_cfg)
+    for name, module, sd in (("dit", dit, dit_state), ("vae", vae, vae_state)):
+        result = module.load_state_dict(sd, strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise ModelNotAvailableError(
+                f"{path}: {name} weights do not match its config: missing {result.missing_keys[:10]}, "
+                f"unexpected {result.unexpected_keys[:10]}"
+            )
+    dit = dit.to(device=device, dtype=dtype).eval()
+    vae = vae.to(device=device, dtype=dtype).eval()
+    sampler = config.get("sampler", {})
+    preset = STREAMDIFFUSION_V2
+    if "steps" in sampler:
+        preset = replace(preset, steps=tuple(float(s) for s in sampler["steps"]))
+    runtime = _runtime_from_json(config.get("runtime", {}))
+    text = load_text_encoder(config.get("text_encoder", "minilm"), device=device)
+    size = tuple(config.get("size", (256, 256)))
+    return Pipeline(dit, vae, text, preset, runtime, (int(size[0]), int(size[1])), path.stem, config.get("styles"))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``diffcast.json`` in a model directory: where the real checkpoint files are."""
+
+    dit: str
+    vae: str
+    text_encoder: str
+    dit_config: str = "wan-1.3b"
+    preset: str = "streamdiffusion_v2"
+    size: tuple[int, int] = (832, 480)
+    ema: bool | None = None
+    runtime: dict[str, Any] = field(default_factory=dict)
+
+
+def _load_manifest(root: Path, device: str, dtype: torch.dtype) -> Pipeline:
+    from engine import sampling
+    from engine.checkpoint import load_wan_dit
+    from engine.models.wan_vae import load_wan_vae
+    from engine.text import load_text_encoder
+
+    raw = json.loads((root / "diffcast.json").read_text())
+    try:
+        manifest = Manifest(**raw)
+    except TypeError as exc:
+        raise ModelNotAvailableError(f"{root / 'diffcast.json'}: {exc}; fields are {list(asdict(Manifest('', '', '')))}") from exc
+    presets = sampling.PRESETS
+    if manifest.preset not in presets:
+        raise ModelNotAvailableError(f"unknown sampler preset {manifest.preset!r}; choose from {sorted(presets)}")
+    dit = load_wan_dit(root / manifest.dit, manifest.dit_config, device=device, dtype=dtype, ema=manifest.ema).eval()
+    vae = load_wan_vae(root / manifest.vae, device=device, dtype=dtype).eval()
+    text = load_text_encoder(str(root / manifest.text_encoder), device=device)
+    runtime = _runtime_from_json(manifest.runtime)
+    return Pipeline(dit, vae, text, presets[manifest.preset], runtime, tuple(manifest.size), root.name)  # type: ignore[arg-type]

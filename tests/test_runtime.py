@@ -1,0 +1,162 @@
+"""Live stream runtime: stream batch, multi-stream batching, bounded long streams, controls, state moves."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _runtime_fixtures import clip, fidelity, tiny_runtime
+
+from engine.models.wan_dit import KVCache
+from engine.streaming.runtime import RopeOverflowError, refresh_sinks
+from engine.streaming.state import StreamState
+from engine.streaming.stream_batch import StreamBatch
+
+
+def _run(rt, state, chunks):  # type: ignore[no-untyped-def]
+    return [rt.step(state, c).frames for c in chunks]
+
+
+@pytest.fixture
+def one_thread():  # type: ignore[no-untyped-def]
+    """Batched vs. single-row forwards agree to fp32 rounding (a different batch size may change the
+    summation order inside matmuls); one thread keeps that rounding small and repeatable."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("steps", [2, 3])
+def test_stream_batch_equals_sequential_denoising(steps: int, one_thread: None) -> None:
+    rt = tiny_runtime(sink_tau=0.5)
+    chunks = clip(9)
+    seq_state = rt.open("s", "oil painting", (32, 32), fidelity(steps=steps, window=5), seed=3)
+    expected = _run(rt, seq_state, chunks)
+
+    batch_state = rt.open("b", "oil painting", (32, 32), fidelity(steps=steps, window=5), seed=3)
+    batch = StreamBatch(rt, [batch_state])
+    got = [r[0].frames for r in (batch.push([c]) for c in chunks) if r[0] is not None]
+    got += [r.frames for r in batch.drain()]
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    # One forward per micro-step once warm: n chunks in flight share it.
+    assert batch.forwards < steps * len(chunks)
+
+
+def test_several_streams_batch_into_one_forward(one_thread: None) -> None:
+    rt = tiny_runtime()
+    prompts = ["oil painting", "pencil sketch", "neon"]
+    singles = [rt.open(f"s{i}", p, (32, 32), fidelity(), seed=i) for i, p in enumerate(prompts)]
+    batched = [rt.open(f"b{i}", p, (32, 32), fidelity(), seed=i) for i, p in enumerate(prompts)]
+    streams_chunks = [clip(4, seed=i) for i in range(3)]
+    for k in range(4):
+        expected = [rt.step(s, c[k]).frames for s, c in zip(singles, streams_chunks, strict=True)]
+        got = [r.frames for r in rt.step_batch(batched, [c[k] for c in streams_chunks])]
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    # The three outputs are three different stylisations, never the same tensor.
+    assert not torch.allclose(expected[0], expected[1])
+
+
+def test_hour_long_stream_stays_bounded() -> None:
+    """One hour at 16 fps (14 400 V2V chunks) on the latent core: bounded cache, positions, values."""
+    rt = tiny_runtime()
+    state = rt.open("long", "watercolor", (16, 16), fidelity(steps=1, window=6), seed=0)
+    g = torch.Generator().manual_seed(0)
+    chunks = 16 * 3600 // 4
+    sizes = set()
+    max_rope = 0
+    for k in range(chunks):
+        z = torch.randn(1, 16, 1, 2, 2, generator=g)
+        x0 = rt.denoise_latents([state], [z], [0.8])
+        max_rope = max(max_rope, state.rope_frame)
+        if k % 997 == 0 or k == chunks - 1:
+            assert torch.isfinite(x0).all()
+            if k > 10:
+                sizes.add(sum(t.numel() for t in state.kv[0].k) + state.kv[0].local_end)
+    assert len(sizes) == 1, "KV cache size must be constant after warm-up"
+    assert max_rope <= rt.config.rope_reset_frame + 1 < rt.dit.config.rope_max_positions
+    assert state.rope_resets > 0
+    assert state.frame == chunks
+
+
+def test_rope_overflow_without_refresh_is_reported() -> None:
+    rt = tiny_runtime(rope_refresh=False)
+    state = rt.open("o", "sepia", (16, 16), fidelity(steps=1), seed=0)
+    state.rope_frame = rt.dit.config.rope_max_positions
+    with pytest.raises(RopeOverflowError, match="enable rope_refresh"):
+        rt.denoise_latents([state], [torch.zeros(1, 16, 1, 2, 2)], [0.8])
+
+
+def _cache_with_frames(frame_vectors: list[torch.Tensor], sinks: int) -> KVCache:
+    k = torch.stack(frame_vectors)[None, :, None, :]  # [1, frames, heads=1, hd]
+    return KVCache([k.clone()], [k.clone()], 1, len(frame_vectors), sinks, [len(frame_vectors)], len(frame_vectors))
+
+
+def test_sink_refresh_replaces_only_the_least_similar_sink_below_tau() -> None:
+    e = torch.eye(4)
+    new = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    # sink 0 equals the new frame, sink 1 is orthogonal (least similar), sink 2 is close.
+    frames = [e[0], e[1], e[0] + 0.1 * e[2], e[3], new]
+    cache = _cache_with_frames(frames, sinks=3)
+    assert refresh_sinks(cache, 1, tau=0.2)
+    torch.testing.assert_close(cache.k[0][0, 1, 0], new)
+    torch.testing.assert_close(cache.k[0][0, 0, 0], e[0])
+    torch.testing.assert_close(cache.k[0][0, 2, 0], e[0] + 0.1 * e[2])
+
+    similar = _cache_with_frames([e[0], e[0], e[0], e[3], new], sinks=3)
+    before = similar.k[0].clone()
+    assert not refresh_sinks(similar, 1, tau=0.2)
+    torch.testing.assert_close(similar.k[0], before)
+
+
+def test_prompt_switch_changes_output_next_chunk_without_rewarm() -> None:
+    rt = tiny_runtime()
+    chunks = clip(5)
+    a = rt.open("a", "oil painting", (32, 32), fidelity(), seed=0)
+    b = rt.open("b", "oil painting", (32, 32), fidelity(), seed=0)
+    for c in chunks[:3]:
+        rt.step(a, c)
+        rt.step(b, c)
+    fill = b.kv[0].local_end
+    rt.set_prompt(b, "pencil sketch")
+    out_a = rt.step(a, chunks[3]).frames
+    out_b = rt.step(b, chunks[3]).frames
+    # A twin with the same prompt reproduces a bit for bit; the switched stream differs at once.
+    assert (out_a - out_b).abs().max() > 1e-4, "the new prompt must show in the very next chunk"
+    assert b.chunks == a.chunks and b.frame == a.frame, "no restart"
+    assert b.kv[0].local_end == fill + 1, "the KV cache carried on (no re-warm-up)"
+
+
+def test_fidelity_change_applies_from_that_chunk_only() -> None:
+    rt = tiny_runtime()
+    chunks = clip(5)
+    a = rt.open("a", "oil painting", (32, 32), fidelity(steps=2), seed=0)
+    b = rt.open("b", "oil painting", (32, 32), fidelity(steps=2), seed=0)
+    for c in chunks[:3]:
+        torch.testing.assert_close(rt.step(a, c).frames, rt.step(b, c).frames, rtol=0, atol=0)
+    rt.set_fidelity(b, fidelity(steps=1))
+    assert len(b.kv) == 2, "nothing changes before the chunk boundary"
+    out_a, out_b = rt.step(a, chunks[3]).frames, rt.step(b, chunks[3]).frames
+    assert len(b.kv) == 1
+    assert (out_a - out_b).abs().max() > 1e-4
+
+
+def test_state_to_host_and_serialised_round_trip_is_bit_identical() -> None:
+    rt = tiny_runtime()
+    chunks = clip(6)
+    a = rt.open("a", "thermal", (32, 32), fidelity(), seed=7)
+    for c in chunks[:3]:
+        rt.step(a, c)
+    moved = a.to("cpu")
+    restored = StreamState.from_bytes(a.to_bytes())
+    twin = copy.deepcopy(moved)
+    for c in chunks[3:]:
+        expected = rt.step(a, c).frames
+        torch.testing.assert_close(rt.step(moved, c).frames, expected, rtol=0, atol=0)
+        torch.testing.assert_close(rt.step(restored, c).frames, expected, rtol=0, atol=0)
+        torch.testing.assert_close(rt.step(twin, c).frames, expected, rtol=0, atol=0)
+    assert restored.nbytes() > 0
