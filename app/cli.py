@@ -13,6 +13,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "app.commands.stylize",
     "app.commands.bench",
     "app.commands.serve",
+    "app.commands.simulate",
 )
 
 
