@@ -181,6 +181,14 @@ class NoiseSource:
             "rng_state": self.generator.get_state(),
         }
 
+    # torch.Generator does not pickle; its state does (so copy.deepcopy and torch.save work too).
+    def __getstate__(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        restored = NoiseSource.from_state_dict(state)
+        self.seed, self.generator = restored.seed, restored.generator
+
     @classmethod
     def from_state_dict(cls, state: dict[str, Any], device: str | torch.device | None = None) -> NoiseSource:
         missing = {"seed", "device_type", "rng_state"} - state.keys()

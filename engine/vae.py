@@ -33,4 +33,8 @@ class StreamVAE(Protocol):
         """
 
     def decode_chunk(self, latents: torch.Tensor, cache: Any) -> torch.Tensor:
-        """Decode the next latent frames of a stream; updates ``cache`` in place."""
+        """Decode the next latent frames of a stream; updates ``cache`` in place.
+
+        A stream's first latent frame decodes to 1 pixel frame, every later one to
+        ``temporal_compression`` frames (Wan: 1, then 4 per latent).
+        """

@@ -113,6 +113,8 @@ def test_noise_source_reproducible_and_resumable() -> None:
     expected = [a.randn((4, 4)) for _ in range(3)]
     restored = NoiseSource.from_state_dict(saved)
     assert [torch.equal(x, restored.randn((4, 4))) for x in expected] == [True] * 3
+    clone = pickle.loads(pickle.dumps(restored))  # the source itself pickles, mid-stream
+    assert torch.equal(clone.randn((3,)), restored.randn((3,)))
     assert not torch.equal(NoiseSource(1235).randn((4, 4)), NoiseSource(1234).randn((4, 4)))
     assert NoiseSource(1).randn((2,), dtype=torch.float64).dtype == torch.float64
     with pytest.raises(ValueError, match="cannot restore onto cuda"):
