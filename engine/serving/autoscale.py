@@ -52,7 +52,7 @@ class ScalePlan:
 def desired_worker_count(active_streams: int, workers: int, cfg: AutoscaleConfig) -> tuple[int, float]:
     capacity = cfg.streams_per_worker * max(workers, 1)
     u = active_streams / capacity
-    if abs(u - cfg.target_utilisation) <= cfg.band:
+    if abs(u - cfg.target_utilisation) <= cfg.band + 1e-9:  # inclusive band, float-safe
         return workers, u
     target = math.ceil(active_streams / (cfg.streams_per_worker * cfg.target_utilisation))
     if u > cfg.target_utilisation:

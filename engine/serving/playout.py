@@ -48,6 +48,8 @@ class PlayoutTracker:
     chunks_on_time: int = 0
     chunks_late: int = 0
     first_chunk_t: float | None = None
+    # Observation log (kind, t, chunk duration) so accounting can be re-derived independently.
+    log: list[tuple[str, float, float]] = field(default_factory=list)
     _anchor_t: float = 0.0
     _anchor_cursor: float = 0.0
     _stall_carry: bool = False  # a stall was cut short by a pause/switch; the next chunk is late
@@ -73,6 +75,10 @@ class PlayoutTracker:
     def stalled(self, t: float) -> bool:
         return not self.done_generating and self._free_cursor(t) > self.generated_s
 
+    def stall_in_progress_s(self, t: float) -> float:
+        """How long the current (not yet closed) stall has lasted at t; 0 when playing normally."""
+        return max(0.0, self._free_cursor(t) - self.generated_s) if not self.done_generating else 0.0
+
     @property
     def done_generating(self) -> bool:
         return self.generated_s >= self.content_s - 1e-9
@@ -84,7 +90,7 @@ class PlayoutTracker:
     def _close_stall(self, t: float) -> Stall | None:
         """If the cursor is stuck at ``generated`` at t, record the stall up to t and re-anchor there."""
         free = self._free_cursor(t)
-        if free <= self.generated_s:
+        if free <= self.generated_s or self.done_generating:
             return None
         start = self._anchor_t + (self.generated_s - self._anchor_cursor)
         stall = Stall(start, t)
@@ -95,6 +101,7 @@ class PlayoutTracker:
     def on_chunk_ready(self, t: float, duration_s: float) -> ChunkOutcome:
         if duration_s <= 0:
             raise ValueError(f"chunk duration must be positive, got {duration_s}")
+        self.log.append(("chunk", t, duration_s))
         stall = None if self.paused else self._close_stall(t)
         on_time = stall is None and not self._stall_carry
         self._stall_carry = False
@@ -110,6 +117,7 @@ class PlayoutTracker:
     def pause(self, t: float) -> None:
         if self.paused:
             return
+        self.log.append(("pause", t, 0.0))
         if self._close_stall(t) is not None:
             self._stall_carry = True
         self._anchor_cursor = self.cursor(t)
@@ -119,6 +127,7 @@ class PlayoutTracker:
     def resume(self, t: float) -> None:
         if not self.paused:
             return
+        self.log.append(("resume", t, 0.0))
         self._anchor_t = t
         self.paused = False
 
@@ -130,6 +139,7 @@ class PlayoutTracker:
 
     def reset_slack(self, t: float) -> None:
         """Prompt switch: buffered content is useless; the new prompt gets the initial slack again."""
+        self.log.append(("switch", t, 0.0))
         if not self.paused and self._close_stall(t) is not None:
             self._stall_carry = False  # the stall ended with the switch; the new content starts fresh
         c = self.cursor(t)

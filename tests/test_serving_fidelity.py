@@ -1,0 +1,111 @@
+"""Fidelity configs, the profile file format, Pareto extraction, the bundled derived profiles."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.serving.derived_profiles import SDV2_FPS, derived_h100_profile
+from engine.serving.fidelity import (
+    FidelityConfig,
+    FidelityProfile,
+    ProfilePoint,
+    bundled_profile,
+    load_profile,
+    pareto_frontier,
+    quality_floor,
+)
+
+
+def point(lat: float, q: float, steps: int = 4) -> ProfilePoint:
+    return ProfilePoint(FidelityConfig(steps=steps), lat, lat, q, 0.0)
+
+
+def test_config_validation_names_the_knob() -> None:
+    with pytest.raises(ValueError, match="steps"):
+        FidelityConfig(steps=5)
+    with pytest.raises(ValueError, match="precision"):
+        FidelityConfig(precision="int4")
+    with pytest.raises(ValueError, match="resolution_scale"):
+        FidelityConfig(resolution_scale=0.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.1, 2.0), st.floats(70, 90)), min_size=1, max_size=25))
+def test_pareto_frontier_matches_bruteforce_dominance(pairs: list[tuple[float, float]]) -> None:
+    pts = [point(lat, q) for lat, q in pairs]
+
+    def dominated(i: int) -> bool:
+        a = pts[i]
+        return any(
+            b.latency_s <= a.latency_s and b.quality >= a.quality
+            and (b.latency_s < a.latency_s or b.quality > a.quality)
+            for b in pts
+        )
+
+    expected = {(p.latency_s, p.quality) for i, p in enumerate(pts) if not dominated(i)}
+    frontier = pareto_frontier(pts)
+    assert {(p.latency_s, p.quality) for p in frontier} == expected
+    lats = [p.latency_s for p in frontier]
+    assert lats == sorted(lats)
+
+
+def test_quality_floor_is_median_of_all_configs() -> None:
+    pts = [point(0.1, 70), point(0.5, 90), point(0.6, 80), point(0.9, 85)]  # (0.6, 80) is dominated
+    assert quality_floor(pts) == pytest.approx(statistics.median([70, 90, 80, 85]))
+
+
+def test_profile_round_trips_and_loader_errors_are_specific(tmp_path: Path) -> None:
+    prof = derived_h100_profile()
+    path = tmp_path / "p.json"
+    prof.save(path)
+    again = load_profile(path)
+    assert again.points[7].config == prof.points[7].config
+    assert again.points[7].latency_s == pytest.approx(prof.points[7].latency_s, rel=1e-5)
+    data = json.loads(path.read_text())
+    del data["points"][3]["quality"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"points\[3\].*quality"):
+        load_profile(path)
+    data["points"][3]["quality"] = 80.0
+    data["points"][2]["config"]["turbo"] = True
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"points\[2\].*turbo"):
+        load_profile(path)
+    data["format"] = "something-else"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="unsupported format"):
+        load_profile(path)
+
+
+def test_bundled_profile_is_the_derived_one() -> None:
+    bundled = bundled_profile()
+    fresh = derived_h100_profile()
+    assert len(bundled.points) == len(fresh.points)
+    assert all(p.source == "derived" for p in bundled.points)
+    with pytest.raises(FileNotFoundError, match="available"):
+        bundled_profile("nope")
+
+
+@pytest.mark.parametrize("res", sorted(SDV2_FPS))
+def test_derived_latency_reproduces_published_fps(res: tuple[int, int]) -> None:
+    """Reference window/bf16/dense points at 1..4 steps must give back StreamDiffusionV2's FPS (fit error)."""
+    prof = derived_h100_profile(res)
+    for steps, fps in enumerate(SDV2_FPS[res], start=1):
+        p = prof.find(FidelityConfig(steps=steps))
+        assert 12 / p.latency_s == pytest.approx(fps, rel=0.03)
+
+
+def test_profile_reference_is_best_quality_single_stream() -> None:
+    prof: FidelityProfile = derived_h100_profile()
+    ref = prof.reference()
+    assert ref.config == FidelityConfig()
+    qs = np.array([p.quality for p in prof.per_stream()])
+    assert ref.quality == qs.max()
+    assert all(p.config.stream_batch == 1 and p.config.gpus == 1 for p in prof.per_stream())
