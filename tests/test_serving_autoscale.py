@@ -52,7 +52,9 @@ def test_scale_in_consolidates_before_releasing() -> None:
 
 def test_draining_worker_released_only_when_empty() -> None:
     plan = plan_scaling({0: [1], 1: [2, 3], 2: [4]}, draining=(2,), cfg=CFG, move_cap=1)
-    assert plan.moves[0].src == 2 and plan.release == (2,)
+    assert plan.moves[0].src == 2 and plan.release == () and plan.drain == (2,)
+    plan = plan_scaling({0: [1, 4], 1: [2, 3], 2: []}, draining=(2,), cfg=CFG, move_cap=1)
+    assert plan.release == (2,)
     plan = plan_scaling({0: [1], 1: [2, 3], 2: [4, 5]}, draining=(2,), cfg=CFG, move_cap=1)
     assert plan.release == () and plan.drain == (2,)
 

@@ -100,7 +100,9 @@ def plan_scaling(
                 moves.append(Move(moved, src, dst))
                 load[src] -= 1
                 load[dst] += 1
-    release = tuple(w for w in drain if load[w] == 0)
+    # Release only workers that are empty now; ones emptied by this plan's moves go on the next step,
+    # after the executor has actually moved their streams.
+    release = tuple(w for w in drain if not streams_by_worker[w])
     return ScalePlan(
         desired_workers=desired,
         utilisation=u,
