@@ -37,17 +37,25 @@ class FlowMatchSchedule:
         sigmas32 = self.shift * u / (1 + (self.shift - 1) * u)
         self.sigmas: torch.Tensor = sigmas32.double()  # [n], σ_0 = 1 down to σ_{n-1} > 0
         self.timesteps: torch.Tensor = (sigmas32 * n).double()  # [n], t_0 = 1000
+        self._grids: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def sigma(self, timestep: float | torch.Tensor) -> torch.Tensor:
-        """σ (float64, same shape as ``timestep``) of the grid point nearest to each timestep."""
+        """σ (float64, same shape and device as ``timestep``) of the grid point nearest to each timestep.
+
+        Range checks run for numbers and CPU tensors only: on a GPU they would force a device sync
+        inside the sampling loop.
+        """
         t = torch.as_tensor(timestep, dtype=torch.float64)
-        if t.numel() and (bool((t < 0).any()) or bool((t > self.num_train_timesteps).any())):
+        on_host = t.device.type == "cpu"
+        if on_host and t.numel() and (bool((t < 0).any()) or bool((t > self.num_train_timesteps).any())):
             raise ValueError(
                 f"timesteps must lie in [0, {self.num_train_timesteps}], got {t.flatten().tolist()[:8]}"
             )
-        grid = self.timesteps.to(t.device)
+        if t.device not in self._grids:  # copy once per device: a host->GPU copy per step would sync
+            self._grids[t.device] = (self.timesteps.to(t.device), self.sigmas.to(t.device))
+        grid, sigmas = self._grids[t.device]
         index = (grid.reshape(-1, 1) - t.reshape(1, -1)).abs().argmin(dim=0)
-        return self.sigmas.to(t.device)[index].reshape(t.shape)
+        return sigmas[index].reshape(t.shape)
 
     def warp(self, steps: Sequence[float]) -> tuple[float, ...]:
         """Map nominal steps (integers in [0, N]) onto the shifted grid: t ↦ t_{N−t}, t_N := 0.
@@ -115,8 +123,11 @@ STREAMDIFFUSION_V2 = SamplerPreset(
 PRESETS: dict[str, SamplerPreset] = {p.name: p for p in (SELF_FORCING, CAUSVID, STREAMDIFFUSION_V2)}
 
 
-def _as_sigma(sigma: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(sigma, dtype=torch.float64, device=like.device)
+def _as_sigma(sigma: float | torch.Tensor, like: torch.Tensor) -> float | torch.Tensor:
+    # Python numbers stay numbers: building a device tensor from one costs a host->device copy.
+    if isinstance(sigma, torch.Tensor):
+        return sigma.to(device=like.device, dtype=torch.float64)
+    return float(sigma)
 
 
 def x0_from_velocity(x_t: torch.Tensor, v: torch.Tensor, sigma: float | torch.Tensor) -> torch.Tensor:
