@@ -30,7 +30,7 @@ def running_server(app: Any, startup_timeout_s: float = 60.0) -> Iterator[str]:
 
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, ws="websockets", log_level="warning", lifespan="on")
+        uvicorn.Config(app, host="127.0.0.1", port=port, ws="websockets-sansio", log_level="warning", lifespan="on")
     )
     thread = threading.Thread(target=server.run, name=f"uvicorn:{port}", daemon=True)
     thread.start()
@@ -47,25 +47,33 @@ def running_server(app: Any, startup_timeout_s: float = 60.0) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def tiny_engine() -> Any:
-    """The real engine pipeline with the tiny random-weight model, loaded once per test session."""
+def engine_model() -> str:
+    """The embedded default model once it has been trained and committed, else the tiny random one."""
+    from engine.pipeline import DEFAULT_MODEL
+
+    return "default" if DEFAULT_MODEL.is_file() else "tiny-random"
+
+
+@pytest.fixture(scope="session")
+def engine_factory(engine_model: str) -> Any:
+    """The real engine pipeline, loaded once per test session."""
     import torch
 
     from app.server.engine_bridge import PipelineFactory
 
     torch.set_num_threads(1)
-    return PipelineFactory.load("tiny-random")
+    return PipelineFactory.load(engine_model)
 
 
 @pytest.fixture
-def live_server(tiny_engine: Any) -> Callable[..., AbstractContextManager[str]]:
-    """``with live_server(max_streams=1, ...) as url:`` — the real app on the tiny engine, loopback ICE."""
+def live_server(engine_factory: Any) -> Callable[..., AbstractContextManager[str]]:
+    """``with live_server(max_streams=1, ...) as url:`` — the real app and engine, loopback ICE."""
     from app.server.app import create_app
     from app.server.config import ServerConfig
 
     def start(**overrides: Any) -> AbstractContextManager[str]:
         config = ServerConfig(**{"allow_loopback_candidates": True, **overrides})
-        return running_server(create_app(config, factory=tiny_engine))
+        return running_server(create_app(config, factory=engine_factory))
 
     return start
 

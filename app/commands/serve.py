@@ -73,5 +73,5 @@ def run(args: argparse.Namespace) -> int:
     )
     app = create_app(config)
     log.info("serving on http://%s:%d/", args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, ws="websockets", log_level="info")
+    uvicorn.run(app, host=args.host, port=args.port, ws="websockets-sansio", log_level="info")
     return 0

@@ -1,0 +1,120 @@
+"""WHIP (RFC 9725) ingest and WHEP playback against the live app, with real aiortc peers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+
+from app.server.probe import CodedCamera, OutputProbe, http
+
+SDP = {"Content-Type": "application/sdp"}
+
+
+async def _offer(*, publish: bool, camera: CodedCamera | None = None) -> tuple[RTCPeerConnection, str]:
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    if publish:
+        pc.addTransceiver(camera or CodedCamera((128, 128), fps=15), direction="sendonly")
+    else:
+        pc.addTransceiver("video", direction="recvonly")
+    await pc.setLocalDescription(await pc.createOffer())
+    return pc, pc.localDescription.sdp
+
+
+async def _post(url: str, sdp: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], str]:
+    status, head, body = await asyncio.to_thread(http, "POST", url, sdp.encode(), headers or SDP)
+    return status, head, body.decode()
+
+
+async def test_whip_then_whep_exchange(live_server: Callable[..., AbstractContextManager[str]]) -> None:
+    with live_server(max_streams=1, trace_stamp=True) as url:
+        status, head, _ = await asyncio.to_thread(http, "OPTIONS", f"{url}/whip")
+        assert status == 204 and head["accept-post"] == "application/sdp"
+
+        camera = CodedCamera((128, 128), fps=15)
+        publisher, offer = await _offer(publish=True, camera=camera)
+        status, head, answer = await _post(f"{url}/whip?prompt=ink%20wash", offer)
+        assert status == 201, answer
+        assert head["content-type"].startswith("application/sdp")
+        location = head["location"]
+        assert location.startswith("/whip/")
+        stream_id = location.rsplit("/", 1)[1]
+        assert "a=candidate" in answer  # complete answer: no trickle ICE
+        await publisher.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
+
+        # Trickle ICE is not supported: 405 with Allow (RFC 9725 §4.3.1); unknown session: 404.
+        status, head, _ = await asyncio.to_thread(
+            http, "PATCH", url + location, b"a=end-of-candidates\r\n", {"Content-Type": "application/trickle-ice-sdpfrag"}
+        )
+        assert status == 405 and "DELETE" in head["allow"]
+        assert (await asyncio.to_thread(http, "PATCH", f"{url}/whip/nope", b""))[0] == 404
+
+        # Over capacity: 503 + Retry-After.
+        extra, extra_offer = await _offer(publish=True)
+        status, head, body = await _post(f"{url}/whip", extra_offer)
+        assert status == 503 and int(head["retry-after"]) > 0, body
+        await extra.close()
+
+        # WHEP: a recvonly viewer of the stream's stylized output.
+        viewer, view_offer = await _offer(publish=False)
+        probe = OutputProbe(camera)
+        viewer.on("track", lambda track: asyncio.ensure_future(probe.consume(track)))
+        status, head, view_answer = await _post(f"{url}/whep/{stream_id}", view_offer)
+        assert status == 201, view_answer
+        viewer_location = head["location"]
+        assert viewer_location.startswith(f"/whep/{stream_id}/")
+        await viewer.setRemoteDescription(RTCSessionDescription(sdp=view_answer, type="answer"))
+        deadline = time.monotonic() + 40
+        while len(probe.records) < 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        # The viewer sees output made from the publisher's frames (IDs carried by the trace stamp).
+        assert len(probe.records) >= 5 and not probe.foreign_ids
+
+        metrics = (await asyncio.to_thread(http, "GET", f"{url}/metrics"))[2].decode()
+        assert f'diffcast_stream_viewers{{kind="whip",stream_id="{stream_id}"}} 1.0' in metrics
+        assert "diffcast_streams 1.0" in metrics
+
+        assert (await asyncio.to_thread(http, "DELETE", url + viewer_location))[0] == 200
+        assert (await asyncio.to_thread(http, "DELETE", url + viewer_location))[0] == 404
+        assert (await asyncio.to_thread(http, "DELETE", url + location))[0] == 200
+        assert (await asyncio.to_thread(http, "DELETE", url + location))[0] == 404
+        assert (await asyncio.to_thread(http, "GET", f"{url}/healthz"))[2].startswith(b'{"status":"ok","streams":0')
+        await asyncio.gather(publisher.close(), viewer.close())
+
+
+async def test_whip_whep_errors(live_server: Callable[..., AbstractContextManager[str]]) -> None:
+    with live_server(max_streams=2, token="s3cret") as url:
+        auth = {**SDP, "Authorization": "Bearer s3cret"}
+        pc, offer = await _offer(publish=True)
+        status, head, _ = await _post(f"{url}/whip", offer)
+        assert status == 401 and head["www-authenticate"] == "Bearer"
+        status, _, body = await _post(f"{url}/whip", offer, {"Content-Type": "text/plain", "Authorization": "Bearer s3cret"})
+        assert status == 415 and "application/sdp" in body
+        status, _, body = await _post(f"{url}/whip", "hello", auth)
+        assert status == 400 and "malformed SDP" in body
+        status, _, body = await _post(f"{url}/whip", offer.replace("a=fingerprint", "a=x-fingerprint"), auth)
+        assert status == 400 and "fingerprint" in body
+        audio_only = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        audio_only.addTransceiver("audio", direction="sendonly")
+        await audio_only.setLocalDescription(await audio_only.createOffer())
+        status, _, body = await _post(f"{url}/whip", audio_only.localDescription.sdp, auth)
+        assert status == 400 and "no video track" in body
+        status, _, body = await _post(f"{url}/whip?prompt={'x' * 501}", offer, auth)
+        assert status == 400 and "limit is 500" in body
+        status, _, body = await _post(f"{url}/whep/unknown", offer, auth)
+        assert status == 404
+        # A viewer offer must receive video; a publisher offer sent to WHEP is refused.
+        status, head, answer = await _post(f"{url}/whip", offer, auth)
+        assert status == 201
+        stream_id = head["location"].rsplit("/", 1)[1]
+        status, _, body = await _post(f"{url}/whep/{stream_id}", offer, auth)
+        assert status == 400 and "does not receive" in body
+        status, _, body = await asyncio.to_thread(
+            http, "POST", f"{url}/api/offer", b'{"sdp": "v=0", "type": "offer", "prompt": "' + b"y" * 600 + b'"}',
+            {"Content-Type": "application/json"},
+        )
+        assert status == 422 and b"limit is 500" in body
+        await asyncio.gather(pc.close(), audio_only.close())
