@@ -260,12 +260,17 @@ def tensor_to_frames(frames: torch.Tensor) -> np.ndarray:
 
 
 def _tiny_random(device: str, dtype: torch.dtype) -> Pipeline:
-    from engine.models.wan_vae import WanVAE, WanVAEConfig
+    """Random weights at test size: the real architecture end to end, fast enough for service tests.
+
+    The stream VAE is the embedded model's tiny VAE (2D convs + temporal memory), which runs an
+    order of magnitude faster on a CPU than the Wan VAE topology at the same width.
+    """
+    from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
     from engine.text import load_text_encoder
 
     torch.manual_seed(0)
     dit = CausalWanDiT(CONFIGS["tiny"]).to(device=device, dtype=dtype).eval()
-    vae = WanVAE(WanVAEConfig.tiny()).to(device=device, dtype=dtype).eval()
+    vae = TinyVAE(TinyVAEConfig(latent_channels=CONFIGS["tiny"].in_channels)).to(device=device, dtype=dtype).eval()
     text = load_text_encoder("minilm", device=device)
     runtime = RuntimeConfig()
     return Pipeline(dit, vae, text, STREAMDIFFUSION_V2, runtime, (128, 128), "tiny-random")
@@ -308,7 +313,8 @@ def _load_diffcast_file(path: Path, device: str, dtype: torch.dtype) -> Pipeline
     sampler = config.get("sampler", {})
     preset = STREAMDIFFUSION_V2
     if "steps" in sampler:
-        preset = replace(preset, steps=tuple(float(s) for s in sampler["steps"]))
+        steps = tuple(float(s) for s in sampler["steps"])
+        preset = replace(preset, steps=steps, default_num_steps=min(preset.default_num_steps or len(steps), len(steps)))
     runtime = _runtime_from_json(config.get("runtime", {}))
     text = load_text_encoder(config.get("text_encoder", "minilm"), device=device)
     size = tuple(config.get("size", (256, 256)))
@@ -345,6 +351,7 @@ def _load_manifest(root: Path, device: str, dtype: torch.dtype) -> Pipeline:
         raise ModelNotAvailableError(f"unknown sampler preset {manifest.preset!r}; choose from {sorted(presets)}")
     dit = load_wan_dit(root / manifest.dit, manifest.dit_config, device=device, dtype=dtype, ema=manifest.ema).eval()
     vae = load_wan_vae(root / manifest.vae, device=device, dtype=dtype).eval()
-    text = load_text_encoder(str(root / manifest.text_encoder), device=device)
+    spec = manifest.text_encoder if manifest.text_encoder == "minilm" else str(root / manifest.text_encoder)
+    text = load_text_encoder(spec, device=device)
     runtime = _runtime_from_json(manifest.runtime)
     return Pipeline(dit, vae, text, presets[manifest.preset], runtime, tuple(manifest.size), root.name)  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -58,6 +59,19 @@ class PromptEncoder:
 
 
 @dataclass(frozen=True)
+class StageTimings:
+    """Wall time of the last chunk's stages (for the whole batch of streams)."""
+
+    encode_s: float = 0.0
+    dit_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.encode_s + self.dit_s + self.decode_s
+
+
+@dataclass(frozen=True)
 class ChunkResult:
     frames: torch.Tensor  # [3, T, H, W] in [-1, 1]
     noise_rate: float
@@ -81,6 +95,7 @@ class StreamRuntime:
         self.schedule = preset.schedule
         self.config = config
         self.device = dit.device
+        self.last_timings = StageTimings()
 
     # -- stream lifecycle ---------------------------------------------------------------------------
 
@@ -180,14 +195,19 @@ class StreamRuntime:
         """
         if len(states) != len(frames) or not states:
             raise ValueError("step_batch needs one frame chunk per stream")
+        t0 = time.perf_counter()
         latents, rates = [], []
         for state, chunk in zip(states, frames, strict=True):
             chunk = self._resize(chunk, self.engine_size(state.size, state.fidelity))
             controller = MotionAwareNoiseController(self._noise_config(state))
             rates.append(controller.step(chunk, state.noise_controller))
             latents.append(self.vae.encode_chunk(chunk.unsqueeze(0).to(self.device, self.dit.dtype), state.vae_encoder))
+        t1 = time.perf_counter()
         x0 = self.denoise_latents(states, latents, rates)
-        return self._decode(states, x0, rates)
+        t2 = time.perf_counter()
+        results = self._decode(states, x0, rates)
+        self.last_timings = StageTimings(encode_s=t1 - t0, dit_s=t2 - t1, decode_s=time.perf_counter() - t2)
+        return results
 
     def denoise_latents(
         self, states: Sequence[StreamState], latents: Sequence[torch.Tensor], rates: Sequence[float]

@@ -1,0 +1,79 @@
+"""The public Pipeline API on the tiny random-weight model (the same code path as the real models)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.pipeline import ModelNotAvailableError, Pipeline, StreamParams, frames_to_tensor, tensor_to_frames
+
+
+@pytest.fixture(scope="module")
+def pipe() -> Pipeline:
+    return Pipeline.load("tiny-random")
+
+
+def _frames(n: int, h: int = 96, w: int = 80, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=(n, h, w, 3), dtype=np.uint8)
+
+
+def test_stream_processes_chunks_at_the_stream_size(pipe: Pipeline) -> None:
+    stream = pipe.open_stream(StreamParams(prompt="oil painting", size=(64, 64)))
+    assert stream.expected_frames == pipe.first_chunk_frames == 1
+    first = stream.process(_frames(1))
+    assert first.shape == (1, 64, 64, 3) and first.dtype == np.uint8
+    assert stream.expected_frames == pipe.chunk_frames == 4
+    out = stream.process(_frames(4, seed=1))
+    assert out.shape == (4, 64, 64, 3)
+    assert stream.stats()["chunks"] == 2
+
+
+def test_wrong_chunk_length_and_dtype_say_what_is_wrong(pipe: Pipeline) -> None:
+    stream = pipe.open_stream(StreamParams(prompt="oil painting", size=(64, 64)))
+    with pytest.raises(ValueError, match="needs 1 frames, got 4"):
+        stream.process(_frames(4))
+    with pytest.raises(ValueError, match="uint8"):
+        stream.process(_frames(1).astype(np.float32))
+    with pytest.raises(ValueError, match=r"\[T, H, W, 3\]"):
+        stream.process(np.zeros((1, 8, 8), dtype=np.uint8))
+
+
+def test_update_switches_prompt_and_steps_without_restart(pipe: Pipeline) -> None:
+    stream = pipe.open_stream(StreamParams(prompt="oil painting", size=(64, 64)))
+    stream.process(_frames(1))
+    stream.process(_frames(4, seed=1))
+    stream.update(prompt=["pencil sketch", "neon"], prompt_weights=[0.7, 0.3], transition_chunks=2, steps=1)
+    stream.process(_frames(4, seed=2))
+    stats = stream.stats()
+    assert stats["chunks"] == 3 and stats["steps"] == 1
+    stream.reset()
+    assert stream.stats()["chunks"] == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompt": ""}, "non-empty"),
+        ({"prompt": "x" * 5000}, "limit is"),
+        ({"prompt": "a", "noise_scale": 2.0}, "noise_scale"),
+        ({"prompt": ("a", "b"), "prompt_weights": (1.0,)}, "2 prompts but 1"),
+    ],
+)
+def test_bad_params_are_rejected_clearly(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StreamParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_too_many_steps_is_rejected(pipe: Pipeline) -> None:
+    with pytest.raises(ValueError, match="steps must be in 1..4, got 5"):
+        pipe.open_stream(StreamParams(prompt="a", steps=5))
+
+
+def test_unknown_model_path_is_a_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ModelNotAvailableError, match="cannot load model"):
+        Pipeline.load(str(tmp_path / "nope.bin"))
+
+
+def test_frame_tensor_round_trip() -> None:
+    frames = _frames(3)
+    np.testing.assert_array_equal(tensor_to_frames(frames_to_tensor(frames)), frames)

@@ -1,0 +1,45 @@
+"""`diffcast stylize` writes a valid video with the input's frame count at the requested size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import numpy as np
+
+from app.cli import main
+from engine.video_io import VideoWriter
+
+
+def _make_clip(path: Path, frames: int, size: tuple[int, int]) -> None:
+    writer = VideoWriter(path, 16.0, size)
+    w, h = size
+    for i in range(frames):
+        img = np.zeros((h, w, 3), dtype=np.uint8)
+        img[:, (i * 4) % w : (i * 4) % w + 16] = 255  # a moving bar
+        img[..., 2] = 80
+        writer.write(img)
+    writer.close()
+
+
+def _probe(path: Path) -> tuple[int, int, int]:
+    with av.open(str(path)) as c:
+        frames = list(c.decode(video=0))
+        return len(frames), frames[0].width, frames[0].height
+
+
+def test_stylize_writes_every_frame_at_the_requested_size(tmp_path: Path) -> None:
+    src, dst = tmp_path / "in.mp4", tmp_path / "out.mp4"
+    _make_clip(src, 11, (96, 80))  # 1 + 4 + 4 + a partial chunk of 2
+    code = main(["stylize", str(src), str(dst), "--prompt", "oil painting", "--model", "tiny-random",
+                 "--size", "64x64", "--steps", "1", "--seed", "3"])
+    assert code == 0
+    assert _probe(dst) == (11, 64, 64)
+
+
+def test_stylize_rejects_missing_input_and_bad_size(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["stylize", str(tmp_path / "missing.mp4"), str(tmp_path / "o.mp4"), "--prompt", "x"]) == 2
+    src = tmp_path / "in.mp4"
+    _make_clip(src, 3, (64, 64))
+    assert main(["stylize", str(src), str(tmp_path / "o.mp4"), "--prompt", "x", "--model", "tiny-random",
+                 "--size", "63x64"]) == 2
