@@ -538,6 +538,8 @@ class WanHead(nn.Module):
 
 
 class CausalWanDiT(nn.Module):
+    """Wan 2.1 T2V DiT with per-frame timesteps, a block-causal KV cache and per-sample RoPE offsets."""
+
     def __init__(self, config: WanDiTConfig) -> None:
         super().__init__()
         self.config = config
@@ -653,11 +655,11 @@ class CausalWanDiT(nn.Module):
             timestep = timestep[:, None].expand(-1, frames)
         if tuple(timestep.shape) != (b, frames):
             raise ValueError(f"timestep must be [B, F] = [{b}, {frames}] (or [B]), got {tuple(timestep.shape)}")
-        tokens = self.patch_embedding(x.to(self.dtype))
+        tokens = self.patch_embedding(x.to(device=self.device, dtype=self.dtype))
         grid = (tokens.shape[2], tokens.shape[3], tokens.shape[4])
         tokens = tokens.flatten(2).transpose(1, 2).contiguous()
         # The time MLPs run in the weight dtype; modulation arithmetic downstream is float32.
-        sinus = sinusoidal_embedding(timestep.to(x.device), cfg.freq_dim).to(self.dtype)
+        sinus = sinusoidal_embedding(timestep.to(self.device), cfg.freq_dim).to(self.dtype)
         e = self.time_embedding(sinus)
         e0 = self.time_projection(e).float().unflatten(1, (6, cfg.dim)).unflatten(0, (b, frames))
         return tokens, e.float().unflatten(0, (b, frames)), e0, grid
