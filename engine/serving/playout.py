@@ -4,7 +4,8 @@ Everything is in seconds of content on the stream's timeline. ``generated_s`` is
 content produced so far; the *cursor* is the playout position. Playout slack P = generated - cursor.
 
 At admission the cursor starts at ``-initial_slack`` (the client shows nothing yet), so the first chunk's
-deadline is arrival + initial slack and P starts at the initial slack. While playing, the cursor advances
+deadline is arrival + initial slack and P starts at the initial slack. P is never negative except during
+a stall, where it is minus the stall's duration so far. While playing, the cursor advances
 at 1 s/s; it can never pass ``generated``: if it reaches it before the next chunk is ready, that is a
 *stall*, which ends when the chunk arrives (playback resumes from there, so later deadlines shift).
 A chunk is on time iff it is ready no later than the moment the cursor reaches its first frame.
@@ -70,7 +71,12 @@ class PlayoutTracker:
         return min(self._free_cursor(t), self.generated_s)
 
     def slack(self, t: float) -> float:
-        return self.generated_s - self.cursor(t)
+        """P at t. During a stall it is negative: minus how long the viewer has been frozen. Clamping it
+        at 0 would make every stalled stream look alike and let the earliest one win every tie (observed
+        as starvation in the property test); the stall depth keeps the longest-stalled stream first."""
+        if self.done_generating:
+            return self.generated_s - self.cursor(t)
+        return self.generated_s - self._free_cursor(t)
 
     def stalled(self, t: float) -> bool:
         return not self.done_generating and self._free_cursor(t) > self.generated_s

@@ -85,8 +85,9 @@ def generate(spec: WorkloadSpec) -> list[TraceEvent]:
     if spec.name == "burst":
         k = int(round(spec.burst_fraction * n))
         pool = rng.permutation(n)
-        for i, p in enumerate(spec.burst_points):
-            at = arrivals[min(n - 1, int(p * n))]
+        # Burst timestamps come from the original Steady sequence, before any stream is reassigned.
+        points = [float(arrivals[min(n - 1, int(p * n))]) for p in spec.burst_points]
+        for i, at in enumerate(points):
             arrivals[pool[i * k : (i + 1) * k]] = at
     events = [
         TraceEvent(float(arrivals[i]), EventKind.ARRIVE, i, int(lengths[i]), spec.fps, spec.resolution)
