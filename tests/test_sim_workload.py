@@ -49,7 +49,7 @@ def test_prompt_switch_and_pause_counts_and_durations() -> None:
     ev = generate(spec)
     arr = arrivals(ev)
     switches = Counter(e.stream for e in ev if e.kind is EventKind.PROMPT_SWITCH)
-    for sid, (t0, frames) in arr.items():
+    for sid, (_, frames) in arr.items():
         assert switches[sid] == EVENTS_PER_LENGTH[frames]
     for e in ev:
         if e.kind is EventKind.PROMPT_SWITCH:
