@@ -49,6 +49,13 @@ def _wait(page: Any, expression: str, timeout_s: float = 45) -> None:
     page.wait_for_function(expression, timeout=timeout_s * 1000)
 
 
+def _assert_output_advances(page: Any) -> None:
+    _wait(page, "window.diffcast.outputFrames > 10")
+    frames_before = page.evaluate("window.diffcast.outputFrames")
+    page.wait_for_timeout(2000)
+    assert page.evaluate("window.diffcast.outputFrames") > frames_before
+
+
 def test_page_streams_over_webrtc(page: Any, live_server: Callable[..., AbstractContextManager[str]]) -> None:
     with live_server() as url:
         page.goto(f"{url}/?autostart=1")
@@ -56,10 +63,7 @@ def test_page_streams_over_webrtc(page: Any, live_server: Callable[..., Abstract
         assert page.evaluate("window.diffcast.transport") == "webrtc"
         assert page.text_content("#transport") == "WebRTC"
         # Stylized frames arrive and keep advancing (requestVideoFrameCallback on the output video).
-        _wait(page, "window.diffcast.outputFrames > 15")
-        frames_before = page.evaluate("window.diffcast.outputFrames")
-        page.wait_for_timeout(2000)
-        assert page.evaluate("window.diffcast.outputFrames") > frames_before
+        _assert_output_advances(page)
         # The stats panel shows live values from the server.
         _wait(page, "window.diffcast.stats && window.diffcast.stats.frames_out > 0")
         for cell in ("#stat-fps", "#stat-latency", "#stat-slack", "#stat-fidelity", "#stat-dropped"):
@@ -127,10 +131,7 @@ def test_page_falls_back_to_websocket(page: Any, live_server: Callable[..., Abst
         assert page.evaluate("window.diffcast.transport") == "websocket"
         assert "WebSocket fallback" in page.text_content("#notice")
         assert page.text_content("#transport") == "WebSocket fallback"
-        _wait(page, "window.diffcast.outputFrames > 10")
-        frames_before = page.evaluate("window.diffcast.outputFrames")
-        page.wait_for_timeout(2000)
-        assert page.evaluate("window.diffcast.outputFrames") > frames_before
+        _assert_output_advances(page)
         _wait(page, "window.diffcast.stats && window.diffcast.stats.kind === 'ws' && window.diffcast.stats.frames_out > 0")
         page.fill("#prompt", "charcoal drawing")
         page.click("#apply")

@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     from app.server.app import create_app
     from app.server.config import ServerConfig
+    from engine.pipeline import ModelNotAvailableError
 
     if args.max_streams < 1:
         raise SystemExit(f"--max-streams must be at least 1, got {args.max_streams}")
@@ -71,7 +72,11 @@ def run(args: argparse.Namespace) -> int:
         trace_stamp=args.trace_stamp,
         break_ice=args.break_ice,
     )
-    app = create_app(config)
+    try:
+        app = create_app(config)
+    except ModelNotAvailableError as exc:
+        log.error("%s", exc)
+        return 2
     log.info("serving on http://%s:%d/", args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, ws="websockets-sansio", log_level="info")
     return 0
