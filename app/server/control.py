@@ -11,7 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from app.server.engine_bridge import StreamSettings
 
 MAX_STEPS = 4  # StreamDiffusionV2's V2V schedule has at most 4 denoising steps
-MIN_NOISE_SCALE = 0.1  # exclusive: the first timestep is 1000*s - 100, which must stay positive
+# The first timestep is 1000*s - 100 after motion-aware damping (s - 0.1 at full motion), so below
+# 0.2 it can go negative and the engine fails mid-stream (measured at 0.15).
+MIN_NOISE_SCALE = 0.2
 
 
 class ControlError(ValueError):
@@ -29,7 +31,7 @@ class UpdateMessage(_Message):
     prompt: str | list[str] | None = None
     prompt_weights: list[float] | None = None
     transition_chunks: int | None = Field(default=None, ge=0, le=64)
-    noise_scale: float | None = Field(default=None, gt=MIN_NOISE_SCALE, le=1.0)
+    noise_scale: float | None = Field(default=None, ge=MIN_NOISE_SCALE, le=1.0)
     steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
 
@@ -95,7 +97,7 @@ class StreamOptions(_Message):
     """Options a client may give when it opens a stream (offer body, WHIP or /ws query)."""
 
     prompt: str | None = None
-    noise_scale: float = Field(default=0.8, gt=MIN_NOISE_SCALE, le=1.0)
+    noise_scale: float = Field(default=0.8, ge=MIN_NOISE_SCALE, le=1.0)
     steps: int = Field(default=2, ge=1, le=MAX_STEPS)
     seed: int = Field(default=0, ge=0, lt=2**63)
 

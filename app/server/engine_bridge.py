@@ -98,6 +98,11 @@ class PipelineFactory:
         return cls(pipe)
 
     @property
+    def pipeline(self) -> Any:
+        """The loaded `engine.pipeline.Pipeline` (the playground's file and text tabs use it)."""
+        return self._pipe
+
+    @property
     def size(self) -> tuple[int, int]:
         width, height = self._pipe.default_size
         return int(width), int(height)

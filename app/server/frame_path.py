@@ -33,6 +33,8 @@ from app.server.framecode import copy_band
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+FPS_WINDOW_S = 2.0
+LATENCY_WINDOW_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,7 @@ class Playout:
                 self.trace.append((meta.seq, meta.arrival, now))
         elif self.frames_shown:
             self.repeats += 1
+        self._forget_before(now)
         self._tick += 1
         event, self._tick_event = self._tick_event, asyncio.Event()
         event.set()
@@ -235,18 +238,24 @@ class Playout:
             await self._tick_event.wait()
         return self._tick, self._current, self._clock() - self._start
 
-    def output_fps(self, window_s: float = 2.0) -> float:
-        now = self._clock()
-        while self._shown and self._shown[0] < now - window_s:
+    def _forget_before(self, now: float) -> None:
+        """Keep only the windows the stats look at, so a stream can run for hours."""
+        while self._shown and self._shown[0] < now - FPS_WINDOW_S:
             self._shown.popleft()
-        span = min(window_s, now - self._start)
+        while self._latencies and self._latencies[0][0] < now - LATENCY_WINDOW_S:
+            self._latencies.popleft()
+
+    def output_fps(self) -> float:
+        """New (not repeated) frames played per second over the last FPS_WINDOW_S."""
+        now = self._clock()
+        self._forget_before(now)
+        span = min(FPS_WINDOW_S, now - self._start)
         return len(self._shown) / span if span > 0 else 0.0
 
-    def latency_s(self, window_s: float = 5.0) -> dict[str, float]:
-        """Server-side latency (arrival of an input frame -> its output frame played): last, p50, p95."""
-        now = self._clock()
-        while self._latencies and self._latencies[0][0] < now - window_s:
-            self._latencies.popleft()
+    def latency_s(self) -> dict[str, float]:
+        """Server-side latency (input frame arrival -> its output frame played) over the last
+        LATENCY_WINDOW_S: last, p50, p95."""
+        self._forget_before(self._clock())
         if not self._latencies:
             return {}
         values = np.array([lat for _, lat in self._latencies])
