@@ -21,13 +21,13 @@ import logging
 import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from engine.models.wan_dit import CONFIGS, CausalWanDiT, WanDiTConfig
-from engine.sampling import STREAMDIFFUSION_V2, SamplerPreset
+from engine.sampling import SELF_FORCING, STREAMDIFFUSION_V2, SamplerPreset
 from engine.serving.fidelity import FidelityConfig
 from engine.streaming.config import RuntimeConfig
 from engine.streaming.noise import NoiseControllerConfig
@@ -56,6 +56,7 @@ class StreamParams:
     prompt_weights: tuple[float, ...] | None = None
     blend_mode: BlendMode = "linear"
     size: tuple[int, int] | None = None  # (width, height); None = the model's default size
+    mode: Literal["v2v", "t2v"] = "v2v"  # t2v: text-to-video with the Self-Forcing recipe, no input
     kv_window_frames: int | None = None
     resolution_scale: float = 1.0
     precision: str = "fp32"
@@ -69,6 +70,8 @@ class StreamParams:
             raise ValueError(f"prompt is {max(too_long)} characters; the limit is {MAX_PROMPT_CHARS}")
         if self.prompt_weights is not None and len(self.prompt_weights) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(self.prompt_weights)} prompt weights")
+        if self.mode not in ("v2v", "t2v"):
+            raise ValueError(f"mode must be 'v2v' or 't2v', got {self.mode!r}")
         if not 0.1 < self.noise_scale <= 1.0:
             raise ValueError(f"noise_scale must be in (0.1, 1.0], got {self.noise_scale}")
 
@@ -97,7 +100,19 @@ class Pipeline:
         self.name = name
         self.default_size = default_size
         self.styles = styles
-        self.runtime = StreamRuntime(dit, vae, PromptEncoder(text_encoder), preset, runtime)
+        prompts = PromptEncoder(text_encoder)
+        self.runtime = StreamRuntime(dit, vae, prompts, preset, runtime)
+        # Text-to-video streams share the weights but follow the CausVid / Self-Forcing recipe:
+        # 3-latent-frame chunks from pure noise, 4 warped steps, one KV cache written by a clean pass.
+        t2v = RuntimeConfig(
+            chunk_latent_frames=3,
+            kv_window_frames=max(runtime.kv_window_frames, 9),
+            sink_frames=3,
+            cache_mode="clean",
+            sink_refresh=False,
+            rope_reset_frame=max(runtime.rope_reset_frame, 60),
+        )
+        self.t2v_runtime = StreamRuntime(dit, vae, prompts, SELF_FORCING, t2v)
         self.first_chunk_frames = 1
         self.chunk_frames = vae.temporal_compression * runtime.chunk_latent_frames
 
@@ -130,10 +145,13 @@ class Pipeline:
 
     # -- streams ----------------------------------------------------------------------------------
 
+    def runtime_for(self, params: StreamParams) -> StreamRuntime:
+        return self.t2v_runtime if params.mode == "t2v" else self.runtime
+
     def fidelity_for(self, params: StreamParams) -> FidelityConfig:
         return FidelityConfig(
             steps=params.steps,
-            kv_window_frames=params.kv_window_frames or self.runtime.config.kv_window_frames,
+            kv_window_frames=params.kv_window_frames or self.runtime_for(params).config.kv_window_frames,
             resolution_scale=params.resolution_scale,
             precision=params.precision,
         )
@@ -152,8 +170,12 @@ class Stream:
         self.state = self._open(params)
         self.last: ChunkResult | None = None
 
+    @property
+    def runtime(self) -> StreamRuntime:
+        return self.pipe.runtime_for(self.params)
+
     def _open(self, params: StreamParams) -> StreamState:
-        return self.pipe.runtime.open(
+        return self.pipe.runtime_for(params).open(
             self.id,
             list(params.prompts),
             params.size or self.pipe.default_size,
@@ -170,13 +192,17 @@ class Stream:
 
     def process(self, frames: np.ndarray) -> np.ndarray:
         """V2V: uint8 RGB frames [T, H, W, 3] -> stylised uint8 RGB frames [T, h, w, 3]."""
+        if self.params.mode != "v2v":
+            raise ValueError("this is a text-to-video stream; call generate(), not process()")
         chunk = frames_to_tensor(frames, self.expected_frames)
-        self.last = self.pipe.runtime.step(self.state, chunk)
+        self.last = self.runtime.step(self.state, chunk)
         return tensor_to_frames(self.last.frames)
 
     def generate(self) -> np.ndarray:
-        """T2V: the next chunk of a text-to-video stream (no input)."""
-        self.last = self.pipe.runtime.generate(self.state)
+        """T2V: the next chunk of a text-to-video stream (no input; open it with mode="t2v")."""
+        if self.params.mode != "t2v":
+            raise ValueError("this is a video-to-video stream; open it with StreamParams(mode='t2v') to generate")
+        self.last = self.runtime.generate(self.state)
         return tensor_to_frames(self.last.frames)
 
     def update(
@@ -206,7 +232,9 @@ class Stream:
             if value is not None:
                 changes[key] = value
         new = self.params.with_(**changes)  # validates
-        runtime = self.pipe.runtime
+        if new.mode != self.params.mode:
+            raise ValueError("a stream's mode (v2v / t2v) is fixed when it opens")
+        runtime = self.runtime
         fidelity = self.pipe.fidelity_for(new)
         runtime.check_fidelity(fidelity)
         if "prompt" in changes or "prompt_weights" in changes or "blend_mode" in changes:

@@ -77,3 +77,19 @@ def test_unknown_model_path_is_a_clear_error(tmp_path) -> None:  # type: ignore[
 def test_frame_tensor_round_trip() -> None:
     frames = _frames(3)
     np.testing.assert_array_equal(tensor_to_frames(frames_to_tensor(frames)), frames)
+
+
+def test_text_to_video_stream_runs_on_the_same_runtime(pipe: Pipeline) -> None:
+    params = StreamParams(prompt="a red fox in snow", mode="t2v", steps=2, size=(64, 64), seed=5)
+    a, b = pipe.open_stream(params), pipe.open_stream(params)
+    first = a.generate()
+    assert first.shape == (9, 64, 64, 3)  # 3 latent frames: 1 + 4 + 4 pixel frames
+    second = a.generate()
+    assert second.shape == (12, 64, 64, 3)
+    np.testing.assert_array_equal(b.generate(), first)  # seeded: reproducible
+    assert a.stats()["frame"] == 6
+    with pytest.raises(ValueError, match="generate"):
+        a.process(_frames(4))
+    v2v = pipe.open_stream(StreamParams(prompt="x", size=(64, 64)))
+    with pytest.raises(ValueError, match="mode='t2v'"):
+        v2v.generate()
