@@ -54,6 +54,14 @@ def test_prompt_switch_discards_buffer_and_restores_initial_slack() -> None:
     assert tr.remaining_content_s == pytest.approx(9.0)
 
 
+def test_prompt_switch_before_playback_restarts_the_wait() -> None:
+    tr = PlayoutTracker(0.0, 3.0, 10.0)
+    tr.on_chunk_ready(0.5, 0.75)
+    tr.reset_slack(1.0)  # cursor still at -2.0: nothing played yet
+    assert tr.generated_s == 0.0
+    assert tr.slack(1.0) == pytest.approx(3.0)
+
+
 def test_end_of_content_is_not_a_stall() -> None:
     tr = PlayoutTracker(0.0, 1.0, 1.5)
     tr.on_chunk_ready(0.5, 0.75)
@@ -110,8 +118,8 @@ def dense_replay(events: list[tuple[int, str, int]], s0: int, content: int) -> d
         elif kind == "resume":
             paused = False
         elif kind == "switch":
-            gen = cursor
-            cursor -= s0
+            gen = max(cursor, 0)
+            cursor = gen - s0
             stuck = False
             depth = 0
         # Reported slack: buffered content, minus the depth of a stall still in progress.

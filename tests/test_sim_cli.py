@@ -47,7 +47,7 @@ def test_report_and_trace_replay(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert json.loads(out)["workload"] == "trace"
     report = (out_dir / "report.md").read_text()
     assert "## trace" in report and "slackserve" in report
-    for png in ("cpr.png", "ttfc.png", "stalls.png", "worker_tiers.png", "ablation_trace.png"):
+    for png in ("cpr.png", "ttfc.png", "stalls.png", "worker_tiers.png", "ablation_trace.png", "autoscaler.png"):
         assert (out_dir / png).stat().st_size > 1000
 
 

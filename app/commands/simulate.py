@@ -94,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "profile": f"{profile.model} on {profile.device}, {profile.resolution[0]}x{profile.resolution[1]} "
                        f"({profile.source})",
-            "command": "diffcast simulate " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "diffcast simulate",
+            "command": (f"diffcast simulate --workload {args.workload} --streams {args.streams} --rate {args.rate} "
+                        f"--workers {args.workers} --seed {args.seed} --state-slots {args.state_slots} "
+                        f"--out {args.out}" + (f" --trace {args.trace}" if args.trace else "")),
         }
         path = write_report(runs, args.out, header)
         log.info("report written to %s", path)

@@ -146,9 +146,11 @@ class PlayoutTracker:
     def reset_slack(self, t: float) -> None:
         """Prompt switch: buffered content is useless; the new prompt gets the initial slack again."""
         self.log.append(("switch", t, 0.0))
-        if not self.paused and self._close_stall(t) is not None:
-            self._stall_carry = False  # the stall ended with the switch; the new content starts fresh
-        c = self.cursor(t)
+        if not self.paused:
+            self._close_stall(t)
+        self._stall_carry = False  # any stall ends with the switch; the new content has a fresh deadline
+        # Before playback began (cursor < 0) everything generated is discarded and the wait restarts.
+        c = max(0.0, self.cursor(t))
         self.generated_s = c
         self._anchor_t, self._anchor_cursor = t, c - self.initial_slack_s
         self.epoch += 1

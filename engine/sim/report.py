@@ -91,6 +91,28 @@ def _worker_tiers(runs: Sequence[Run], workload: str, policies: Sequence[str], p
     plt.close(fig)
 
 
+def _autoscaler(runs: Sequence[Run], policy: str, path: Path) -> bool:
+    sel = [r for r in runs if r.policy == policy and any(row.desired_workers is not None for row in r.result.timeline)]
+    if not sel:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 3.0))
+    for r in sel:
+        tl = r.result.timeline
+        ax.plot([row.t for row in tl], [row.desired_workers for row in tl], lw=1, label=f"{r.workload}: desired")
+    n_workers = len(sel[0].result.worker_busy_s)
+    ax.axhline(n_workers, color="k", ls="--", lw=1, label="actual (fixed)")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("GPUs")
+    ax.set_title(f"Autoscaler's desired GPU count ({policy}, advisory: hysteresis band +-0.1 around 0.7)",
+                 fontsize=9)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return True
+
+
 def _ablation(runs: Sequence[Run], workload: str, path: Path) -> None:
     plt = _plt()
     sel = {r.policy: r.summary for r in runs if r.workload == workload}
@@ -137,6 +159,7 @@ def write_report(runs: Sequence[Run], out: Path, header: dict[str, Any]) -> Path
     _stall_durations(runs, focus, out / "stall_durations.png")
     tier_policies = [p for p in ("fifo-batch", "ts-chunk-lsf", "slackserve") if p in policies]
     _worker_tiers(runs, focus, tier_policies, out / "worker_tiers.png")
+    has_autoscaler = _autoscaler(runs, "slackserve", out / "autoscaler.png")
     if any(p in policies for p in ABLATION_LADDER):
         for w in workloads:
             _ablation(runs, w, out / f"ablation_{w}.png")
@@ -153,8 +176,10 @@ def write_report(runs: Sequence[Run], out: Path, header: dict[str, Any]) -> Path
     for name, caption in (("cpr", "CPR"), ("ttfc", "TTFC"), ("stalls", "stalls per stream"),
                           ("stall_durations", f"stall durations ({focus})"), ("quality", "mean quality"),
                           ("rehomes", "re-homings"), ("evictions", "evictions"),
-                          ("worker_tiers", f"worker tiers over time ({focus})")):
-        lines += [f"![{caption}]({name}.png)", ""]
+                          ("worker_tiers", f"worker tiers over time ({focus})"),
+                          ("autoscaler", "autoscaler desired GPUs")):
+        if name != "autoscaler" or has_autoscaler:
+            lines += [f"![{caption}]({name}.png)", ""]
     top = {}
     for r in runs:
         if r.policy == "slackserve":

@@ -9,6 +9,8 @@ from dataclasses import dataclass, replace
 
 from tqdm import tqdm
 
+from engine.serving.autoscale import AutoscaleConfig
+from engine.serving.bmpr import BMPR
 from engine.serving.fidelity import FidelityProfile
 from engine.serving.policy import ABLATION_LADDER, BASELINES, SlackPolicy, policy_presets
 from engine.sim.metrics import Summary, summarise
@@ -29,11 +31,22 @@ class Run:
     wall_s: float
 
 
+def advisory_autoscale(profile: FidelityProfile) -> AutoscaleConfig:
+    """K = streams one GPU sustains in real time at the fastest floor-quality config (BMPR's floor)."""
+    router = BMPR(profile.per_stream())
+    floor_point = router.frontier[router.fastest_ok]
+    return AutoscaleConfig(streams_per_worker=profile.chunk_duration_s / floor_point.latency_s)
+
+
 def make_policy(name: str, profile: FidelityProfile) -> SlackPolicy:
+    """Our policies carry the autoscaler in advisory mode: the simulator records the desired worker
+    count each tick but keeps the cluster size fixed (the paper's setup)."""
     presets = policy_presets()
     if name not in presets:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(presets)}")
-    return SlackPolicy(profile, presets[name])
+    cfg = presets[name]
+    autoscale = advisory_autoscale(profile) if cfg.bmpr else None
+    return SlackPolicy(profile, cfg, autoscale=autoscale)
 
 
 def run_one(

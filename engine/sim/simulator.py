@@ -1,7 +1,8 @@
 """Discrete-event simulator (Vidur-style heapq loop, injected clock) around the serving policy.
 
-The simulator is an *executor*: it owns all mutable state (playout trackers, residency, worker jobs),
-builds ``Snapshot``/``StreamView`` objects for the policy, and applies what the policy returns. Workers
+The simulator is an *executor*: per-stream state lives in the same ``StreamLedger`` the live server uses
+(playout trackers, residency, in-flight chunks, cooldowns); the simulator adds simulated workers and a
+clock, asks the policy for decisions, and applies them. Workers
 execute chunks step by step with profiled latencies times seeded jitter, so step-level preemption,
 offload/restore and re-homing costs all land on the simulated clock.
 """
@@ -17,8 +18,9 @@ from enum import IntEnum
 import numpy as np
 
 from engine.serving.credit import Tier
-from engine.serving.fidelity import FidelityProfile, ProfilePoint
-from engine.serving.playout import PlayoutTracker, Stall
+from engine.serving.fidelity import FidelityProfile
+from engine.serving.ledger import StreamEntry, StreamLedger
+from engine.serving.playout import Stall
 from engine.serving.policy import SlackPolicy
 from engine.serving.snapshot import AdmissionRequest, Dispatch, Rehome, Snapshot, StreamView, WorkerView
 from engine.serving.transfer import Link, TransferModel
@@ -54,40 +56,13 @@ class SimConfig:
 
 
 @dataclass
-class InFlight:
-    point: ProfilePoint
-    step_s: float
-    steps_left: int
-    epoch: int
-    step_started_t: float = 0.0
-
-
-@dataclass
-class SimStream:
-    sid: int
-    arrival_t: float
-    tracker: PlayoutTracker
-    worker: int
-    state_bytes: float
-    resident: bool = True
-    available_t: float = 0.0  # transfers in progress make the stream unrunnable until then
-    inflight: InFlight | None = None
-    pending_rehome: Rehome | None = None
-    last_rehomed_at: float = -math.inf
-    last_run_at: float = -math.inf
-    finished: bool = False
-    left: bool = False
-    quality_sum: float = 0.0
-    quality_chunks: int = 0
-
-
-@dataclass
 class SimWorker:
     wid: int
     node: int
     slots: int
     streams: set[int] = field(default_factory=set)
     job: tuple[int, ...] = ()
+    step_s: float = 0.0  # actual (jittered) duration of the job's current step
     gen: int = 0
     busy_s: float = 0.0
     draining: bool = False
@@ -134,11 +109,11 @@ class SimResult:
 
 class Simulator:
     def __init__(self, policy: SlackPolicy, profile: FidelityProfile, events: list[TraceEvent],
-                 config: SimConfig = SimConfig()) -> None:
+                 config: SimConfig | None = None) -> None:
         self.policy = policy
         self.profile = profile
         self.events = events
-        self.cfg = config
+        self.cfg = config = config if config is not None else SimConfig()
         self.rng = np.random.default_rng(config.seed)
         self.now = 0.0
         self._q: list[tuple[float, int, int, object]] = []
@@ -148,12 +123,17 @@ class Simulator:
         per_node = math.ceil(n_workers / config.nodes)
         slots = config.state_slots * policy.config.gpus_per_worker
         self.workers = {w: SimWorker(w, w // per_node, slots) for w in range(n_workers)}
-        self.streams: dict[int, SimStream] = {}
+        self.ledger = StreamLedger(max_lookahead_s=config.max_lookahead_s)
         self.rejected: dict[int, str] = {}
+        self.pending_rehome: dict[int, Rehome] = {}
         self.rehomes = self.evictions = self.restores = self.preemptions = 0
         self.timeline: list[TimelineRow] = []
         self.fidelity_counts: dict[str, int] = {}
         self._pending_trace = len(events)
+
+    @property
+    def streams(self) -> dict[int, StreamEntry]:
+        return self.ledger.entries
 
     # ---- event queue --------------------------------------------------------------------------
     def _push(self, t: float, kind: Ev, payload: object) -> None:
@@ -182,45 +162,14 @@ class Simulator:
         return self._result()
 
     # ---- views for the policy -----------------------------------------------------------------
-    def _view(self, s: SimStream, running: bool) -> StreamView:
-        tr = s.tracker
-        inflight = s.inflight
-        rem = 0.0
-        if inflight is not None:
-            rem = inflight.steps_left * inflight.step_s
-            if running:
-                rem -= min(inflight.step_s, self.now - inflight.step_started_t)
-        slack = tr.slack(self.now)
-        cap = self.cfg.max_lookahead_s
-        runnable = (not s.finished and not s.left and s.available_t <= self.now
-                    and (cap is None or slack < cap or inflight is not None))
-        return StreamView(
-            stream_id=s.sid,
-            worker_id=s.worker,
-            slack_s=slack,
-            arrival_t=s.arrival_t,
-            remaining_content_s=tr.remaining_content_s,
-            inflight_remaining_s=max(0.0, rem),
-            inflight_point=inflight.point if inflight is not None else None,
-            running=running,
-            resident=s.resident,
-            runnable=runnable,
-            first_chunk=tr.generated_s == 0.0 and tr.epoch == 0,
-            paused=tr.paused,
-            last_rehomed_at=s.last_rehomed_at,
-            last_run_at=s.last_run_at,
-            state_bytes=s.state_bytes,
-        )
-
     def _worker_view(self, w: SimWorker) -> WorkerView:
         return WorkerView(w.wid, w.node, w.slots, w.draining)
 
+    def _running(self) -> set[int]:
+        return {sid for w in self.workers.values() for sid in w.job}
+
     def snapshot(self) -> Snapshot:
-        views = []
-        for w in self.workers.values():
-            for sid in w.streams:
-                views.append(self._view(self.streams[sid], sid in w.job))
-        return Snapshot(self.now, views, [self._worker_view(w) for w in self.workers.values()])
+        return self.ledger.snapshot(self.now, [self._worker_view(w) for w in self.workers.values()], self._running())
 
     # ---- trace events -------------------------------------------------------------------------
     def _on_trace(self, e: TraceEvent) -> None:
@@ -230,28 +179,17 @@ class Simulator:
         s = self.streams.get(e.stream)
         if s is None or s.left:
             return
-        tr = s.tracker
+        running = s.sid in self.workers[s.worker].job
         if e.kind is EventKind.PAUSE:
-            tr.pause(self.now)
+            self.ledger.pause(s.sid, self.now)
         elif e.kind is EventKind.RESUME:
-            tr.resume(self.now)
+            self.ledger.resume(s.sid, self.now)
             self._kick(s.worker)
         elif e.kind is EventKind.PROMPT_SWITCH:
-            if tr.done_generating and tr.cursor(self.now) >= tr.content_s - 1e-9:
-                return  # already fully played: nothing left to switch
-            tr.reset_slack(self.now)
-            if s.inflight is not None and s.sid not in self.workers[s.worker].job:
-                s.inflight = None  # a preempted partial chunk belongs to the old prompt
-            if s.finished:
-                s.finished = False
-                s.resident = False  # its state went to host when it finished; restore on next run
-                self.workers[s.worker].streams.add(s.sid)
-            self._kick(s.worker)
+            if self.ledger.prompt_switch(s.sid, self.now, running):
+                self._kick(s.worker)
         elif e.kind is EventKind.LEAVE:
-            s.left = True
-            w = self.workers[s.worker]
-            if s.sid not in w.job:
-                w.streams.discard(s.sid)
+            self.ledger.leave(s.sid, running)
 
     def _arrive(self, e: TraceEvent) -> None:
         content_s = e.frames / e.fps
@@ -259,14 +197,8 @@ class Simulator:
         if not adm.accepted or adm.worker_id is None:
             self.rejected[e.stream] = adm.reason
             return
-        tracker = PlayoutTracker(self.now, adm.initial_slack_s, content_s)
-        s = SimStream(e.stream, self.now, tracker, adm.worker_id, self.policy.reference.state_bytes)
-        self.streams[e.stream] = s
-        w = self.workers[adm.worker_id]
-        w.streams.add(e.stream)
-        # A new stream's state (prompt embedding, empty KV) starts on-GPU; it may need an eviction.
-        s.resident = False
-        self._kick(w.wid)
+        self.ledger.admit(adm, self.now, content_s, self.policy.reference.state_bytes)
+        self._kick(adm.worker_id)
 
     # ---- worker execution ---------------------------------------------------------------------
     def _kick(self, wid: int) -> None:
@@ -276,7 +208,7 @@ class Simulator:
         self._dispatch(w, step_boundary=False)
 
     def _dispatch(self, w: SimWorker, step_boundary: bool) -> None:
-        views = [self._view(self.streams[sid], sid in w.job) for sid in w.streams]
+        views = self.ledger.views_on(w.wid, self.now, w.job)
         d = self.policy.dispatch(self.now, self._worker_view(w), views, step_boundary=step_boundary)
         if step_boundary and d.stream_ids == w.job:
             self._run_step(w, 0.0)
@@ -284,7 +216,7 @@ class Simulator:
         if step_boundary:
             self.preemptions += 1
             for sid in w.job:
-                self.streams[sid].last_run_at = self.now
+                self.ledger.preempted(sid, self.now)
             w.job = ()
         if not d.stream_ids:
             self._schedule_wake(w, views)
@@ -296,7 +228,7 @@ class Simulator:
         wake = math.inf
         for v in views:
             s = self.streams[v.stream_id]
-            if s.finished or s.left:
+            if not s.active:
                 continue
             if s.available_t > self.now:
                 wake = min(wake, s.available_t)
@@ -308,27 +240,22 @@ class Simulator:
     def _start(self, w: SimWorker, d: Dispatch) -> None:
         assert d.point is not None
         for sid in d.evict:
-            s = self.streams[sid]
-            s.resident = False
+            self.ledger.evict(sid)
             self.evictions += 1
         delay = 0.0
         for sid in d.restore:
-            s = self.streams[sid]
-            s.resident = True
-            if s.tracker.generated_s > 0 or s.tracker.epoch > 0 or s.last_run_at > -math.inf:
+            if self.ledger.restore(sid):
                 self.restores += 1
-                delay += self.cfg.transfer.residual_s(s.state_bytes, Link.HOST)
+                delay += self.cfg.transfer.residual_s(self.streams[sid].state_bytes, Link.HOST)
         w.job = d.stream_ids
         for sid in d.stream_ids:
-            s = self.streams[sid]
-            if s.inflight is None:
-                point = d.point
-                first = s.tracker.generated_s == 0.0 and s.tracker.epoch == 0
-                total = (point.first_chunk_latency_s if first else point.latency_s) * self._jitter()
-                steps = point.config.steps
-                s.inflight = InFlight(point, total / steps, steps, s.tracker.epoch)
-                label = point.config.label()
+            if self.streams[sid].inflight is None:
+                label = d.point.config.label()
                 self.fidelity_counts[label] = self.fidelity_counts.get(label, 0) + 1
+            self.ledger.chunk_started(sid, self.now + delay, d.point)
+        lead = self.streams[w.job[0]].inflight
+        assert lead is not None
+        w.step_s = lead.est_step_s * self._jitter()
         self._run_step(w, delay)
 
     def _jitter(self) -> float:
@@ -337,77 +264,47 @@ class Simulator:
         return float(max(0.5, self.rng.normal(1.0, self.cfg.jitter_cv)))
 
     def _run_step(self, w: SimWorker, delay: float) -> None:
-        lead = self.streams[w.job[0]].inflight
-        assert lead is not None
-        start = self.now + delay
-        for sid in w.job:
-            inflight = self.streams[sid].inflight
-            assert inflight is not None
-            inflight.step_started_t = start
         w.gen += 1
-        w.busy_s += lead.step_s + delay
-        self._push(start + lead.step_s, Ev.STEP_DONE, (w.wid, w.gen))
+        w.busy_s += w.step_s + delay
+        self._push(self.now + delay + w.step_s, Ev.STEP_DONE, (w.wid, w.gen))
 
     def _on_step_done(self, wid: int, gen: int) -> None:
         w = self.workers.get(wid)
         if w is None or gen != w.gen or not w.job:
             return
         for sid in w.job:
-            inflight = self.streams[sid].inflight
-            assert inflight is not None
-            inflight.steps_left -= 1
+            self.ledger.step_done(sid, self.now)
         lead = self.streams[w.job[0]].inflight
         assert lead is not None
-        live_job = tuple(sid for sid in w.job if not self.streams[sid].left)
-        if lead.steps_left > 0 and live_job == w.job:
+        if lead.steps_left > 0 and all(self.streams[sid].active for sid in w.job):
             self._dispatch(w, step_boundary=True)
             return
+        job, w.job = w.job, ()
         if lead.steps_left > 0:
-            for sid in w.job:  # drop streams that left mid-chunk; finish nobody's chunk
-                self.streams[sid].inflight = None
-                if self.streams[sid].left:
-                    w.streams.discard(sid)
-            w.job = ()
+            # A stream in the batch left mid-chunk: nobody's chunk completes; the others restart it.
+            for sid in job:
+                s = self.streams[sid]
+                s.inflight = None
+                if s.left:
+                    self.ledger.leave(sid, running=False)
             self._kick(wid)
             return
-        job, w.job = w.job, ()
         for sid in job:
-            self._chunk_done(self.streams[sid], w)
+            self.ledger.chunk_done(sid, self.now, self._chunk_duration(sid))
+            r = self.pending_rehome.pop(sid, None)
+            if r is not None:
+                self._apply_rehome(r)
         self._kick(wid)
 
-    def _chunk_done(self, s: SimStream, w: SimWorker) -> None:
-        inflight = s.inflight
-        assert inflight is not None
-        s.inflight = None
-        s.last_run_at = self.now
-        if s.left:
-            w.streams.discard(s.sid)
-            return
-        tr = s.tracker
-        if inflight.epoch == tr.epoch:
-            first = tr.generated_s == 0.0 and tr.epoch == 0
-            dur = self.profile.first_chunk_duration_s if first else self.profile.chunk_duration_s
-            tr.on_chunk_ready(self.now, dur)
-            s.quality_sum += inflight.point.quality
-            s.quality_chunks += 1
-        if tr.done_generating:
-            s.finished = True
-            s.pending_rehome = None
-            w.streams.discard(s.sid)
-            return
-        if s.pending_rehome is not None:
-            self._apply_rehome(s, s.pending_rehome)
+    def _chunk_duration(self, sid: int) -> float:
+        first = self.streams[sid].first_chunk
+        return self.profile.first_chunk_duration_s if first else self.profile.chunk_duration_s
 
-    def _apply_rehome(self, s: SimStream, r: Rehome) -> None:
-        s.pending_rehome = None
-        src, dst = self.workers[r.src], self.workers.get(r.dst)
-        if dst is None or s.worker != r.src or s.finished or s.left:
+    def _apply_rehome(self, r: Rehome) -> None:
+        s = self.streams[r.stream_id]
+        if r.dst not in self.workers or s.worker != r.src or not s.active:
             return
-        src.streams.discard(s.sid)
-        dst.streams.add(s.sid)
-        s.worker = r.dst
-        s.last_rehomed_at = self.now
-        s.available_t = self.now + r.residual_s
+        self.ledger.move(s.sid, r.dst, self.now, r.residual_s)
         self.rehomes += 1
         self._push(s.available_t, Ev.READY, r.dst)
         self._kick(r.src)
@@ -417,11 +314,10 @@ class Simulator:
         snap = self.snapshot()
         plan = self.policy.tick(snap)
         for r in plan.rehomes:
-            s = self.streams[r.stream_id]
-            if s.sid in self.workers[s.worker].job or s.inflight is not None:
-                s.pending_rehome = r  # applied at its next chunk boundary
+            if self.streams[r.stream_id].inflight is not None:
+                self.pending_rehome[r.stream_id] = r  # applied at its next chunk boundary
             else:
-                self._apply_rehome(s, r)
+                self._apply_rehome(r)
         counts = {t: 0 for t in Tier}
         idle = 0
         for wt in plan.worker_tiers.values():

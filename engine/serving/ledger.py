@@ -1,0 +1,218 @@
+"""Executor-side stream bookkeeping: observations in, ``StreamView``/``Snapshot`` out.
+
+The policy is pure; something has to remember each stream's playout state, home worker, residency,
+in-flight chunk and cooldowns between calls. ``StreamLedger`` is that something, shared by the simulator
+and (later) the live server so both feed the policy identical views:
+
+    ledger.admit(admission, now, content_s, state_bytes)        # after policy.admit(...) accepted
+    ledger.chunk_started(sid, now, point, first)               # worker began a chunk with BMPR's point
+    ledger.step_done(sid, now) / ledger.preempted(sid, now)    # step boundary progress / yielded mid-chunk
+    ledger.chunk_done(sid, now, duration_s)                     # chunk playable -> PlayoutTracker
+    ledger.cursor_report(sid, now, cursor_s)                   # live server: the client's playout position
+    ledger.pause / resume / prompt_switch / leave(sid, now)
+    ledger.snapshot(now, workers) -> Snapshot                  # for policy.tick / policy.admit
+    ledger.views_on(worker_id, now, running) -> [StreamView]   # for policy.dispatch
+    ledger.evict / restore / move(...)                         # apply Dispatch / Rehome decisions
+
+R (remaining time of a started chunk) is estimated from the profiled latency of its point, as the policy
+would see it on a real GPU; the simulator's jittered actual durations never leak into the views.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from engine.serving.fidelity import ProfilePoint
+from engine.serving.playout import ChunkOutcome, PlayoutTracker
+from engine.serving.snapshot import Admission, Snapshot, StreamView, WorkerView
+
+
+@dataclass
+class InFlight:
+    point: ProfilePoint
+    est_step_s: float
+    steps_left: int
+    epoch: int
+    step_started_t: float
+
+
+@dataclass
+class StreamEntry:
+    sid: int
+    arrival_t: float
+    tracker: PlayoutTracker
+    worker: int
+    state_bytes: float
+    resident: bool = False  # a new stream's state (prompt embedding, empty KV) needs a slot first
+    available_t: float = 0.0  # a transfer in progress makes the stream unrunnable until then
+    inflight: InFlight | None = None
+    last_rehomed_at: float = -math.inf
+    last_run_at: float = -math.inf
+    finished: bool = False
+    left: bool = False
+    quality_sum: float = 0.0
+    quality_chunks: int = 0
+
+    @property
+    def active(self) -> bool:
+        return not (self.finished or self.left)
+
+    @property
+    def first_chunk(self) -> bool:
+        return self.tracker.generated_s == 0.0 and self.tracker.epoch == 0
+
+
+@dataclass
+class StreamLedger:
+    max_lookahead_s: float | None = None  # live V2V cannot run ahead of the camera; None = unbounded
+    entries: dict[int, StreamEntry] = field(default_factory=dict)
+    _by_worker: dict[int, set[int]] = field(default_factory=dict)
+
+    # ---- membership ---------------------------------------------------------------------------
+    def admit(self, adm: Admission, now: float, content_s: float, state_bytes: float) -> StreamEntry:
+        if not adm.accepted or adm.worker_id is None:
+            raise ValueError(f"stream {adm.stream_id} was not admitted: {adm.reason}")
+        if adm.stream_id in self.entries:
+            raise ValueError(f"stream {adm.stream_id} is already in the ledger")
+        e = StreamEntry(adm.stream_id, now, PlayoutTracker(now, adm.initial_slack_s, content_s), adm.worker_id,
+                        state_bytes)
+        self.entries[e.sid] = e
+        self._by_worker.setdefault(e.worker, set()).add(e.sid)
+        return e
+
+    def on_worker(self, worker_id: int) -> list[StreamEntry]:
+        return [self.entries[s] for s in sorted(self._by_worker.get(worker_id, ()))]
+
+    def _detach(self, e: StreamEntry) -> None:
+        self._by_worker.get(e.worker, set()).discard(e.sid)
+
+    def move(self, sid: int, dst: int, now: float, residual_s: float) -> None:
+        """Re-home at a chunk boundary: the state follows, usable after the critical-path residual."""
+        e = self.entries[sid]
+        if e.inflight is not None:
+            raise ValueError(f"stream {sid} has a chunk in flight; re-home it at its next chunk boundary")
+        self._detach(e)
+        e.worker = dst
+        self._by_worker.setdefault(dst, set()).add(sid)
+        e.last_rehomed_at = now
+        e.available_t = now + residual_s
+
+    def evict(self, sid: int) -> None:
+        self.entries[sid].resident = False
+
+    def restore(self, sid: int) -> bool:
+        """Mark resident; True when a host->GPU copy is needed (not for a brand-new stream)."""
+        e = self.entries[sid]
+        e.resident = True
+        return e.last_run_at > -math.inf or e.tracker.epoch > 0
+
+    # ---- observations -------------------------------------------------------------------------
+    def chunk_started(self, sid: int, now: float, point: ProfilePoint) -> None:
+        e = self.entries[sid]
+        if e.inflight is not None:
+            e.inflight.step_started_t = now  # resuming a preempted chunk
+            return
+        total = point.first_chunk_latency_s if e.first_chunk else point.latency_s
+        steps = point.config.steps
+        e.inflight = InFlight(point, total / steps, steps, e.tracker.epoch, now)
+
+    def step_done(self, sid: int, now: float) -> None:
+        inflight = self.entries[sid].inflight
+        if inflight is None:
+            raise ValueError(f"stream {sid} has no chunk in flight")
+        inflight.steps_left -= 1
+        inflight.step_started_t = now
+
+    def preempted(self, sid: int, now: float) -> None:
+        self.entries[sid].last_run_at = now
+
+    def chunk_done(self, sid: int, now: float, duration_s: float) -> ChunkOutcome | None:
+        """The chunk became playable. Returns None when it was started under an older prompt (discarded)."""
+        e = self.entries[sid]
+        inflight, e.inflight = e.inflight, None
+        e.last_run_at = now
+        if e.left or inflight is None:
+            self._detach(e)
+            return None
+        out = None
+        if inflight.epoch == e.tracker.epoch:
+            out = e.tracker.on_chunk_ready(now, duration_s)
+            e.quality_sum += inflight.point.quality
+            e.quality_chunks += 1
+        if e.tracker.done_generating:
+            e.finished = True
+            self._detach(e)
+        return out
+
+    def cursor_report(self, sid: int, now: float, cursor_s: float) -> None:
+        self.entries[sid].tracker.report_cursor(now, cursor_s)
+
+    def pause(self, sid: int, now: float) -> None:
+        self.entries[sid].tracker.pause(now)
+
+    def resume(self, sid: int, now: float) -> None:
+        self.entries[sid].tracker.resume(now)
+
+    def prompt_switch(self, sid: int, now: float, running: bool) -> bool:
+        """Reset slack; drop a preempted partial chunk of the old prompt; revive a stream that had
+        finished generating but not finished playing. Returns False if it had already played out."""
+        e = self.entries[sid]
+        tr = e.tracker
+        if tr.done_generating and tr.cursor(now) >= tr.content_s - 1e-9:
+            return False
+        tr.reset_slack(now)
+        if e.inflight is not None and not running:
+            e.inflight = None
+        if e.finished:
+            e.finished = False
+            e.resident = False  # its state went to host when it finished; restore on next run
+            self._by_worker.setdefault(e.worker, set()).add(sid)
+        return True
+
+    def leave(self, sid: int, running: bool) -> None:
+        e = self.entries[sid]
+        e.left = True
+        if not running:
+            self._detach(e)
+
+    # ---- views --------------------------------------------------------------------------------
+    def view(self, sid: int, now: float, running: bool) -> StreamView:
+        e = self.entries[sid]
+        tr = e.tracker
+        inflight = e.inflight
+        rem = 0.0
+        if inflight is not None:
+            rem = inflight.steps_left * inflight.est_step_s
+            if running:
+                rem -= min(inflight.est_step_s, now - inflight.step_started_t)
+        slack = tr.slack(now)
+        cap = self.max_lookahead_s
+        runnable = e.active and e.available_t <= now and (cap is None or slack < cap or inflight is not None)
+        return StreamView(
+            stream_id=sid,
+            worker_id=e.worker,
+            slack_s=slack,
+            arrival_t=e.arrival_t,
+            remaining_content_s=tr.remaining_content_s,
+            inflight_remaining_s=max(0.0, rem),
+            inflight_point=inflight.point if inflight is not None else None,
+            running=running,
+            resident=e.resident,
+            runnable=runnable,
+            first_chunk=e.first_chunk,
+            paused=tr.paused,
+            last_rehomed_at=e.last_rehomed_at,
+            last_run_at=e.last_run_at,
+            state_bytes=e.state_bytes,
+        )
+
+    def views_on(self, worker_id: int, now: float, running: Iterable[int] = ()) -> list[StreamView]:
+        run = set(running)
+        return [self.view(e.sid, now, e.sid in run) for e in self.on_worker(worker_id)]
+
+    def snapshot(self, now: float, workers: Sequence[WorkerView], running: Iterable[int] = ()) -> Snapshot:
+        run = set(running)
+        views = [self.view(sid, now, sid in run) for w in workers for sid in sorted(self._by_worker.get(w.worker_id, ()))]
+        return Snapshot(now, views, list(workers))
