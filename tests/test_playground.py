@@ -1,0 +1,127 @@
+"""The Gradio playground at /playground, driven in headless Chromium with a fake camera."""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import av
+import cv2
+import numpy as np
+import pytest
+from test_browser_page import CHROMIUM_FLAGS
+
+from app.playground import Controls
+from app.server.probe import http, pattern_frame
+from engine.video_io import VideoWriter
+
+pytestmark = pytest.mark.browser
+
+W = "window.diffcastPlayground"
+
+
+@pytest.fixture
+def page(chromium_path: Path, camera_clip: Path) -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(chromium_path),
+            args=[*CHROMIUM_FLAGS, f"--use-file-for-fake-video-capture={camera_clip}"],
+        )
+        page = browser.new_context(viewport={"width": 1200, "height": 900}).new_page()
+        page.on("console", lambda message: print(f"[browser] {message.type}: {message.text}"))
+        try:
+            yield page
+        finally:
+            browser.close()
+
+
+def _wait(page: Any, expression: str, timeout_s: float = 40) -> None:
+    page.wait_for_function(expression, timeout=timeout_s * 1000)
+
+
+def test_webcam_tab_streams_stylized_frames(page: Any, live_server: Callable[..., AbstractContextManager[str]]) -> None:
+    with live_server() as url:
+        page.goto(f"{url}/playground/")
+        _wait(page, f"{W} && {W}.ready")
+        page.click("[data-dc=start]")
+        _wait(page, f"{W}.status === 'live'")
+        assert page.evaluate(f"{W}.transport") == "webrtc"
+        # Stylized frames from the fake camera arrive and keep arriving.
+        _wait(page, f"{W}.outputFrames > 10")
+        before = page.evaluate(f"{W}.outputFrames")
+        page.wait_for_timeout(2000)
+        assert page.evaluate(f"{W}.outputFrames") > before
+        # The server made them from this camera: it counts frames in and frames shown.
+        _wait(page, f"{W}.stats && {W}.stats.frames_in > 10 && {W}.stats.frames_out > 5")
+        for cell in ("fps", "latency", "slack", "fidelity", "dropped", "frames"):
+            assert page.text_content(f"[data-dc={cell}]") not in ("", "–"), cell
+        # Gradio controls drive the live stream: a preset, then a two-prompt blend and steps.
+        page.click("#dc-preset input")
+        page.get_by_role("option", name="claymation").click()
+        _wait(page, f"{W}.stats.prompt === 'claymation'", 15)
+        page.fill("#dc-prompt2 textarea, #dc-prompt2 input", "charcoal drawing")
+        for slider, value in (("#dc-blend", "0.5"), ("#dc-steps", "1")):
+            page.fill(f"{slider} input[type=number]", value)
+            page.press(f"{slider} input[type=number]", "Enter")
+        page.click("#dc-apply")
+        _wait(page, f"{W}.stats.prompt === 'claymation + charcoal drawing' && {W}.stats.steps === 1", 15)
+        assert page.evaluate(f"{W}.errors") == []
+        # The widget links the stream's WHEP viewer page.
+        stream_id = page.evaluate(f"{W}.streamId")
+        assert page.get_attribute("[data-dc=view-link]", "href") == f"/view/{stream_id}"
+        page.click("[data-dc=stop]")
+        _wait(page, f"{W}.status === 'idle'", 10)
+
+
+def _write_clip(path: Path, frames: int, size: tuple[int, int]) -> Path:
+    writer = VideoWriter(path, 16.0, size)
+    for i in range(frames):
+        writer.write(pattern_frame(i, size))
+    writer.close()
+    return path
+
+
+def test_file_tab_returns_a_stylized_video(
+    page: Any, live_server: Callable[..., AbstractContextManager[str]], engine_factory: Any, tmp_path: Path
+) -> None:
+    clip = _write_clip(tmp_path / "input.mp4", frames=10, size=(160, 120))
+    with live_server() as url:
+        page.goto(f"{url}/playground/")
+        page.get_by_role("tab", name="Video file").click()
+        page.set_input_files("#dc-video-in input[type=file]", str(clip))
+        page.wait_for_selector("#dc-video-in video", timeout=20_000)
+        page.click("#dc-stylize")
+        link = page.wait_for_selector("#dc-download a[href]", timeout=45_000)
+        href = urllib.parse.urljoin(page.url, link.get_attribute("href"))
+        status, _, body = http("GET", href)
+    assert status == 200
+    out = tmp_path / "out.mp4"
+    out.write_bytes(body)
+    with av.open(str(out)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    # Every input frame comes back, at the model's size, and it went through the model (it is
+    # not the input merely resized).
+    width, height = engine_factory.size
+    assert len(frames) == 10
+    assert frames[0].shape == (height, width, 3)
+    resized = np.stack([cv2.resize(pattern_frame(i, (160, 120)), (width, height)) for i in range(10)])
+    assert np.abs(np.stack(frames).astype(float) - resized).mean() > 10
+
+
+def test_controls_validate_and_blend() -> None:
+    blended = Controls("oil painting", " ink wash ", 0.25, "slerp", 0.7, 3, 5).params()
+    assert blended.prompts == ("oil painting", "ink wash")
+    assert blended.prompt_weights == (0.75, 0.25) and blended.blend_mode == "slerp"
+    single = Controls("oil painting", "ink wash", 0.0, "linear", 0.7, 3, 5).params()
+    assert single.prompts == ("oil painting",) and single.prompt_weights is None
+    with pytest.raises(ValueError, match="prompt is empty"):
+        Controls("  ", "", 0.0, "linear", 0.8, 2, 0).params()
+    with pytest.raises(ValueError, match="blend mode"):
+        Controls("a", "b", 0.5, "cubic", 0.8, 2, 0).params()
+    with pytest.raises(ValueError, match="noise_scale"):
+        Controls("a", "", 0.0, "linear", 0.05, 2, 0).params()

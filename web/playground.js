@@ -1,0 +1,183 @@
+// The playground's live webcam widget: the page's own WebRTC client (rtc.js, with the WebSocket
+// fallback from wsclient.js) mounted inside a Gradio gr.HTML block. Gradio controls outside the
+// block call window.diffcastPlayground.setOptions(...) / .apply(); nothing here is Gradio-specific.
+import { connectWebRTC } from "./rtc.js";
+import { connectWebSocket } from "./wsclient.js";
+
+const ICE_TIMEOUT_MS = 8000;
+const STATS = [
+  ["fps", "output fps"],
+  ["latency", "latency"],
+  ["slack", "playout slack"],
+  ["fidelity", "fidelity"],
+  ["dropped", "dropped"],
+  ["frames", "frames shown"],
+];
+
+const state = {
+  status: "idle",
+  transport: null,
+  streamId: null,
+  outputFrames: 0,
+  stats: null,
+  errors: [],
+  options: null,
+  setOptions,
+  apply,
+};
+window.diffcastPlayground = state;
+
+let root = null;
+let config = null;
+let camera = null;
+let connection = null;
+
+const q = (name) => root.querySelector(`[data-dc="${name}"]`);
+const fmt = (value, unit, digits = 0) => (value === null || value === undefined ? "–" : `${Number(value).toFixed(digits)} ${unit}`);
+
+function setStatus(status) {
+  state.status = status;
+  q("status").textContent = status;
+  q("status").dataset.state = status;
+}
+
+function notice(text) {
+  q("notice").textContent = text;
+  q("notice").hidden = !text;
+}
+
+// Controls as the server's control protocol names them: one prompt, or two blended by weight.
+function setOptions(options) {
+  state.options = { ...state.options, ...options };
+}
+
+function controlFields() {
+  const o = state.options;
+  const second = (o.prompt2 || "").trim();
+  const fields = { noise_scale: o.noise_scale, steps: o.steps, seed: o.seed };
+  if (second && o.blend > 0) {
+    fields.prompt = [o.prompt, second];
+    fields.prompt_weights = [1 - o.blend, o.blend];
+  } else {
+    fields.prompt = o.prompt;
+  }
+  return fields;
+}
+
+// Send the current controls to the running stream (no restart; applied at the next chunk).
+function apply(options = {}) {
+  setOptions(options);
+  if (connection) connection.send({ type: "update", transition_chunks: 2, ...controlFields() });
+}
+
+function renderStats(stats) {
+  state.stats = stats;
+  q("fps").textContent = fmt(stats.fps, "fps", 1);
+  q("latency").textContent = stats.latency_ms === null ? "–" : `${fmt(stats.latency_p50_ms, "ms")} (p95 ${fmt(stats.latency_p95_ms, "ms")})`;
+  q("slack").textContent = fmt(stats.slack_s * 1000, "ms");
+  q("fidelity").textContent = `${stats.steps} steps · noise ${Number(stats.noise_scale).toFixed(2)}`;
+  q("dropped").textContent = String(stats.dropped_frames);
+  q("frames").textContent = String(stats.frames_out);
+  q("prompt-now").textContent = stats.prompt;
+}
+
+function onMessage(message) {
+  if (message.type === "stats") renderStats(message);
+  else if (message.type === "error") {
+    state.errors.push(message.message);
+    notice(`server: ${message.message}`);
+  } else if (message.type === "closed" && state.status === "live") setStatus("disconnected");
+}
+
+async function start() {
+  q("start").disabled = true;
+  notice("");
+  setStatus("connecting");
+  const { prompt, noise_scale, steps, seed } = state.options;
+  const opening = { prompt, noise_scale, steps, seed };
+  try {
+    camera = await navigator.mediaDevices.getUserMedia({ video: { width: 640, height: 480 }, audio: false });
+    q("input").srcObject = camera;
+    try {
+      connection = await connectWebRTC({
+        camera, config, options: opening, iceTimeoutMs: ICE_TIMEOUT_MS,
+        onTrack: (stream) => { q("output").srcObject = stream; },
+        onMessage,
+      });
+    } catch (error) {
+      if (error.status) throw error; // refused by the server: the fallback would be refused too
+      notice(`WebRTC could not connect (${error.message}); switched to the WebSocket fallback.`);
+      connection = await connectWebSocket({
+        cameraVideo: q("input"), config, options: opening, canvas: q("output-canvas"),
+        onFrame: () => { state.outputFrames += 1; },
+        onMessage,
+      });
+    }
+    const webrtc = connection.transport === "webrtc";
+    q("output").hidden = !webrtc;
+    q("output-canvas").hidden = webrtc;
+    state.transport = connection.transport;
+    state.streamId = connection.streamId;
+    if (webrtc) {
+      q("view-link").href = `/view/${connection.streamId}`;
+      q("view-link").textContent = `/view/${connection.streamId}`;
+      q("view-link").hidden = false;
+    }
+    if (state.options.prompt2 && state.options.blend > 0) apply(); // blends are not an opening option
+    setStatus("live");
+    q("stop").disabled = false;
+  } catch (error) {
+    notice(`Could not start: ${error.message}`);
+    await stop();
+    setStatus("error");
+  }
+}
+
+async function stop() {
+  if (connection) await connection.close();
+  connection = null;
+  if (camera) camera.getTracks().forEach((track) => track.stop());
+  camera = null;
+  state.transport = null;
+  q("view-link").hidden = true;
+  q("start").disabled = false;
+  q("stop").disabled = true;
+  setStatus("idle");
+}
+
+function markup() {
+  const stats = STATS.map(([key, label]) => `<div><dt>${label}</dt><dd data-dc="${key}">–</dd></div>`).join("");
+  return `
+    <div class="dc-bar">
+      <button data-dc="start" class="primary">Start camera</button>
+      <button data-dc="stop" disabled>Stop</button>
+      <span data-dc="status" class="badge" data-state="idle">idle</span>
+      <span class="dc-now">now: <em data-dc="prompt-now">–</em></span>
+      <a data-dc="view-link" target="_blank" hidden></a>
+    </div>
+    <p data-dc="notice" class="notice" hidden></p>
+    <div class="dc-stage">
+      <figure class="pane"><video data-dc="input" autoplay muted playsinline></video><figcaption>camera</figcaption></figure>
+      <figure class="pane"><video data-dc="output" autoplay muted playsinline></video>
+        <canvas data-dc="output-canvas" hidden></canvas><figcaption>stylized</figcaption></figure>
+    </div>
+    <section class="stats"><dl>${stats}</dl></section>`;
+}
+
+export async function mount(element) {
+  if (root) return; // Gradio may re-run js_on_load; one widget per page
+  root = element;
+  root.classList.add("diffcast-live");
+  root.innerHTML = markup();
+  config = await (await fetch("/api/config")).json();
+  state.options = { prompt: config.defaultPrompt, prompt2: "", blend: 0, noise_scale: 0.8, steps: 2, seed: 0, ...state.options };
+  const output = q("output");
+  const count = () => {
+    state.outputFrames += 1;
+    output.requestVideoFrameCallback(count);
+  };
+  output.requestVideoFrameCallback(count);
+  q("start").addEventListener("click", start);
+  q("stop").addEventListener("click", stop);
+  state.ready = true;
+}
