@@ -13,7 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch 2.13.0; an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# cluster: Ray, for the scale-out workers (engine/cluster) and their tests.
+	$(PY) -m pip install -q -e '.[dev,cluster]'
 	touch $@
 
 run: setup
