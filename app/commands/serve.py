@@ -40,6 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--break-ice", action="store_true", help="test knob: make every ICE negotiation fail")
     parser.add_argument("--threads", type=int, default=0, help="torch threads for the engine (0 = torch default)")
+    parser.add_argument(
+        "--ray", action="store_true",
+        help="run the engine as Ray worker actors on a local Ray cluster started here (needs the cluster extra)",
+    )
+    parser.add_argument(
+        "--ray-address", default=None, metavar="ADDR",
+        help="join the Ray cluster at ADDR (e.g. 10.0.0.5:6379 or 'auto') instead of starting one; implies --ray",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="Ray worker actors (model replicas) with --ray")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,8 +81,15 @@ def run(args: argparse.Namespace) -> int:
         trace_stamp=args.trace_stamp,
         break_ice=args.break_ice,
     )
+    if (args.ray or args.ray_address) and args.workers < 1:
+        raise SystemExit(f"--workers must be at least 1, got {args.workers}")
     try:
-        app = create_app(config)
+        factory = None
+        if args.ray or args.ray_address:
+            from app.server.engine_bridge import RayFactory
+
+            factory = RayFactory.start(args.model, args.device, args.workers, args.ray_address, max(args.threads, 1))
+        app = create_app(config, factory=factory)
     except ModelNotAvailableError as exc:
         log.error("%s", exc)
         return 2

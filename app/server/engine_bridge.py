@@ -7,8 +7,10 @@ exercised with the real tiny model in tests and lets other engines plug in.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -112,6 +114,70 @@ class PipelineFactory:
 
         stream = self._pipe.open_stream(StreamParams(**asdict(settings)))
         return PipelineProcessor(stream, int(self._pipe.first_chunk_frames), int(self._pipe.chunk_frames))
+
+
+class RayProcessor:
+    """A `StreamProcessor` whose chunks run on the stream's home Ray worker (engine.cluster): the
+    controller routes each call, and re-homing or a worker failure happens underneath it."""
+
+    def __init__(self, controller: Any, stream_id: int) -> None:
+        self._controller = controller
+        self.stream_id = stream_id
+
+    @property
+    def first_chunk_frames(self) -> int:
+        return int(self._controller.info.first_chunk_frames)
+
+    @property
+    def chunk_frames(self) -> int:
+        return int(self._controller.info.chunk_frames)
+
+    def process(self, frames: np.ndarray) -> np.ndarray:
+        return np.asarray(self._controller.process(self.stream_id, frames), dtype=np.uint8)
+
+    def update(self, **changes: Any) -> None:
+        self._controller.update(self.stream_id, **changes)
+
+    def reset(self) -> None:
+        self._controller.reset(self.stream_id)
+
+
+class RayFactory:
+    """Opens streams on a cluster of Ray worker actors (`diffcast serve --ray` / `--ray-address`)."""
+
+    def __init__(self, controller: Any) -> None:
+        self.controller = controller
+        self._ids = itertools.count(1)
+
+    @classmethod
+    def start(
+        cls, model: str | None, device: str = "cpu", workers: int = 2, address: str | None = None, threads: int = 1
+    ) -> RayFactory:
+        """Start a local Ray cluster (``address`` None) or join one, bring up ``workers`` actors, and
+        health-check them in the background."""
+        from engine.cluster.controller import ClusterConfig, ClusterController
+
+        gpus = 1.0 if device.startswith("cuda") else 0.0
+        config = ClusterConfig(model=model, workers=workers, device=device, threads_per_worker=threads,
+                               gpus_per_worker=gpus)
+        controller = ClusterController.start(config, address)
+        controller.start_monitor()
+        return cls(controller)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        width, height = self.controller.info.default_size
+        return int(width), int(height)
+
+    def open(self, settings: StreamSettings) -> StreamProcessor:
+        from engine.pipeline import StreamParams
+
+        stream_id = next(self._ids)
+        self.controller.open(stream_id, StreamParams(**asdict(settings)))
+        processor = RayProcessor(self.controller, stream_id)
+        # The processor protocol has no close: the stream leaves its worker when its session drops it.
+        weakref.finalize(processor, self.controller.close, stream_id)
+        return processor
 
 
 class DelayedProcessor:
