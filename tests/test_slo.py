@@ -50,3 +50,26 @@ def test_bad_samples_are_rejected() -> None:
         model.observe(4, 1, 0.0)
     with pytest.raises(ValueError):
         model.predict(4, 1)
+
+
+def test_slo_batcher_explores_then_respects_the_target() -> None:
+    from engine.streaming.slo import BatchRequest, SloBatcher
+
+    batcher = SloBatcher(frames_per_slot=4, target_fps=20.0, max_batch=8)
+    ready = [BatchRequest(f"s{i}", ("S2/W6", 6)) for i in range(6)]
+    assert [len(g) for g in batcher.plan(ready)] == [1] * 6  # nothing measured yet: one at a time
+    batcher.observe(1, 0.05 + 0.04)
+    assert [len(g) for g in batcher.plan(ready)] == [2, 2, 2]  # explore a second load level
+    batcher.observe(2, 0.05 + 0.08)
+    # L(4, B) = 0.05 + 0.04 B meets 20 fps up to B = 3.
+    assert [len(g) for g in batcher.plan(ready)] == [3, 3]
+
+
+def test_slo_batcher_never_mixes_keys() -> None:
+    from engine.streaming.slo import BatchRequest, SloBatcher
+
+    batcher = SloBatcher(frames_per_slot=4, target_fps=1.0, max_batch=8)
+    batcher.observe(1, 0.01)
+    batcher.observe(8, 0.02)
+    ready = [BatchRequest("a", ("S2",)), BatchRequest("b", ("S1",)), BatchRequest("c", ("S2",))]
+    assert sorted(map(sorted, batcher.plan(ready))) == [["a", "c"], ["b"]]

@@ -45,6 +45,11 @@ class LatencyModel:
     def num_samples(self) -> int:
         return len(self._samples)
 
+    @property
+    def batch_levels(self) -> set[int]:
+        """Distinct batch sizes among the samples in the window."""
+        return {s.batch for s in self._samples}
+
     def coefficients(self) -> tuple[float, float]:
         """(a, b) of L = a + b * B * T; with one distinct load level, all cost is put in b."""
         if not self._samples:
@@ -104,3 +109,49 @@ def choose_batch_size(
         return best
     latency = model.predict(frames_per_slot, 1)
     return BatchChoice(1, latency, frames_per_slot / latency if latency > 0 else float("inf"), False)
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One stream's ready chunk: ``key`` says which streams may share a forward (same fidelity,
+    same cache fill level); streams with different keys never batch together."""
+
+    stream_id: str
+    key: tuple[object, ...]
+
+
+class SloBatcher:
+    """Groups ready chunks into forwards of at most B rows, B chosen from the measured L(T, B).
+
+    Call :meth:`plan` with the ready chunks, run each group as one batched forward, and report the
+    measured time of each group with :meth:`observe`; the latency model keeps re-fitting, so B
+    follows load changes while streams run.
+    """
+
+    def __init__(self, frames_per_slot: int, target_fps: float, max_batch: int = 8, model: LatencyModel | None = None) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        self.frames_per_slot = frames_per_slot
+        self.target_fps = target_fps
+        self.max_batch = max_batch
+        self.model = model or LatencyModel()
+
+    def batch_size(self) -> int:
+        # Until two distinct load levels are measured, explore: grow B one step at a time.
+        levels = self.model.batch_levels
+        if len(levels) < 2:
+            return min(self.max_batch, max(levels, default=0) + 1)
+        return choose_batch_size(self.model, self.frames_per_slot, self.target_fps, self.max_batch).batch
+
+    def plan(self, ready: list[BatchRequest]) -> list[list[str]]:
+        limit = self.batch_size()
+        groups: dict[tuple[object, ...], list[str]] = {}
+        for request in ready:
+            groups.setdefault(request.key, []).append(request.stream_id)
+        plan: list[list[str]] = []
+        for ids in groups.values():
+            plan.extend(ids[i : i + limit] for i in range(0, len(ids), limit))
+        return plan
+
+    def observe(self, batch: int, seconds: float) -> None:
+        self.model.observe(self.frames_per_slot, batch, seconds)
