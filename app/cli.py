@@ -14,6 +14,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "app.commands.bench",
     "app.commands.serve",
     "app.commands.simulate",
+    "app.commands.virtualcam",
 )
 
 

@@ -1,0 +1,146 @@
+"""`diffcast virtualcam` through pyvirtualcam's own backend registry, with a recording backend."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pyvirtualcam
+import torch
+from pyvirtualcam.camera import BACKENDS
+from pyvirtualcam.util import encode_fourcc
+
+from app.cli import main
+from app.server.probe import CodedCamera, open_session, pattern_frame
+from app.virtualcam import setup_message
+from engine.pipeline import Pipeline, StreamParams
+from engine.video_io import VideoWriter, read_frames
+
+BACKEND = "diffcast-recorder"
+
+
+class RecordingBackend:
+    """A pyvirtualcam backend (the interface of pyvirtualcam.camera.Backend) that keeps what it gets."""
+
+    opened: list[RecordingBackend] = []
+
+    def __init__(self, *, width: int, height: int, fps: float, fourcc: int, device: str | None, **kw: Any) -> None:
+        self.width, self.height, self.fps, self.fourcc = width, height, fps, fourcc
+        self._device = device or "recorder0"
+        self.frames: list[np.ndarray] = []
+        self.times: list[float] = []
+        self.closed = False
+        RecordingBackend.opened.append(self)
+
+    def send(self, frame: np.ndarray) -> None:
+        self.times.append(time.monotonic())
+        self.frames.append(frame.copy())
+
+    def close(self) -> None:
+        self.closed = True
+
+    def device(self) -> str:
+        return self._device
+
+    def native_fourcc(self) -> int:
+        return self.fourcc
+
+
+@pytest.fixture
+def recorder() -> Iterator[type[RecordingBackend]]:
+    RecordingBackend.opened.clear()
+    pyvirtualcam.register_backend(BACKEND, RecordingBackend)
+    try:
+        yield RecordingBackend
+    finally:
+        BACKENDS.pop(BACKEND, None)
+
+
+def _clip(path: Path, frames: int) -> Path:
+    writer = VideoWriter(path, 16.0, (160, 120))
+    for i in range(frames):
+        writer.write(pattern_frame(i, (160, 120)))
+    writer.close()
+    return path
+
+
+def test_file_to_virtual_camera(recorder: type[RecordingBackend], tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    clip = _clip(tmp_path / "in.mp4", frames=9)  # chunks of 1, 4, 4 frames
+    size, fps = (96, 64), 12.0
+    code = main([
+        "virtualcam", "--source", str(clip), "--prompt", "oil painting", "--model", "tiny-random",
+        "--fps", str(fps), "--size", f"{size[0]}x{size[1]}", "--backend", BACKEND,
+    ])
+    assert code == 0
+    (camera,) = recorder.opened
+    assert (camera.width, camera.height, camera.fps) == (96, 64, fps)
+    assert camera.fourcc == encode_fourcc(pyvirtualcam.PixelFormat.RGB.value)
+    assert camera.closed
+    assert len(camera.frames) == 9
+    assert all(frame.size == 96 * 64 * 3 and frame.dtype == np.uint8 for frame in camera.frames)
+    # What reaches the camera is the model's output for this file, computed here independently.
+    pipe = Pipeline.load("tiny-random")
+    stream = pipe.open_stream(StreamParams(prompt="oil painting", size=size))
+    frames, _, _ = read_frames(clip, size)
+    inputs = list(frames)
+    expected = np.concatenate([stream.process(np.stack(c)) for c in (inputs[:1], inputs[1:5], inputs[5:9])])
+    got = np.stack([frame.reshape(64, 96, 3) for frame in camera.frames])
+    assert np.abs(got.astype(int) - expected.astype(int)).max() <= 1
+    # Paced at the camera's rate: never faster, and frames of one chunk go out one period apart.
+    intervals = np.diff(camera.times)
+    assert intervals.min() > 0.8 / fps
+    assert abs(float(np.median(intervals)) - 1 / fps) < 0.25 / fps
+
+
+def test_without_a_backend_the_command_explains_the_setup(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    clip = _clip(tmp_path / "in.mp4", frames=2)
+    base = ["virtualcam", "--source", str(clip), "--prompt", "p", "--model", "tiny-random", "--size", "64x64"]
+    # This machine has pyvirtualcam's Linux backend but no v4l2loopback device.
+    assert main([*base, "--backend", "v4l2loopback"]) != 0
+    err = capsys.readouterr().err
+    assert "cannot open a virtual camera" in err
+    assert 'sudo modprobe v4l2loopback devices=1 exclusive_caps=1 card_label="diffcast"' in err
+    # No backend at all (e.g. pyvirtualcam without OBS on macOS/Windows): the steps for that OS.
+    monkeypatch.setattr("pyvirtualcam.camera.BACKENDS", {})
+    monkeypatch.setattr("platform.system", lambda: "Windows")
+    assert main(base) != 0
+    err = capsys.readouterr().err
+    assert "no virtual camera backend is available" in err and "Start Virtual Camera" in err
+    assert main([*base, "--backend", "obs"]) != 0
+    assert "backend 'obs' is not available here; available: none" in capsys.readouterr().err
+    assert "OBS Studio" in setup_message("Darwin", "x") and "modprobe" not in setup_message("Darwin", "x")
+
+
+async def test_server_stream_to_virtual_camera(
+    recorder: type[RecordingBackend], live_server: Callable[..., AbstractContextManager[str]]
+) -> None:
+    with live_server() as url:
+        publisher = await open_session(url, CodedCamera((128, 128), fps=15))
+        try:
+            code = await asyncio.to_thread(main, [
+                "virtualcam", "--source", f"stream:{publisher.stream_id}", "--server", url,
+                "--size", "64x48", "--fps", "10", "--backend", BACKEND, "--max-frames", "8",
+            ])
+        finally:
+            await publisher.close()
+    assert code == 0
+    (camera,) = recorder.opened
+    assert len(camera.frames) == 8 and all(frame.size == 64 * 48 * 3 for frame in camera.frames)
+
+
+def test_bad_sources_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["virtualcam", "--source", "nope.mp4", "--prompt", "p"]) == 2
+    assert "is not 'camera', an existing video file" in capsys.readouterr().err
+    assert main(["virtualcam", "--source", "stream:"]) == 2
+    assert "needs a stream id" in capsys.readouterr().err
+    assert main(["virtualcam", "--source", "camera"]) == 2
+    assert "--prompt is required" in capsys.readouterr().err
