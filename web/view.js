@@ -2,6 +2,9 @@
 const streamId = decodeURIComponent(window.location.pathname.split("/").filter(Boolean).pop());
 const video = document.getElementById("video");
 const RETRY_MS = 2000;
+// A server started with --token wants it on WHEP too: an OBS Browser Source passes it as ?token=.
+const token = new URLSearchParams(window.location.search).get("token");
+const auth = token ? { Authorization: `Bearer ${token}` } : {};
 const state = { status: "connecting", frames: 0 };
 window.diffcastViewer = state;
 
@@ -26,7 +29,7 @@ async function play() {
   });
   const response = await fetch(`/whep/${encodeURIComponent(streamId)}`, {
     method: "POST",
-    headers: { "Content-Type": "application/sdp" },
+    headers: { "Content-Type": "application/sdp", ...auth },
     body: pc.localDescription.sdp,
   });
   if (response.status !== 201) {
@@ -36,14 +39,14 @@ async function play() {
   const location = response.headers.get("Location");
   await pc.setRemoteDescription({ type: "answer", sdp: await response.text() });
   state.status = "playing";
-  window.addEventListener("pagehide", () => fetch(location, { method: "DELETE", keepalive: true }));
+  window.addEventListener("pagehide", () => fetch(location, { method: "DELETE", keepalive: true, headers: auth }));
   await new Promise((resolve) => {
     pc.addEventListener("connectionstatechange", () => {
       if (["failed", "closed", "disconnected"].includes(pc.connectionState)) resolve();
     });
   });
   pc.close();
-  fetch(location, { method: "DELETE" }).catch(() => {});
+  fetch(location, { method: "DELETE", headers: auth }).catch(() => {});
 }
 
 async function loop() {
