@@ -575,10 +575,21 @@ class CausalWanDiT(nn.Module):
         cfg = self.config
         if context.ndim != 3 or context.shape[-1] != cfg.text_dim:
             raise ValueError(f"context must be [B, L, {cfg.text_dim}], got {tuple(context.shape)}")
+        return self.prompt_kv(self.embed_text(context), range(len(self.blocks)))
+
+    @torch.no_grad()
+    def embed_text(self, context: Tensor) -> Tensor:
+        """Text encoder states ``[B, L, text_dim]`` -> padded/truncated text tokens ``[B, text_len, dim]``."""
+        cfg = self.config
         context = context[:, : cfg.text_len].to(device=self.device, dtype=self.dtype)
         context = F.pad(context, (0, 0, 0, cfg.text_len - context.shape[1]))
-        ctx = self.text_embedding(context)
-        ks, vs = zip(*(cast(WanBlock, block).cross_attn.project_kv(ctx) for block in self.blocks), strict=True)
+        return cast(Tensor, self.text_embedding(context))
+
+    @torch.no_grad()
+    def prompt_kv(self, text_tokens: Tensor, blocks: range) -> PromptCache:
+        """Cross-attention K/V of ``blocks`` only (layer j of the result is block ``blocks[j]``)."""
+        pairs = (cast(WanBlock, self.blocks[i]).cross_attn.project_kv(text_tokens) for i in blocks)
+        ks, vs = zip(*pairs, strict=True)
         return PromptCache(list(ks), list(vs))
 
     def new_kv_cache(self, batch: int, frame_tokens: int, window_frames: int, sink_frames: int = 0,
@@ -611,16 +622,59 @@ class CausalWanDiT(nn.Module):
         starts = _per_row(start_frame, batch, "start_frame")
         ropes = starts if rope_start is None else _per_row(rope_start, batch, "rope_start")
         tokens, e, e0, grid = self._embed(x, timestep)
-        cos, sin = rope_tables(self.config, ropes, *grid, device=tokens.device)
+        sa = self._cached_context(grid, starts, ropes, kv_cache, len(self.blocks), tokens.device)
+        return self._run(tokens, e, e0, grid, prompt, sa)
+
+    def _cached_context(self, grid: tuple[int, int, int], starts: list[int], ropes: list[int],
+                        kv_cache: KVCache | None, layers: int, device: torch.device) -> _SelfAttnContext:
+        """RoPE tables for the rows' positions and, with a cache, its reserved write slice."""
+        cos, sin = rope_tables(self.config, ropes, *grid, device=device)
         sa = _SelfAttnContext(cos, sin)
         if kv_cache is not None:
             frame_tokens = grid[1] * grid[2]
             if frame_tokens != kv_cache.frame_tokens:
                 raise ValueError(f"x has {frame_tokens} tokens per frame, the cache {kv_cache.frame_tokens}")
-            if kv_cache.num_layers != len(self.blocks):
-                raise ValueError(f"cache has {kv_cache.num_layers} layers, the model {len(self.blocks)}")
+            if kv_cache.num_layers != layers:
+                raise ValueError(f"cache has {kv_cache.num_layers} layers, the blocks run {layers}")
             sa.cache, sa.write = kv_cache, kv_cache.reserve(starts, grid[0])
-        return self._run(tokens, e, e0, grid, prompt, sa)
+        return sa
+
+    # -- stage helpers: the same forward in pieces (pipeline parallelism runs block ranges per rank) ----
+
+    @torch.no_grad()
+    def embed(self, x: Tensor, timestep: Tensor) -> tuple[Tensor, Tensor, Tensor, tuple[int, int, int]]:
+        """First stage: tokens ``[B, N, dim]``, e ``[B, F, dim]``, e0 ``[B, F, 6, dim]`` and the token grid."""
+        return self._embed(x, timestep)
+
+    @torch.no_grad()
+    def run_blocks(self, tokens: Tensor, e0: Tensor, grid: tuple[int, int, int], prompt: PromptCache,
+                   blocks: range, kv_cache: KVCache | None = None, start_frame: int | Sequence[int] = 0,
+                   rope_start: int | Sequence[int] | None = None) -> Tensor:
+        """Run blocks ``blocks`` (a contiguous range) on tokens; returns the tokens after the last one.
+
+        ``prompt`` and ``kv_cache`` hold exactly those blocks' layers: layer j is block ``blocks[j]``, so a
+        pipeline stage keeps caches of its own blocks only. :meth:`embed`, then ``run_blocks`` over
+        consecutive ranges covering every block, then :meth:`head_out` computes what :meth:`forward` does.
+        """
+        if blocks.step != 1 or not 0 <= blocks.start < blocks.stop <= len(self.blocks):
+            raise ValueError(f"blocks must be a non-empty contiguous range inside [0, {len(self.blocks)}), got {blocks}")
+        batch = tokens.shape[0]
+        if prompt.num_layers != len(blocks) or prompt.batch_size != batch:
+            raise ValueError(
+                f"prompt cache has {prompt.num_layers} layers x {prompt.batch_size} rows, expected "
+                f"{len(blocks)} x {batch}"
+            )
+        starts = _per_row(start_frame, batch, "start_frame")
+        ropes = starts if rope_start is None else _per_row(rope_start, batch, "rope_start")
+        sa = self._cached_context(grid, starts, ropes, kv_cache, len(blocks), tokens.device)
+        for j, i in enumerate(blocks):
+            tokens = self.blocks[i](tokens, e0, prompt.k[j], prompt.v[j], j, sa)
+        return tokens
+
+    @torch.no_grad()
+    def head_out(self, tokens: Tensor, e: Tensor, grid: tuple[int, int, int]) -> Tensor:
+        """Last stage: head and unpatchify -> velocity ``[B, C, F, H, W]``."""
+        return self._unpatchify(self.head(tokens, e), grid)
 
     @torch.no_grad()
     def forward_masked(self, x: Tensor, timestep: Tensor, prompt: PromptCache, chunk_frames: int,

@@ -1,0 +1,129 @@
+"""Spawning the pipeline ranks: one process per rank, torch.distributed over 127.0.0.1.
+
+``run_pipeline(factory, program, world)`` starts ``world`` processes (torch.multiprocessing, spawn),
+joins them into a process group (NCCL on GPUs, gloo on CPU), builds the model in each from
+``factory`` (a picklable callable: device -> StreamRuntime), runs ``program`` on rank 0 with the
+:class:`PipelineRuntime` while ranks 1..N-1 serve their stages, and returns what ``program``
+returned. Every rank builds the same model from the same factory, so weights agree without a
+broadcast (random test models seed themselves).
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import logging
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.parallel.comm import Channel
+from engine.parallel.partition import even_ranges
+from engine.parallel.pipeline import PipelineOptions, PipelineRuntime, StageWorker
+from engine.streaming.runtime import StreamRuntime
+
+log = logging.getLogger(__name__)
+
+RuntimeFactory = Callable[[torch.device], StreamRuntime]
+Program = Callable[[PipelineRuntime], Any]
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """Factory for :func:`run_pipeline`: ``Pipeline.load(model)``'s runtime on the rank's device."""
+
+    model: str | None = None
+
+    def __call__(self, device: torch.device) -> StreamRuntime:
+        from engine.pipeline import Pipeline
+
+        return Pipeline.load(self.model, device=str(device)).runtime
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """CPU ranks share the CPU; GPU rank r uses ``cuda:r``."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if device != "cuda":
+        raise ValueError(f"pipeline ranks run on 'cpu' or 'cuda', got {device!r}")
+    return torch.device("cuda", rank)
+
+
+def check_world(world: int, device: str) -> None:
+    if world < 1:
+        raise ValueError(f"need at least one rank, got {world}")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+        if torch.cuda.device_count() < world:
+            raise ValueError(f"{world} GPU ranks asked for but only {torch.cuda.device_count()} GPUs are visible")
+
+
+def run_pipeline(factory: RuntimeFactory, program: Program, world: int, device: str = "cpu",
+                 options: PipelineOptions | None = None, threads: int = 1, timeout_s: float = 300.0) -> Any:
+    """Run ``program(pipeline)`` on rank 0 of a fresh ``world``-rank pipeline; returns its result."""
+    check_world(world, device)
+    options = options or PipelineOptions()
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="diffcast-pipeline-") as tmp:
+        result_path = Path(tmp) / "result.pt"
+        mp.spawn(
+            _rank_main,
+            args=(world, port, factory, program, device, options, threads, timeout_s, str(result_path)),
+            nprocs=world,
+            join=True,
+        )
+        return torch.load(io.BytesIO(result_path.read_bytes()), weights_only=False)
+
+
+def _rank_main(rank: int, world: int, port: int, factory: RuntimeFactory, program: Program, device: str,
+               options: PipelineOptions, threads: int, timeout_s: float, result_path: str) -> None:
+    logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(threads)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo on the loopback interface
+    dev = rank_device(device, rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(
+        "nccl" if dev.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        runtime = factory(dev)
+        num_blocks = len(runtime.dit.blocks)
+        ranges = ([range(a, b) for a, b in options.ranges] if options.ranges is not None
+                  else even_ranges(num_blocks, world))
+        channel = Channel(dev)
+        if rank == 0:
+            pipe = PipelineRuntime(runtime, channel, world, ranges, options)
+            result = program(pipe)
+            pipe.shutdown()
+            buf = io.BytesIO()
+            torch.save(result, buf)
+            Path(result_path).write_bytes(buf.getvalue())
+        else:
+            StageWorker(runtime, channel, rank, world, ranges, options).serve()
+    except Exception:
+        # Only the first failing rank's error reaches the parent; log every rank's own cause.
+        log.exception("rank %d of %d failed", rank, world)
+        raise
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,679 @@
+"""Pipeline-parallel stream batch: the DiT's blocks split over N ranks, micro-steps travelling a ring.
+
+Schedule (StreamDiffusionV2 §4.2, Fig. 7). A micro-step is one batched forward of the stream batch
+(rows = chunks at different denoising steps). Rank r runs blocks ``ranges[r]`` of every micro-step and
+hands the activations (tokens, the per-frame modulation e/e0, the latents, the little row metadata)
+to rank r + 1 with ``isend``; rank 0 also does the VAE encode and the patch/time/text embedding, the
+last rank the head, x̂₀, re-noise and VAE decode, and sends the re-noised latents and the finished
+frames back to rank 0, closing the ring.
+
+With ``depth`` micro-steps in flight a chunk cannot take its next step in the very next micro-step
+(its x̂₀ is still on its way round the ring), so a chunk entering at micro-step m runs step i in
+micro-step ``m + i*depth``. Micro-step m thus holds the chunks entered at m, m - depth, ...; slot i is
+still "the chunk at step i". Every rank processes micro-steps in order, so per-step KV cache i of a
+stream is written by chunk c before chunk c + 1 reads it, on every block: the results equal the
+single-process engine's (:meth:`StreamRuntime.step` chunk after chunk, per-step cache mode).
+
+Adaptive sink refresh compares the newest frame's mean keys/values over *all* blocks with the sinks',
+so its decision exists only after the last rank, and the same stream's next chunk must not run
+before it is applied. With ``RuntimeConfig.sink_refresh`` the ring therefore runs one micro-step at
+a time (depth 1: exact, but no overlap); forced refreshes (a prompt switch with ``refresh_sinks``)
+make just their micro-steps barriers. Each rank adds its blocks' partial dot products and norms to
+the message; the last rank decides and the decision travels with the next micro-step.
+
+Each rank owns the KV caches (and the prompt cross-attention K/V) of its own blocks for every stream.
+:meth:`PipelineRuntime.rebalance` drains the ring, then moves blocks between ranks with P2P: their
+KV caches, and their weights when ranks hold only their own blocks (``weights="own"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from engine.models.wan_dit import KVCache, PromptCache
+from engine.parallel.comm import Channel, Message
+from engine.parallel.partition import BlockScheduler, StageTiming, check_ranges
+from engine.sampling import NoiseSource, renoise, v2v_input, x0_from_velocity
+from engine.serving.fidelity import FidelityConfig
+from engine.streaming.noise import MotionAwareNoiseController
+from engine.streaming.prompts import BlendMode, PromptTransition
+from engine.streaming.runtime import ChunkResult, RopeOverflowError, StreamRuntime, resize_window
+from engine.streaming.state import StreamState
+
+log = logging.getLogger(__name__)
+
+WeightsMode = Literal["all", "own"]
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How the ranks split the model.
+
+    weights: "all" = every rank keeps the whole DiT (a rebalance moves only KV caches); "own" = a rank
+    keeps only its blocks' weights (a rebalance also moves the moved blocks' weights).
+    rebalance_every: micro-steps between block-scheduler checks (0 = only explicit rebalances).
+    min_gain: the scheduler rebalances only when it predicts the slowest stage this much faster.
+    """
+
+    ranges: tuple[tuple[int, int], ...] | None = None
+    weights: WeightsMode = "all"
+    rebalance_every: int = 0
+    min_gain: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.weights not in ("all", "own"):
+            raise ValueError(f"weights must be 'all' or 'own', got {self.weights!r}")
+        if self.rebalance_every < 0:
+            raise ValueError(f"rebalance_every must be >= 0, got {self.rebalance_every}")
+
+
+class _Clock:
+    """Elapsed compute time: perf_counter on CPU, CUDA events on GPU (no device-wide sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    @contextlib.contextmanager
+    def measure(self, into: list[float]) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            end.synchronize()
+            into.append(start.elapsed_time(end) / 1000.0)
+        else:
+            t0 = time.perf_counter()
+            yield
+            into.append(time.perf_counter() - t0)
+
+
+class Stage:
+    """One rank's part of the model and of every stream's state (its blocks' caches)."""
+
+    def __init__(self, runtime: StreamRuntime, rank: int, world: int, ranges: Sequence[range],
+                 weights: WeightsMode = "all") -> None:
+        self.rt = runtime
+        self.dit = runtime.dit
+        self.rank, self.world = rank, world
+        self.ranges = check_ranges(ranges, len(self.dit.blocks))
+        if len(self.ranges) != world:
+            raise ValueError(f"{len(self.ranges)} block ranges for {world} ranks")
+        self.weights = weights
+        self.device = self.dit.device
+        self.first, self.last = rank == 0, rank == world - 1
+        self.kv: dict[tuple[str, int], KVCache] = {}
+        self.text: dict[tuple[str, int], Tensor] = {}  # text tokens per (stream, prompt version)
+        self.prompts: dict[tuple[str, int], PromptCache] = {}  # this rank's blocks' cross-attention K/V
+        self.decoders: dict[str, Any] = {}
+        self.clock = _Clock(self.device)
+        if weights == "own":
+            for i in range(len(self.dit.blocks)):
+                if i not in self.blocks:
+                    self.dit.blocks[i].to_empty(device="meta")
+
+    @property
+    def blocks(self) -> range:
+        return self.ranges[self.rank]
+
+    # -- per-stream state ---------------------------------------------------------------------------
+
+    def cache_for(self, row: dict[str, Any]) -> KVCache:
+        """The (stream, step) cache of this rank's blocks, created or re-windowed to the row's geometry."""
+        key = (row["sid"], row["step"])
+        frame_tokens, window, sink = row["geom"]
+        cache = self.kv.get(key)
+        if cache is None:
+            shape = (1, window * frame_tokens, self.dit.config.num_heads, self.dit.config.head_dim)
+            n = len(self.blocks)
+            z = [torch.zeros(shape, device=self.device, dtype=self.dit.dtype) for _ in range(2 * n)]
+            cache = self.kv[key] = KVCache(z[:n], z[n:], frame_tokens, window, sink, [0])
+        elif cache.window_frames != window:
+            cache = self.kv[key] = resize_window(cache, window)
+        return cache
+
+    def add_prompt(self, sid: str, version: int, text: Tensor) -> None:
+        self.text[(sid, version)] = text
+        self.prompts[(sid, version)] = self.dit.prompt_kv(text, self.blocks)
+
+    def forget(self, sid: str, versions: Sequence[int] | None = None) -> None:
+        """Drop a stream's prompt versions (all of its state when ``versions`` is None)."""
+        for key in [k for k in self.text if k[0] == sid and (versions is None or k[1] in versions)]:
+            del self.text[key], self.prompts[key]
+        if versions is None:
+            for key in [k for k in self.kv if k[0] == sid]:
+                del self.kv[key]
+            self.decoders.pop(sid, None)
+
+    # -- one micro-step -----------------------------------------------------------------------------
+
+    def compute(self, msg: Message) -> Message:
+        """Run this rank's part of a micro-step; returns the message for the next rank (or the return)."""
+        meta, ts = msg.meta, msg.tensors
+        timing: dict[str, list[float]] = {"total": [], "blocks": []}
+        out: dict[str, Tensor] = {}
+        with self.clock.measure(timing["total"]):
+            for sid, version in meta["prompts"]:
+                self.add_prompt(sid, version, ts[f"ctx.{sid}.{version}"])
+            for sid, versions in meta["drop_prompts"]:
+                self.forget(sid, versions)
+            for sid, step, worst, newest in meta["refresh"]:
+                cache = self.kv[(sid, step)]
+                cache.replace_frame(worst, *cache.read_frame(newest))
+            ret: dict[str, Any] = {"op": "return", "m": meta["m"], "continue": [], "finished": [], "refresh": []}
+            for gi, group in enumerate(meta["groups"]):
+                self._group(gi, group, ts, out, meta["sink"], ret, timing["blocks"])
+        other = timing["total"][0] - sum(timing["blocks"]) + (meta.get("enter_s", 0.0) if self.first else 0.0)
+        timings = [*meta["timings"], (self.rank, sum(timing["blocks"]), other)]
+        if self.last:
+            ret["timings"] = timings
+            return Message(ret, out)
+        for name, t in ts.items():
+            if name.startswith(("ctx.", "noise.")):
+                out[name] = t
+        return Message({**meta, "timings": timings}, out)
+
+    def _group(self, gi: int, group: dict[str, Any], ts: dict[str, Tensor], out: dict[str, Tensor],
+               sink: dict[int, list[Any]], ret: dict[str, Any], block_times: list[float]) -> None:
+        rows: list[dict[str, Any]] = group["rows"]
+        x = ts[f"x.{gi}"]
+        with self._precision(group["precision"]):
+            if self.first:
+                t = torch.tensor([r["t"] for r in rows], dtype=torch.float32, device=self.device)
+                tokens, e, e0, grid = self.dit.embed(x, t[:, None].expand(-1, x.shape[2]))
+                group["grid"] = grid
+            else:
+                tokens, e, e0, grid = ts[f"tok.{gi}"], ts[f"e.{gi}"], ts[f"e0.{gi}"], tuple(group["grid"])
+            caches = [self.cache_for(r) for r in rows]
+            cache = caches[0] if len(rows) == 1 else KVCache.concat(caches)
+            prompts = [self.prompts[(r["sid"], r["ver"])] for r in rows]
+            prompt = prompts[0] if len(rows) == 1 else PromptCache.concat(prompts)
+            with self.clock.measure(block_times):
+                tokens = self.dit.run_blocks(tokens, e0, grid, prompt, self.blocks, cache,
+                                             start_frame=[r["frame"] for r in rows], rope_start=[r["rope"] for r in rows])
+            if len(rows) > 1:
+                for r, part in zip(rows, cache.split(), strict=True):
+                    self.kv[(r["sid"], r["step"])] = part
+            for r in rows:
+                if r["tau"] is not None:
+                    self._sink_partials(r, x.shape[2], sink)
+            if self.last:
+                v = self.dit.head_out(tokens, e, grid)
+                self._tail(rows, x, v, ts, out, sink, ret)
+            else:
+                out.update({f"tok.{gi}": tokens, f"e.{gi}": e, f"e0.{gi}": e0, f"x.{gi}": x})
+
+    def _tail(self, rows: list[dict[str, Any]], x: Tensor, v: Tensor, ts: dict[str, Tensor],
+              out: dict[str, Tensor], sink: dict[int, list[Any]], ret: dict[str, Any]) -> None:
+        """Last rank: x̂₀, re-noise the rows that go on, decode the rows that are done, sink decisions."""
+        rt = self.rt
+        t = torch.tensor([r["t"] for r in rows], dtype=torch.float32, device=self.device)
+        sigma = rt.schedule.sigma(t).to(self.device).view(-1, 1, 1, 1, 1)
+        x0 = x0_from_velocity(x, v.to(x.dtype), sigma)
+        for i, r in enumerate(rows):
+            key = r["key"]
+            if not r["last"]:
+                next_sigma = float(rt.schedule.sigma(r["t_next"]))
+                out[f"xn.{key}"] = renoise(x0[i : i + 1], ts[f"noise.{key}"], next_sigma)
+                ret["continue"].append(key)
+            else:
+                decoder = self.decoders.setdefault(r["sid"], rt.vae.new_decoder_cache())
+                frames = rt.vae.decode_chunk(x0[i : i + 1], decoder)[0].float().clamp(-1, 1)
+                out[f"frames.{key}"] = rt._resize(frames, tuple(r["size"]))
+                ret["finished"].append(key)
+            if key in sink:
+                decision = _sink_decision(sink[key], r["tau"])
+                if decision is not None:
+                    ret["refresh"].append((r["sid"], r["step"], decision, sink[key][3]))
+
+    def _sink_partials(self, row: dict[str, Any], chunk_frames: int, sink: dict[int, list[Any]]) -> None:
+        """Add this rank's blocks to the cosine similarities of each sink frame with the newest frame.
+
+        Mirrors :func:`engine.streaming.runtime.refresh_sinks`: the features are the per-frame mean
+        keys and values of every block, concatenated; dot products and squared norms add up over ranks.
+        """
+        cache = self.kv[(row["sid"], row["step"])]
+        sinks, newest = cache.sink_frames, cache.local_end - 1
+        if sinks == 0 or newest < sinks or cache.local_end < sinks + chunk_frames:
+            return  # every rank sees the same fill level, so all of them skip this row
+        mean_k, mean_v = cache.frame_means()
+        feats = torch.cat([mean_k, mean_v], dim=-1).permute(1, 2, 0, 3, 4).flatten(2).double()[0]  # [frames, D]
+        new = feats[newest]
+        dots = (feats[:sinks] @ new).tolist()
+        norms = feats[:sinks].pow(2).sum(-1).tolist()
+        acc = sink.setdefault(row["key"], [[0.0] * sinks, [0.0] * sinks, 0.0, newest])
+        acc[0] = [a + b for a, b in zip(acc[0], dots, strict=True)]
+        acc[1] = [a + b for a, b in zip(acc[1], norms, strict=True)]
+        acc[2] += float(new.pow(2).sum())
+
+    @contextlib.contextmanager
+    def _precision(self, precision: str) -> Iterator[None]:
+        with self.rt._precision(FidelityConfig(precision=precision)):
+            yield
+
+    # -- moving blocks ------------------------------------------------------------------------------
+
+    def rebalance(self, new_ranges: Sequence[range], channel: Channel) -> None:
+        """Swap to ``new_ranges``: blocks that change owner travel with their KV caches (and weights)."""
+        new = check_ranges(new_ranges, len(self.dit.blocks))
+        old, me = self.ranges, self.rank
+        for q in range(self.world):
+            outgoing = [b for b in old[me] if b in new[q]] if q != me else []
+            if outgoing:
+                channel.send(q, self._pack_blocks(outgoing))
+        received: dict[int, tuple[dict[tuple[str, int], tuple[Tensor, Tensor]], dict[str, Tensor]]] = {}
+        for q in range(self.world):
+            if q != me and any(b in new[me] for b in old[q]):
+                received.update(self._unpack_blocks(channel.recv(q)))
+        channel.flush()
+        mine = {b: j for j, b in enumerate(old[me])}
+        for key, cache in list(self.kv.items()):
+            k = [cache.k[mine[b]] if b in mine else received[b][0][key][0] for b in new[me]]
+            v = [cache.v[mine[b]] if b in mine else received[b][0][key][1] for b in new[me]]
+            self.kv[key] = dataclasses.replace(cache, k=k, v=v)
+        for b, (_, weights) in received.items():
+            if not weights:  # weights="all": the rank has the block's weights already
+                continue
+            block = self.dit.blocks[b]
+            block.to_empty(device=self.device)
+            block.load_state_dict(weights, strict=True)
+        if self.weights == "own":
+            for b in old[me]:
+                if b not in new[me]:
+                    self.dit.blocks[b].to_empty(device="meta")
+        self.ranges = new
+        for key, text in self.text.items():
+            self.prompts[key] = self.dit.prompt_kv(text, self.blocks)
+
+    def _pack_blocks(self, blocks: list[int]) -> Message:
+        mine = {b: j for j, b in enumerate(self.blocks)}
+        tensors: dict[str, Tensor] = {}
+        keys = list(self.kv)
+        for b in blocks:
+            for n, key in enumerate(keys):
+                cache = self.kv[key]
+                tensors[f"k.{b}.{n}"] = cache.k[mine[b]]
+                tensors[f"v.{b}.{n}"] = cache.v[mine[b]]
+            if self.weights == "own":
+                for name, w in self.dit.blocks[b].state_dict().items():
+                    tensors[f"w.{b}.{name}"] = w
+        fills = [(self.kv[k].local_end, self.kv[k].global_end) for k in keys]
+        return Message({"op": "blocks", "blocks": blocks, "keys": keys, "fills": fills}, tensors)
+
+    def _unpack_blocks(self, msg: Message) -> dict[int, tuple[dict[tuple[str, int], tuple[Tensor, Tensor]], dict[str, Tensor]]]:
+        meta, ts = msg.meta, msg.tensors
+        keys = [tuple(k) for k in meta["keys"]]
+        if set(keys) != set(self.kv):
+            raise RuntimeError(f"rank {self.rank}: block transfer carries caches {sorted(keys)}, this rank has {sorted(self.kv)}")
+        for key, (local_end, global_end) in zip(keys, meta["fills"], strict=True):
+            cache = self.kv[key]
+            if (cache.local_end, cache.global_end) != (local_end, list(global_end)):
+                raise RuntimeError(f"rank {self.rank}: cache {key} fill level differs between ranks")
+        out = {}
+        for b in meta["blocks"]:
+            kv = {key: (ts[f"k.{b}.{n}"], ts[f"v.{b}.{n}"]) for n, key in enumerate(keys)}
+            prefix = f"w.{b}."
+            weights = {name[len(prefix):]: t for name, t in ts.items() if name.startswith(prefix)}
+            out[b] = (kv, weights)
+        return out
+
+
+def _sink_decision(acc: list[Any], tau: float) -> int | None:
+    """The sink frame to replace (least similar, if below ``tau``) from summed dot products and norms."""
+    dots, norms, new_norm, _ = acc
+    eps = 1e-8  # torch.nn.functional.cosine_similarity's default
+    sims = [d / math.sqrt(max(n * new_norm, eps * eps)) for d, n in zip(dots, norms, strict=True)]
+    worst = min(range(len(sims)), key=lambda j: sims[j])
+    return worst if sims[worst] < tau else None
+
+
+@dataclass
+class _Slot:
+    state: StreamState
+    x: Tensor  # [1, C, F, h, w] at the slot's step
+    timesteps: list[float]
+    noises: list[Tensor]
+    version: int
+    frame: int
+    rope: int
+    noise_rate: float
+    tau: float | None  # sink-refresh threshold for this chunk (None: no refresh)
+    step: int = 0
+    refreshed: bool = False  # a sink of one of its step caches was replaced
+
+
+class PipelineRuntime:
+    """Rank 0's side: streams enter here, micro-steps leave for the ring, finished chunks come back.
+
+    Same controls as :class:`StreamRuntime` (``open``, ``set_prompt``, ``set_fidelity``); chunks go in
+    with :meth:`push` and come out, ``steps * depth`` micro-steps later, from :meth:`push` or
+    :meth:`drain`, as ``(state, ChunkResult)`` pairs in the order they finish.
+    """
+
+    def __init__(self, runtime: StreamRuntime, channel: Channel, world: int, ranges: Sequence[range],
+                 options: PipelineOptions = PipelineOptions()) -> None:
+        if runtime.config.cache_mode != "per-step":
+            raise ValueError("the pipeline needs cache_mode='per-step' (one KV cache per denoising step)")
+        self.rt = runtime
+        self.channel = channel
+        self.world = world
+        self.options = options
+        self.stage = Stage(runtime, 0, world, ranges, options.weights)
+        self.scheduler = BlockScheduler(self.stage.ranges, min_gain=options.min_gain)
+        # Exact adaptive sink refresh needs every rank's keys before the stream's next chunk: no overlap.
+        self.depth = 1 if runtime.config.sink_refresh else world
+        self.micro_steps = 0  # micro-step clock (ticks without rows count: the ring still advances)
+        self.forwards = 0  # micro-steps that carried rows
+        self.rebalances = 0
+        self._sent: dict[int, list[_Slot]] = {}
+        self._outstanding: deque[int] = deque()
+        self._barriers: set[int] = set()
+        self._continuing: dict[int, list[_Slot]] = {}
+        self._refresh: list[tuple[str, int, int, int]] = []
+        self._done: list[tuple[StreamState, ChunkResult]] = []
+        self._versions: dict[str, tuple[Tensor, int]] = {}
+        self._new_prompts: list[tuple[str, int, Tensor]] = []
+        self._known_prompts: set[tuple[str, int]] = set()
+        self._steps: dict[str, int] = {}
+        self._enter_s = 0.0
+
+    @property
+    def ranges(self) -> list[range]:
+        return list(self.stage.ranges)
+
+    # -- stream controls (the single-process runtime's, minus its KV caches) --------------------------
+
+    def open(self, stream_id: str, prompt: str | Sequence[str], size: tuple[int, int], fidelity: FidelityConfig,
+             seed: int = 0, weights: Sequence[float] | None = None, blend_mode: BlendMode = "linear",
+             noise_scale: float = 0.8) -> StreamState:
+        """Like :meth:`StreamRuntime.open`, but the prompt's cross-attention K/V live on the ranks."""
+        if stream_id in self._steps:
+            raise ValueError(f"stream {stream_id!r} is already open in this pipeline")
+        rt = self.rt
+        rt.check_fidelity(fidelity)
+        w, h = rt.engine_size(size, fidelity)
+        if w <= 0 or h <= 0:
+            raise ValueError(f"frame size {size} at scale {fidelity.resolution_scale} is too small")
+        dataclasses.replace(rt.config.noise, noise_scale=noise_scale)  # validates the noise strength
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        return StreamState(
+            stream_id=stream_id,
+            fidelity=fidelity,
+            size=size,
+            embedding=rt.prompts.embed(prompts, weights, blend_mode),
+            prompt=PromptCache([], []),  # each rank holds its own blocks' K/V (see Stage.add_prompt)
+            noise=NoiseSource(seed),
+            vae_encoder=rt.vae.new_encoder_cache(),
+            vae_decoder=None,  # the last rank decodes
+            noise_scale=noise_scale,
+        )
+
+    def set_prompt(self, state: StreamState, prompt: str | Sequence[str], weights: Sequence[float] | None = None,
+                   blend_mode: BlendMode = "linear", transition_chunks: int = 0, refresh_sinks: bool = False) -> None:
+        """Like :meth:`StreamRuntime.set_prompt`; the new text tokens go round the ring with the next chunk."""
+        target = self.rt.prompts.embed([prompt] if isinstance(prompt, str) else list(prompt), weights, blend_mode)
+        if transition_chunks > 0:
+            state.transition = PromptTransition(state.embedding, target, transition_chunks, mode="slerp")
+        else:
+            state.transition, state.embedding = None, target
+        state.force_sink_refresh = refresh_sinks
+
+    def set_fidelity(self, state: StreamState, fidelity: FidelityConfig) -> None:
+        self.rt.set_fidelity(state, fidelity)
+
+    def close_stream(self, state: StreamState) -> None:
+        """Drop a finished stream's caches on every rank (drain its chunks first)."""
+        sid = state.stream_id
+        if any(s.state is state for slots in (*self._sent.values(), *self._continuing.values()) for s in slots):
+            raise ValueError(f"stream {sid!r} still has chunks in flight; drain() first")
+        self._control({"op": "forget", "sid": sid})
+        self.stage.forget(sid)
+        self._versions.pop(sid, None)
+        self._steps.pop(sid, None)
+        self._known_prompts = {k for k in self._known_prompts if k[0] != sid}
+
+    # -- chunks -------------------------------------------------------------------------------------
+
+    def push(self, states: Sequence[StreamState], frames: Sequence[Tensor]) -> list[tuple[StreamState, ChunkResult]]:
+        """Feed one chunk per stream ([3, T, H, W] in [-1, 1]); returns the chunks that finished meanwhile."""
+        if len(states) != len(frames) or not states:
+            raise ValueError("push needs one frame chunk per stream")
+        if len({s.stream_id for s in states}) != len(states):
+            raise ValueError("push got the same stream twice; feed one chunk per stream per call")
+        t0 = time.perf_counter()
+        slots = [self._enter(s, f) for s, f in zip(states, frames, strict=True)]
+        self._enter_s = time.perf_counter() - t0
+        self._micro_step(slots)
+        return self._take_done()
+
+    def drain(self) -> list[tuple[StreamState, ChunkResult]]:
+        """Run micro-steps without new input until every chunk in flight has finished."""
+        while self._outstanding or self._continuing:
+            self._micro_step([])
+        return self._take_done()
+
+    def rebalance(self, ranges: Sequence[range] | None = None) -> bool:
+        """Move blocks between ranks: to ``ranges``, or to the scheduler's proposal (if any).
+
+        Drains the ring first (the in-flight micro-steps finish; their chunks stay in flight), so every
+        cache that moves holds all writes before the switch. Returns whether the partition changed.
+        """
+        target = self.scheduler.propose() if ranges is None else check_ranges(ranges, len(self.rt.dit.blocks))
+        if target is None or target == self.stage.ranges:
+            return False
+        if len(target) != self.world:
+            raise ValueError(f"{len(target)} block ranges for {self.world} ranks")
+        self._receive_until(self._outstanding[-1] if self._outstanding else -1)
+        self._control({"op": "rebalance", "ranges": [(r.start, r.stop) for r in target]})
+        self.stage.rebalance(target, self.channel)
+        self.scheduler.set_ranges(target)
+        self.rebalances += 1
+        log.info("pipeline rebalanced to %s", [(r.start, r.stop) for r in target])
+        return True
+
+    def shutdown(self) -> None:
+        """Finish what is in flight and stop the other ranks."""
+        self.drain()
+        self._control({"op": "stop"})
+        self.channel.flush()
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _control(self, meta: dict[str, Any]) -> None:
+        if self.world > 1:
+            self.channel.send(1, Message(meta))
+
+    def _enter(self, state: StreamState, chunk: Tensor) -> _Slot:
+        """A new chunk: prompt/RoPE bookkeeping, VAE encode, noise draws (in the single-process order)."""
+        rt = self.rt
+        steps = state.fidelity.steps
+        if self._steps.setdefault(state.stream_id, steps) != steps:
+            raise ValueError(
+                f"stream {state.stream_id!r} changed its step count to {steps} mid-stream; the pipeline keeps "
+                f"one KV cache per step, so reopen the stream to change steps"
+            )
+        if state.transition is not None:
+            state.embedding = state.transition.next_embedding()
+            if state.transition.finished:
+                state.transition = None
+        f = rt.config.chunk_latent_frames
+        if rt.config.rope_refresh and state.rope_frame + f > rt.config.rope_reset_frame:
+            state.rope_frame = state.fidelity.kv_window_frames - f
+            state.rope_resets += 1
+        if state.rope_frame + f > rt.dit.config.rope_max_positions:
+            raise RopeOverflowError(f"stream {state.stream_id}: RoPE position {state.rope_frame + f} is out of range")
+        version = self._prompt_version(state)
+        chunk = rt._resize(chunk, rt.engine_size(state.size, state.fidelity))
+        controller = MotionAwareNoiseController(rt._noise_config(state))
+        rate = controller.step(chunk, state.noise_controller)
+        z = rt.vae.encode_chunk(chunk.unsqueeze(0).to(rt.device, rt.dit.dtype), state.vae_encoder)
+        first = controller.first_timestep(rate)
+        timesteps = [first, *rt.preset.timesteps(steps)[1:]]
+        x = v2v_input(z, state.noise.randn(z.shape, dtype=z.dtype, device=rt.device), rate)
+        noises = [state.noise.randn(z.shape, dtype=z.dtype, device=rt.device) for _ in range(steps - 1)]
+        tau: float | None = None
+        if state.force_sink_refresh:
+            tau, state.force_sink_refresh = float("inf"), False
+        elif rt.config.sink_refresh:
+            tau = rt.config.sink_tau
+        slot = _Slot(state, x, timesteps, noises, version, state.frame, state.rope_frame, rate, tau)
+        state.frame += z.shape[2]
+        state.rope_frame += z.shape[2]
+        return slot
+
+    def _prompt_version(self, state: StreamState) -> int:
+        sid = state.stream_id
+        known = self._versions.get(sid)
+        if known is not None and known[0] is state.embedding:
+            return known[1]
+        version = 0 if known is None else known[1] + 1
+        self._versions[sid] = (state.embedding, version)
+        self._new_prompts.append((sid, version, self.rt.dit.embed_text(state.embedding)))
+        return version
+
+    def _micro_step(self, new: list[_Slot]) -> None:
+        m = self.micro_steps
+        if self._outstanding and self._outstanding[-1] in self._barriers:
+            self._receive_until(self._outstanding[-1])
+        self._receive_until(m - self.depth)
+        rows = self._continuing.pop(m - self.depth, []) + new
+        self.micro_steps += 1
+        if not rows:
+            return
+        msg = self._build(m, rows)
+        self.forwards += 1
+        out = self.stage.compute(msg)
+        if any(s.tau is not None for s in rows):
+            self._barriers.add(m)
+        if self.world == 1:
+            self._handle_return(out)
+        else:
+            self.channel.send(1, out)
+            self._outstanding.append(m)
+        every = self.options.rebalance_every
+        if every and self.micro_steps % every == 0:
+            self.rebalance()
+
+    def _build(self, m: int, rows: list[_Slot]) -> Message:
+        """Group the rows by cache fill level (one batched forward each) and describe them."""
+        groups: dict[tuple[int, int, str], list[tuple[int, dict[str, Any]]]] = {}
+        tensors: dict[str, Tensor] = {}
+        self._sent[m] = rows
+        for key, s in enumerate(rows):
+            st = s.state
+            w, h = self.rt.engine_size(st.size, st.fidelity)
+            sc = self.rt.vae.spatial_compression
+            geom = (self.rt.dit.config.frame_tokens(h // sc, w // sc), st.fidelity.kv_window_frames,
+                    self.rt.config.sink_frames)
+            last = s.step + 1 == len(s.timesteps)
+            row = {"key": key, "sid": st.stream_id, "step": s.step, "last": last, "t": s.timesteps[s.step],
+                   "t_next": None if last else s.timesteps[s.step + 1], "frame": s.frame, "rope": s.rope,
+                   "ver": s.version, "geom": geom, "tau": s.tau, "size": st.size}
+            cache = self.stage.cache_for(row)
+            fill = (cache.local_end, s.frame - cache.global_end[0], st.fidelity.precision)
+            groups.setdefault(fill, []).append((key, row))
+            if not last:
+                tensors[f"noise.{key}"] = s.noises[s.step]
+        meta_groups = []
+        for gi, ((_, _, precision), members) in enumerate(groups.items()):
+            tensors[f"x.{gi}"] = torch.cat([rows[key].x for key, _ in members])
+            meta_groups.append({"rows": [row for _, row in members], "precision": precision})
+        for sid, version, text in self._new_prompts:
+            tensors[f"ctx.{sid}.{version}"] = text
+        prompts = [(sid, version) for sid, version, _ in self._new_prompts]
+        self._known_prompts.update(prompts)
+        self._new_prompts = []
+        live = {(s.state.stream_id, s.version) for slots in (*self._sent.values(), *self._continuing.values())
+                for s in slots}
+        live.update((sid, v) for sid, (_, v) in self._versions.items())
+        dead = self._known_prompts - live
+        self._known_prompts -= dead
+        drop: dict[str, list[int]] = {}
+        for sid, version in sorted(dead):
+            drop.setdefault(sid, []).append(version)
+        meta = {"op": "step", "m": m, "groups": meta_groups, "prompts": prompts, "drop_prompts": list(drop.items()),
+                "refresh": self._refresh, "sink": {}, "timings": [], "enter_s": self._enter_s}
+        self._refresh = []
+        self._enter_s = 0.0
+        return Message(meta, tensors)
+
+    def _receive_until(self, m: int) -> None:
+        while self._outstanding and self._outstanding[0] <= m:
+            msg = self.channel.recv(self.world - 1)
+            expected = self._outstanding.popleft()
+            if msg.meta.get("op") != "return" or msg.meta["m"] != expected:
+                raise RuntimeError(f"ring out of order: expected the return of micro-step {expected}, got {msg.meta}")
+            self._handle_return(msg)
+
+    def _handle_return(self, msg: Message) -> None:
+        meta, ts = msg.meta, msg.tensors
+        m = meta["m"]
+        rows = self._sent.pop(m)
+        self._barriers.discard(m)
+        by_key = {(s.state.stream_id, s.step): s for s in rows}  # before the steps advance
+        going_on = []
+        for key in meta["continue"]:
+            slot = rows[key]
+            slot.x = ts[f"xn.{key}"]
+            slot.step += 1
+            going_on.append(slot)
+        if going_on:
+            self._continuing[m] = going_on
+        for sid, step, worst, newest in meta["refresh"]:
+            by_key[(sid, step)].refreshed = True
+            self._refresh.append((sid, step, worst, newest))
+        for key in meta["finished"]:
+            slot, state = rows[key], rows[key].state
+            state.chunks += 1
+            state.sink_refreshes += int(slot.refreshed)
+            state.last_sink_refresh = slot.refreshed
+            state.last_noise_rate = slot.noise_rate
+            state.last_first_timestep = slot.timesteps[0]
+            result = ChunkResult(ts[f"frames.{key}"], slot.noise_rate, slot.timesteps[0], slot.refreshed)
+            self._done.append((state, result))
+        self.scheduler.observe([StageTiming(rank, blocks, other) for rank, blocks, other in meta["timings"]])
+
+    def _take_done(self) -> list[tuple[StreamState, ChunkResult]]:
+        done, self._done = self._done, []
+        return done
+
+
+class StageWorker:
+    """Ranks 1..N-1: receive a micro-step from the previous rank, run the blocks, pass it on."""
+
+    def __init__(self, runtime: StreamRuntime, channel: Channel, rank: int, world: int, ranges: Sequence[range],
+                 options: PipelineOptions = PipelineOptions()) -> None:
+        self.stage = Stage(runtime, rank, world, ranges, options.weights)
+        self.channel = channel
+        self.rank, self.world = rank, world
+
+    def serve(self) -> None:
+        prev, nxt = self.rank - 1, (self.rank + 1) % self.world
+        while True:
+            msg = self.channel.recv(prev)
+            op = msg.meta["op"]
+            if op == "step":
+                self.channel.send(nxt, self.stage.compute(msg))
+                continue
+            if self.rank + 1 < self.world:
+                self.channel.send(self.rank + 1, msg)  # control messages travel down the chain
+            if op == "rebalance":
+                self.stage.rebalance([range(a, b) for a, b in msg.meta["ranges"]], self.channel)
+            elif op == "forget":
+                self.stage.forget(msg.meta["sid"])
+            elif op == "stop":
+                break
+            else:
+                raise RuntimeError(f"rank {self.rank}: unknown message {op!r}")
+        self.channel.flush()
