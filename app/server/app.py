@@ -13,6 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+from app.dashboard import dashboard_router
 from app.server.config import ServerConfig
 from app.server.control import ControlError, StreamOptions, options_from_query
 from app.server.engine_bridge import DelayedFactory, PipelineFactory, ProcessorFactory
@@ -70,6 +71,8 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         expose_headers=["Location", "Accept-Post", "Retry-After"],
     )
     app.include_router(whip_router(manager, gateway, config))
+    # Operator dashboard at /dashboard and the JSON it polls (app/dashboard.py).
+    app.include_router(dashboard_router(manager, config))
 
     @app.get("/", include_in_schema=False)
     async def index() -> FileResponse:

@@ -1,0 +1,117 @@
+"""The operator dashboard: /dashboard (web/dashboard.html) and the JSON it polls, /api/dashboard.
+
+The snapshot is built from the same live session data as /metrics (each session's stats and
+playout buffer), plus what an operator needs at a glance and /metrics does not say: each
+stream's service credit and urgency tier (SlackServe's C = P - (R + T), engine/serving/credit.py)
+and the engine worker's load. The page keeps the history (slack, fidelity, tiers over time) itself.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+
+from app.server.config import ServerConfig
+from app.server.session import Session, SessionManager
+from engine.serving.credit import classify, service_credit
+
+WEB_DIR = Path(__file__).resolve().parents[1] / "web"
+
+
+class ChunkRate:
+    """Chunks per second per stream, from the runners' chunk counters between two snapshots."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def update(self, sessions: list[Session], now: float) -> dict[str, float]:
+        rates: dict[str, float] = {}
+        seen: dict[str, tuple[float, int]] = {}
+        for session in sessions:
+            chunks = session.runner.chunks
+            before = self._last.get(session.id)
+            if before is not None and now > before[0]:
+                rates[session.id] = (chunks - before[1]) / (now - before[0])
+            seen[session.id] = (now, chunks)
+        self._last = seen  # forget closed streams
+        return rates
+
+
+def stream_row(session: Session, chunk_rate: float) -> dict[str, Any]:
+    """One stream: its /metrics-facing stats plus credit, tier and the engine time it costs."""
+    stats = session.stats()
+    chunk_s = float(session.runner.chunk_seconds)
+    slack_s = float(session.playout.slack_s)
+    # The live runner does not track how far the chunk in flight has got, so R is taken as 0;
+    # T is the measured time of this stream's last chunk.
+    credit = service_credit(slack_s, 0.0, chunk_s)
+    tier = classify(credit, chunk_s).name if chunk_s > 0 else "WARMING"
+    return {
+        **stats,
+        "credit_s": round(credit, 3),
+        "tier": tier,
+        "fidelity": f"{stats['steps']} steps · noise {stats['noise_scale']:.2f}",
+        # Seconds of engine time per wall-clock second this stream costs right now.
+        "engine_load": round(chunk_s * chunk_rate, 3),
+        "age_s": round(time.monotonic() - session.created, 1),
+    }
+
+
+def snapshot(manager: SessionManager, config: ServerConfig, rate: ChunkRate) -> dict[str, Any]:
+    sessions = list(manager.sessions.values())
+    rates = rate.update(sessions, time.monotonic())
+    streams = [stream_row(s, rates.get(s.id, 0.0)) for s in sessions]
+    tiers = {name: sum(1 for s in streams if s["tier"] == name) for name in ("URGENT", "NORMAL", "RELAXED", "WARMING")}
+    # One in-process worker today: the engine thread every stream takes turns on.
+    worker = {
+        "id": "engine-0",
+        "device": config.device,
+        "model": config.model or "default",
+        "streams": len(streams),
+        "max_streams": config.max_streams,
+        "load": round(sum(s["engine_load"] for s in streams), 3),
+        "tiers": tiers,
+    }
+    return {
+        "time": time.time(),
+        "workers": [worker],
+        "streams": streams,
+        "totals": {
+            "streams": len(streams),
+            "max_streams": config.max_streams,
+            "viewers": sum(s["viewers"] for s in streams),
+            "output_fps": round(sum(s["fps"] for s in streams), 2),
+            "tiers": tiers,
+        },
+    }
+
+
+def _bearer_ok(request: Request, token: str | None) -> bool:
+    if token is None:
+        return True
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token)
+
+
+def dashboard_router(manager: SessionManager, config: ServerConfig) -> APIRouter:
+    router = APIRouter()
+    rate = ChunkRate()
+
+    @router.get("/dashboard", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(WEB_DIR / "dashboard.html")
+
+    @router.get("/api/dashboard")
+    async def data(request: Request) -> Response:
+        # Stream ids open WHEP playback: with --token the dashboard data needs the token too
+        # (the page passes ?token= as a Bearer header).
+        if not _bearer_ok(request, config.token):
+            return JSONResponse({"detail": "a valid 'Authorization: Bearer <token>' header is required"}, 401)
+        return JSONResponse(snapshot(manager, config, rate))
+
+    return router

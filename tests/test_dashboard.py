@@ -1,0 +1,108 @@
+"""The operator dashboard: /api/dashboard against the live sessions and /metrics, and the page in Chromium."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_browser_page import CHROMIUM_FLAGS
+from test_obs_whip import aio  # noqa: F401  (fixture: an asyncio loop in a thread for aiortc)
+
+from app.server.probe import CodedCamera, http, open_session
+from engine.serving.credit import Tier, TierThresholds
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    status, _, body = http("GET", url, None, headers)
+    return status, json.loads(body) if body.startswith((b"{", b"[")) else body.decode()
+
+
+def _wait_for(predicate: Callable[[], bool], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def _expected_tier(slack_s: float, chunk_s: float) -> str:
+    """SlackServe's tiers, computed here from the paper's definition (C = P - (R + T), R = 0)."""
+    credit = slack_s - chunk_s
+    th = TierThresholds()
+    if credit < th.urgent_mult * chunk_s:
+        return Tier.URGENT.name
+    return Tier.RELAXED.name if credit > th.relaxed_mult * chunk_s else Tier.NORMAL.name
+
+
+@pytest.fixture
+def two_streams(aio: Callable[[Any], Any], live_server: Callable[..., AbstractContextManager[str]]) -> Iterator[tuple[str, list[str]]]:
+    with live_server(max_streams=3) as url:
+        sessions = [aio(open_session(url, CodedCamera((128, 128), fps=15, variant=i))) for i in range(2)]
+        try:
+            yield url, [s.stream_id for s in sessions]
+        finally:
+            for s in sessions:
+                aio(s.close())
+
+
+def test_dashboard_json_matches_the_live_sessions(two_streams: tuple[str, list[str]]) -> None:
+    url, ids = two_streams
+    _wait_for(lambda: all(s["chunk_ms"] > 0 and s["frames_out"] > 5 for s in _get(f"{url}/api/dashboard")[1]["streams"]))
+    _get(f"{url}/api/dashboard")  # a second snapshot after a gap gives chunk rates
+    time.sleep(1.0)
+    status, data = _get(f"{url}/api/dashboard")
+    assert status == 200
+    streams = {s["stream_id"]: s for s in data["streams"]}
+    assert set(streams) == set(ids)
+    (worker,) = data["workers"]
+    assert worker["streams"] == 2 and worker["max_streams"] == 3 and worker["device"] == "cpu"
+    assert data["totals"]["streams"] == 2
+    assert sum(data["totals"]["tiers"].values()) == 2
+    assert worker["load"] > 0  # the engine thread is doing work for these streams
+    for stream_id, row in streams.items():
+        assert row["kind"] == "webrtc" and row["steps"] == 2
+        assert row["credit_s"] == pytest.approx(row["slack_s"] - row["chunk_ms"] / 1000, abs=2e-3)
+        assert row["tier"] == _expected_tier(row["slack_s"], row["chunk_ms"] / 1000)
+        # Same source as /metrics: the frame counters agree (they only grow between the two reads).
+        metrics = http("GET", f"{url}/metrics")[2].decode()
+        match = re.search(
+            rf'diffcast_stream_input_frames_total{{kind="webrtc",stream_id="{stream_id}"}} ([0-9.]+)', metrics
+        )
+        assert match is not None, metrics
+        assert float(match.group(1)) >= row["frames_in"]
+
+
+def test_dashboard_needs_the_token_when_the_server_has_one(live_server: Callable[..., AbstractContextManager[str]]) -> None:
+    with live_server(token="t0k") as url:
+        assert _get(f"{url}/api/dashboard")[0] == 401
+        status, data = _get(f"{url}/api/dashboard", {"Authorization": "Bearer t0k"})
+        assert status == 200 and data["streams"] == [] and data["workers"][0]["streams"] == 0
+
+
+@pytest.mark.browser
+def test_dashboard_page_updates_live(chromium_path: Path, two_streams: tuple[str, list[str]]) -> None:
+    from playwright.sync_api import sync_playwright
+
+    url, ids = two_streams
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(chromium_path), args=CHROMIUM_FLAGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(f"{url}/dashboard")
+        page.wait_for_function("window.diffcastDashboard.polls >= 2", timeout=20_000)
+        for stream_id in ids:
+            page.wait_for_selector(f"tr[data-stream='{stream_id}']", timeout=10_000)
+        assert page.text_content("#total-streams") == "2 / 3"
+        # Polled about once a second: the history grows while we wait.
+        before = page.evaluate("window.diffcastDashboard.polls")
+        page.wait_for_timeout(3000)
+        after = page.evaluate("window.diffcastDashboard.polls")
+        assert 2 <= after - before <= 5
+        assert page.evaluate("window.diffcastDashboard.errors") == 0
+        tiers = page.eval_on_selector_all(".tier", "els => els.map(e => e.textContent)")
+        assert len(tiers) == 2 and set(tiers) <= {"URGENT", "NORMAL", "RELAXED", "WARMING"}
+        browser.close()
