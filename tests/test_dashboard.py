@@ -40,7 +40,10 @@ def _expected_tier(slack_s: float, chunk_s: float) -> str:
 
 
 @pytest.fixture
-def two_streams(aio: Callable[[Any], Any], live_server: Callable[..., AbstractContextManager[str]]) -> Iterator[tuple[str, list[str]]]:
+def two_streams(
+    aio: Callable[[Any], Any],  # noqa: F811  (the fixture imported above, requested by name)
+    live_server: Callable[..., AbstractContextManager[str]],
+) -> Iterator[tuple[str, list[str]]]:
     with live_server(max_streams=3) as url:
         sessions = [aio(open_session(url, CodedCamera((128, 128), fps=15, variant=i))) for i in range(2)]
         try:
