@@ -109,3 +109,12 @@ def test_profile_reference_is_best_quality_single_stream() -> None:
     qs = np.array([p.quality for p in prof.per_stream()])
     assert ref.quality == qs.max()
     assert all(p.config.stream_batch == 1 and p.config.gpus == 1 for p in prof.per_stream())
+
+
+def test_filtered_profile_keeps_only_supported_configs() -> None:
+    prof = derived_h100_profile()
+    dense_bf16 = prof.filtered(lambda c: c.precision == "bf16" and c.attention_sparsity == 0.0)
+    assert dense_bf16.points and all(p.config.precision == "bf16" for p in dense_bf16.points)
+    assert dense_bf16.reference() == prof.reference()
+    with pytest.raises(ValueError, match="passes the filter"):
+        prof.filtered(lambda c: False)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,14 @@ class FidelityProfile:
     def reference(self) -> ProfilePoint:
         """The highest-quality single-stream point (ties: fastest): the static-fidelity default."""
         return max(self.per_stream(), key=lambda p: (p.quality, -p.latency_s))
+
+    def filtered(self, keep: Callable[[FidelityConfig], bool]) -> FidelityProfile:
+        """Only the points whose config ``keep`` accepts, e.g. what the running engine supports
+        (the current CPU engine rejects fp8 and sparse attention)."""
+        points = tuple(p for p in self.points if keep(p.config))
+        if not any(p.config.stream_batch == 1 and p.config.gpus == 1 for p in points):
+            raise ValueError(f"no single-stream configuration of {self.model}/{self.device} passes the filter")
+        return replace(self, points=points)
 
     def find(self, config: FidelityConfig) -> ProfilePoint:
         for p in self.points:
