@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -77,6 +78,14 @@ async def test_whip_then_whep_exchange(live_server: Callable[..., AbstractContex
         assert f'diffcast_stream_viewers{{kind="whip",stream_id="{stream_id}"}} 1.0' in metrics
         assert "diffcast_streams 1.0" in metrics
 
+        # WHIP streams have no data channel: control goes through the HTTP API.
+        control_url = f"{url}/api/streams/{stream_id}/control"
+        status, _, body = await asyncio.to_thread(http, "POST", control_url, b'{"type": "update", "steps": 1}')
+        assert status == 200 and json.loads(body) == {"type": "ack", "applied": "update"}
+        status, _, body = await asyncio.to_thread(http, "POST", control_url, b'{"type": "jump"}')
+        assert status == 422 and b"type" in body
+        assert json.loads((await asyncio.to_thread(http, "GET", f"{url}/api/streams/{stream_id}"))[2])["steps"] == 1
+
         assert (await asyncio.to_thread(http, "DELETE", url + viewer_location))[0] == 200
         assert (await asyncio.to_thread(http, "DELETE", url + viewer_location))[0] == 404
         assert (await asyncio.to_thread(http, "DELETE", url + location))[0] == 200
@@ -91,6 +100,8 @@ async def test_whip_whep_errors(live_server: Callable[..., AbstractContextManage
         pc, offer = await _offer(publish=True)
         status, head, _ = await _post(f"{url}/whip", offer)
         assert status == 401 and head["www-authenticate"] == "Bearer"
+        assert (await asyncio.to_thread(http, "GET", f"{url}/api/streams"))[0] == 401
+        assert (await asyncio.to_thread(http, "GET", f"{url}/api/streams", None, {"Authorization": "Bearer s3cret"}))[0] == 200
         status, _, body = await _post(f"{url}/whip", offer, {"Content-Type": "text/plain", "Authorization": "Bearer s3cret"})
         assert status == 415 and "application/sdp" in body
         status, _, body = await _post(f"{url}/whip", "hello", auth)

@@ -27,22 +27,26 @@ async def test_assembler_keeps_newest_frames_and_counts_drops() -> None:
     for i in range(10):
         clock.now = i / 30
         assembler.push(np.full((2, 2, 3), i, np.uint8))
-    chunk = await assembler.take(4)
+    await assembler.wait(4)
+    chunk = assembler.take(4)
     assert [f.meta.seq for f in chunk] == [6, 7, 8, 9]
     assert assembler.dropped == 6 and assembler.received == 10
 
 
-async def test_assembler_take_waits_for_new_frames() -> None:
+async def test_assembler_waits_for_new_frames() -> None:
     assembler = ChunkAssembler(capacity=5)
     assembler.push(np.zeros((2, 2, 3), np.uint8))
-    waiter = asyncio.ensure_future(assembler.take(2))
+    waiter = asyncio.ensure_future(assembler.wait(2))
     await asyncio.sleep(0.01)
     assert not waiter.done()
+    with pytest.raises(RuntimeError, match="only 1 frames"):
+        assembler.take(2)
     assembler.push(np.zeros((2, 2, 3), np.uint8))
-    chunk = await asyncio.wait_for(waiter, 1)
-    assert [f.meta.seq for f in chunk] == [0, 1]
+    await asyncio.wait_for(waiter, 1)
+    assert [f.meta.seq for f in assembler.take(2)] == [0, 1]
+    assert not assembler.ready(1)
     with pytest.raises(ValueError, match="does not fit"):
-        await assembler.take(6)
+        await assembler.wait(6)
 
 
 def test_playout_is_bounded_and_repeats_when_starved() -> None:
@@ -102,7 +106,7 @@ async def test_runner_first_chunk_then_steady_chunks_with_trace_stamp() -> None:
     playout = Playout(size, chunk_frames=4, max_fps=30, min_fps=2)
     processor = Negate()
     with ThreadPoolExecutor(1) as executor:
-        runner = StreamRunner(processor, assembler, playout, executor, size, trace_stamp=True)
+        runner = StreamRunner(processor, assembler, playout, executor, asyncio.Lock(), size, trace_stamp=True)
         task = asyncio.ensure_future(runner.run())
         for i in range(5):
             image = np.full((96, 128, 3), 40, np.uint8)  # twice the engine size: resized on the way in

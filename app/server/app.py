@@ -22,7 +22,7 @@ from app.server.ice import allow_loopback_candidates, browser_ice_servers
 from app.server.metrics import CONTENT_TYPE, build_registry, metrics_text
 from app.server.sdp import OfferError
 from app.server.session import CapacityError, SessionManager
-from app.server.whip import whip_router
+from app.server.whip import bearer_ok, whip_router
 from app.server.ws import serve_websocket
 
 log = logging.getLogger(__name__)
@@ -118,8 +118,11 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         )
 
     @app.get("/api/streams")
-    async def streams() -> list[dict[str, Any]]:
-        return [s.stats() for s in manager.sessions.values()]
+    async def streams(request: Request) -> Response:
+        # Stream ids are what WHEP viewers need: with --token, listing them needs the token too.
+        if not bearer_ok(request, config.token):
+            return _json_error(401, "a valid 'Authorization: Bearer <token>' header is required")
+        return JSONResponse([s.stats() for s in manager.sessions.values()])
 
     @app.get("/api/streams/{stream_id}")
     async def stream(stream_id: str) -> Response:

@@ -1,7 +1,7 @@
 """The per-stream frame path: latest-frames-win input, chunk assembly, engine thread, playout clock.
 
     camera frames ──push──▶ ChunkAssembler (holds at most one chunk of the newest frames)
-                               │ take(n) when the engine is free
+                               │ take(n) on this stream's turn for the engine
                                ▼
                            StreamRunner ──engine thread──▶ StreamProcessor.process
                                │ push_chunk
@@ -118,13 +118,21 @@ class ChunkAssembler:
         self._changed.set()
         return meta
 
-    async def take(self, n: int) -> list[InputFrame]:
-        """Wait for ``n`` frames newer than the last take; return the newest ``n``."""
+    def ready(self, n: int) -> bool:
+        return len(self._frames) >= n
+
+    async def wait(self, n: int) -> None:
+        """Until ``n`` frames newer than the last take are here."""
         if not 0 < n <= self._capacity:
             raise ValueError(f"chunk of {n} frames does not fit an assembler of capacity {self._capacity}")
         while len(self._frames) < n:
             self._changed.clear()
             await self._changed.wait()
+
+    def take(self, n: int) -> list[InputFrame]:
+        """The newest ``n`` frames (call when `ready`); the older ones count as dropped."""
+        if not self.ready(n):
+            raise RuntimeError(f"take({n}) with only {len(self._frames)} frames buffered")
         chunk = list(self._frames)[-n:]
         self.dropped += len(self._frames) - n
         self._frames.clear()
@@ -275,10 +283,12 @@ class StreamRunner:
         assembler: ChunkAssembler,
         playout: Playout,
         executor: Executor,
+        engine_turn: asyncio.Lock,
         size: tuple[int, int],
         trace_stamp: bool = False,
     ) -> None:
         self._processor = processor
+        self._engine_turn = engine_turn  # shared by all streams; asyncio.Lock wakes waiters in order
         self._assembler = assembler
         self._playout = playout
         self._executor = executor
@@ -318,17 +328,26 @@ class StreamRunner:
         self._restart = True
         self._playout.mark_gap()
 
+    def _chunk_size(self) -> int:
+        return self._processor.first_chunk_frames if self._restart else self._processor.chunk_frames
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._resumed.wait()
-            n = self._processor.first_chunk_frames if self._restart else self._processor.chunk_frames
-            # Cleared before the chunk runs so that a reset arriving meanwhile is not lost.
-            self._restart = False
-            frames = await self._assembler.take(n)
-            t0 = time.perf_counter()
-            out = await loop.run_in_executor(self._executor, self._process, frames)
-            self.chunk_seconds = time.perf_counter() - t0
+            await self._assembler.wait(self._chunk_size())
+            # Take the frames only once it is this stream's turn on the engine: frames taken
+            # before queueing behind other streams would be stale by the time they run.
+            async with self._engine_turn:
+                n = self._chunk_size()
+                if self.paused or not self._assembler.ready(n):
+                    continue  # paused, or reset to a different chunk size, while waiting
+                # Cleared before the chunk runs so that a reset arriving meanwhile is not lost.
+                self._restart = False
+                frames = self._assembler.take(n)
+                t0 = time.perf_counter()
+                out = await loop.run_in_executor(self._executor, self._process, frames)
+                self.chunk_seconds = time.perf_counter() - t0
             self.chunks += 1
             self._playout.push_chunk(out, [frame.meta for frame in frames])
 

@@ -151,12 +151,21 @@ class SessionManager:
         # One thread: the engine is synchronous, CPU-heavy and not thread-safe. Streams take turns
         # chunk by chunk, since each has at most one chunk in flight.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # Streams queue for the engine here, on the event loop, so each takes its freshest frames
+        # when its turn comes (created lazily: it must belong to the server's running loop).
+        self._engine_turn: asyncio.Lock | None = None
         self.sessions: dict[str, Session] = {}
         self._opening = 0
 
     @property
     def size(self) -> tuple[int, int]:
         return self.factory.size
+
+    @property
+    def engine_turn(self) -> asyncio.Lock:
+        if self._engine_turn is None:
+            self._engine_turn = asyncio.Lock()
+        return self._engine_turn
 
     def check_capacity(self) -> None:
         if len(self.sessions) + self._opening >= self.config.max_streams:
@@ -175,7 +184,9 @@ class SessionManager:
         cfg = self.config
         assembler = ChunkAssembler(capacity=max(processor.first_chunk_frames, processor.chunk_frames))
         playout = Playout(self.size, processor.chunk_frames, cfg.max_fps, cfg.min_fps)
-        runner = StreamRunner(processor, assembler, playout, self.executor, self.size, cfg.trace_stamp)
+        runner = StreamRunner(
+            processor, assembler, playout, self.executor, self.engine_turn, self.size, cfg.trace_stamp
+        )
         session = Session(
             secrets.token_hex(8), kind, settings, runner, assembler, playout, on_close=self._forget
         )

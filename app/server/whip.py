@@ -30,6 +30,14 @@ def _sdp_response(answer: str, location: str) -> Response:
     return Response(answer, status_code=201, media_type=SDP, headers={"Location": location})
 
 
+def bearer_ok(request: Request, token: str | None) -> bool:
+    """True when no token is configured or the request carries ``Authorization: Bearer <token>``."""
+    if token is None:
+        return True
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token)
+
+
 class _Refusal(Exception):
     def __init__(self, response: Response) -> None:
         self.response = response
@@ -39,11 +47,7 @@ def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig)
     router = APIRouter()
 
     def check_auth(request: Request) -> None:
-        if config.token is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), config.token):
+        if not bearer_ok(request, config.token):
             raise _Refusal(
                 _error(401, "a valid 'Authorization: Bearer <token>' header is required", {"WWW-Authenticate": "Bearer"})
             )

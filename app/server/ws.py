@@ -46,9 +46,12 @@ async def serve_websocket(
         return websocket.application_state == WebSocketState.CONNECTED and not session.closed.is_set()
 
     async def send_output() -> None:
-        tick = 0
+        tick, last = 0, None
         while True:
             tick, out, _ = await session.playout.next_frame(tick)
+            if out is last:
+                continue  # a repeated frame: the client's canvas already shows it
+            last = out
             data = await asyncio.to_thread(encode_jpeg, out.image, config.jpeg_quality)
             async with send_lock:
                 await websocket.send_bytes(data)
