@@ -128,3 +128,15 @@ def test_prompt_switch_after_generation_finished_revives_stream(profile: Fidelit
     assert tr.epoch == 1 and tr.done_generating
     kinds = [k for k, _, _ in tr.log]
     assert kinds.index("switch") < len(kinds) - 1  # chunks were generated again after the switch
+
+
+def test_prompt_switch_mid_chunk_abandons_the_stale_chunk_at_a_step_boundary(profile: FidelityProfile) -> None:
+    pol = SlackPolicy(profile, policy_presets()["credit-only"])  # static 4-step chunks
+    ref = pol.reference
+    step = ref.first_chunk_latency_s / ref.config.steps
+    events = [TraceEvent(0.0, EventKind.ARRIVE, 0, 81), TraceEvent(1.5 * step, EventKind.PROMPT_SWITCH, 0)]
+    sim = Simulator(pol, profile, events, SimConfig(workers=1, nodes=1, jitter_cv=0.0))
+    sim.run()
+    tr = sim.streams[0].tracker
+    # The stale chunk stops after its 2nd step; the new prompt's first chunk follows immediately.
+    assert tr.first_chunk_t == pytest.approx(2 * step + ref.latency_s)

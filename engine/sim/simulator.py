@@ -276,6 +276,14 @@ class Simulator:
             self.ledger.step_done(sid, self.now)
         lead = self.streams[w.job[0]].inflight
         assert lead is not None
+        solo = self.streams[w.job[0]]
+        if lead.steps_left > 0 and len(w.job) == 1 and lead.epoch != solo.tracker.epoch:
+            # The prompt changed mid-chunk: abandon the stale chunk at this step boundary (a batch
+            # keeps going for its other streams and the stale output is discarded at the end).
+            solo.inflight = None
+            w.job = ()
+            self._kick(wid)
+            return
         if lead.steps_left > 0 and all(self.streams[sid].active for sid in w.job):
             self._dispatch(w, step_boundary=True)
             return
