@@ -7,6 +7,7 @@ and (later) the live server so both feed the policy identical views:
     ledger.admit(admission, now, content_s, state_bytes)        # after policy.admit(...) accepted
     ledger.chunk_started(sid, now, point, first)               # worker began a chunk with BMPR's point
     ledger.step_done(sid, now) / ledger.preempted(sid, now)    # step boundary progress / yielded mid-chunk
+    ledger.is_stale(sid) -> ledger.abandon(sid, now)           # prompt switched mid-chunk: stop at a step
     ledger.chunk_done(sid, now, duration_s)                     # chunk playable -> PlayoutTracker
     ledger.cursor_report(sid, now, cursor_s)                   # live server: the client's playout position
     ledger.pause / resume / prompt_switch / leave(sid, now)
@@ -124,6 +125,17 @@ class StreamLedger:
             raise ValueError(f"stream {sid} has no chunk in flight")
         inflight.steps_left -= 1
         inflight.step_started_t = now
+
+    def is_stale(self, sid: int) -> bool:
+        """The chunk in flight was started under a prompt that has since been switched."""
+        inflight = self.entries[sid].inflight
+        return inflight is not None and inflight.epoch != self.entries[sid].tracker.epoch
+
+    def abandon(self, sid: int, now: float) -> None:
+        """Drop the chunk in flight (stale prompt, or a batch partner left); the next one starts fresh."""
+        e = self.entries[sid]
+        e.inflight = None
+        e.last_run_at = now
 
     def preempted(self, sid: int, now: float) -> None:
         self.entries[sid].last_run_at = now

@@ -276,11 +276,10 @@ class Simulator:
             self.ledger.step_done(sid, self.now)
         lead = self.streams[w.job[0]].inflight
         assert lead is not None
-        solo = self.streams[w.job[0]]
-        if lead.steps_left > 0 and len(w.job) == 1 and lead.epoch != solo.tracker.epoch:
+        if lead.steps_left > 0 and len(w.job) == 1 and self.ledger.is_stale(w.job[0]):
             # The prompt changed mid-chunk: abandon the stale chunk at this step boundary (a batch
             # keeps going for its other streams and the stale output is discarded at the end).
-            solo.inflight = None
+            self.ledger.abandon(w.job[0], self.now)
             w.job = ()
             self._kick(wid)
             return
@@ -291,9 +290,8 @@ class Simulator:
         if lead.steps_left > 0:
             # A stream in the batch left mid-chunk: nobody's chunk completes; the others restart it.
             for sid in job:
-                s = self.streams[sid]
-                s.inflight = None
-                if s.left:
+                self.ledger.abandon(sid, self.now)
+                if self.streams[sid].left:
                     self.ledger.leave(sid, running=False)
             self._kick(wid)
             return
