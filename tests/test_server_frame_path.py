@@ -141,3 +141,25 @@ def test_framecode_roundtrip_and_guard() -> None:
     for value in (0, 1, 5461, MAX_ID - 1):
         draw_id(image, value)
         assert read_id(image) == value
+
+
+async def test_runner_pause_stops_feeding_the_engine() -> None:
+    size = (8, 8)
+    assembler = ChunkAssembler(capacity=4)
+    playout = Playout(size, chunk_frames=4, max_fps=30, min_fps=2)
+    with ThreadPoolExecutor(1) as executor:
+        runner = StreamRunner(Negate(), assembler, playout, executor, asyncio.Lock(), size)
+        task = asyncio.ensure_future(runner.run())
+        runner.pause()
+        for _ in range(8):
+            assembler.push(np.zeros((8, 8, 3), np.uint8))
+        await asyncio.sleep(0.1)
+        assert runner.chunks == 0 and runner.paused and assembler.dropped == 0
+        runner.resume()
+        assembler.push(np.zeros((8, 8, 3), np.uint8))  # first chunk: 1 frame
+        for _ in range(100):
+            if runner.chunks:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+    assert runner.chunks == 1 and assembler.received == 9
