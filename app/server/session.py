@@ -52,6 +52,7 @@ class Session:
         self.closed = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._on_close = on_close
+        self._closing: asyncio.Task[None] | None = None
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run a task that lives as long as the session; a crash ends the session."""
@@ -67,17 +68,18 @@ class Session:
         exc = task.exception()
         if exc is not None:
             log.error("stream %s: task %s failed: %r", self.id, task.get_name(), exc, exc_info=exc)
-            asyncio.get_running_loop().create_task(self.close())
+            self._closing = asyncio.get_running_loop().create_task(self.close())  # keep a reference
 
     async def apply(self, message: ControlMessage) -> None:
         if isinstance(message, UpdateMessage):
             changes = message.changes()
             await self.runner.update(**changes)
-            known = {f.name for f in dataclasses.fields(StreamSettings)}
-            current = {k: v for k, v in changes.items() if k in known and not isinstance(v, list)}
-            if isinstance(changes.get("prompt"), list):
-                current["prompt"] = " + ".join(changes["prompt"])
-            self.settings = dataclasses.replace(self.settings, **current)
+            shown: dict[str, Any] = {k: changes[k] for k in ("noise_scale", "steps", "seed") if k in changes}
+            if isinstance(message.prompt, str):
+                shown["prompt"] = message.prompt
+            elif message.prompt is not None:
+                shown["prompt"] = " + ".join(message.prompt)
+            self.settings = dataclasses.replace(self.settings, **shown)
         elif isinstance(message, PauseMessage):
             self.runner.pause()
         elif isinstance(message, ResumeMessage):
