@@ -62,6 +62,7 @@ function onMessage(message) {
     notice(`server: ${message.message}`);
   } else if (message.type === "closed" && state.status === "live") {
     setStatus("disconnected");
+    notice(`Connection lost${message.reason ? ` (${message.reason})` : ""}. Press Stop, then Start to reconnect.`);
   }
 }
 
@@ -94,7 +95,10 @@ async function start() {
   notice("");
   setStatus("connecting");
   try {
-    camera = await navigator.mediaDevices.getUserMedia({ video: { width: 640, height: 480 }, audio: false });
+    camera = await navigator.mediaDevices.getUserMedia({
+      video: { width: 640, height: 480, facingMode: "user" },
+      audio: false,
+    });
     $("input").srcObject = camera;
     if (query.get("transport") !== "ws") {
       try {

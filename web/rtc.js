@@ -64,6 +64,11 @@ export async function connectWebRTC({ camera, config, options, onTrack, onMessag
     await close();
     throw error;
   }
+  pc.addEventListener("connectionstatechange", () => {
+    if (pc.connectionState === "failed" || pc.connectionState === "closed") {
+      onMessage({ type: "closed", reason: `WebRTC ${pc.connectionState}` });
+    }
+  });
   return {
     transport: "webrtc",
     streamId,
