@@ -149,6 +149,7 @@ async function start() {
 }
 
 async function stop() {
+  setStatus("stopping"); // a deliberate close is not a lost connection
   if (connection) await connection.close();
   connection = null;
   if (camera) camera.getTracks().forEach((track) => track.stop());
