@@ -121,7 +121,8 @@ def _ablation(runs: Sequence[Run], workload: str, path: Path) -> None:
     for ax, metric, label in zip(axes, ("cpr", "ttfc_s", "mean_quality"), ("CPR", "TTFC (s)", "quality"),
                                  strict=True):
         ax.plot(range(len(ladder)), [getattr(sel[p], metric) for p in ladder], marker="o")
-        ax.set_xticks(range(len(ladder)), ladder, fontsize=7, rotation=20)
+        labels = ["+offload\n(slackserve)" if p == "slackserve" else p for p in ladder]
+        ax.set_xticks(range(len(ladder)), labels, fontsize=7, rotation=20)
         ax.set_title(label, fontsize=9)
     fig.suptitle(f"Ablation ladder ({workload})", fontsize=9)
     fig.tight_layout()
