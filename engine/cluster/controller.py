@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,6 +38,8 @@ from engine.pipeline import StreamParams
 from engine.serving.snapshot import Admission, Dispatch, TickPlan, WorkerView
 
 log = logging.getLogger(__name__)
+
+HISTORY = 1000  # migrations and recoveries kept for inspection
 
 
 class ClusterError(RuntimeError):
@@ -129,8 +131,9 @@ class ClusterController:
         self._streams: dict[int, _Stream] = {}
         self._table = threading.RLock()
         self.info: WorkerInfo | None = None
-        self.recoveries: list[Recovery] = []
-        self.migrations: list[MigrationStats] = []
+        # Recent history for stats and tests; bounded, since a server runs for days.
+        self.recoveries: deque[Recovery] = deque(maxlen=HISTORY)
+        self.migrations: deque[MigrationStats] = deque(maxlen=HISTORY)
         self._monitor: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -178,12 +181,11 @@ class ClusterController:
         with self._table:
             return {sid: s.home for sid, s in self._streams.items()}
 
-    def _least_loaded(self, exclude: int | None = None) -> int | None:
+    def _least_loaded(self) -> int | None:
         counts: dict[int, int] = defaultdict(int)
         for s in self._streams.values():
             counts[s.home] += 1
-        live = [w for w in self._workers if w != exclude]
-        return min(live, key=lambda w: (counts[w], w)) if live else None
+        return min(self._workers, key=lambda w: (counts[w], w)) if self._workers else None
 
     # -- stream lifetime ------------------------------------------------------------------------------
 
@@ -227,10 +229,10 @@ class ClusterController:
         with entry.lock:
             yield entry
 
-    def _call(self, worker_id: int, ref: Any, timeout: float | None = None) -> Any:
+    def _call(self, worker_id: int, ref: Any) -> Any:
         """``ray.get`` that turns a dead actor into a recovery, then re-raises."""
         try:
-            return ray.get(ref, timeout=timeout)
+            return ray.get(ref)
         except RayActorError:
             self._fail(worker_id, "call")
             raise

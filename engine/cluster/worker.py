@@ -37,13 +37,14 @@ class WorkerInfo:
 class StreamHandoff:
     """One stream in flight between workers: its current controls and its serialised state.
 
-    ``state`` is ``StreamState.to_bytes()``; the whole handoff travels as one object in the Ray object
-    store, from the source actor straight to the destination actor (never through the controller).
+    ``state`` is ``StreamState.to_bytes()`` viewed as a uint8 array: Ray serialises numpy arrays out of
+    band, so the state is copied once into the object store and the destination reads it in place. The
+    handoff goes from the source actor straight to the destination actor, never through the controller.
     """
 
     stream_id: int
     params: StreamParams
-    state: bytes
+    state: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -154,9 +155,9 @@ class StreamWorker:
         from the handoff so that the controller can learn the export's fate without fetching the state."""
         stream = self._runnable(stream_id)
         t0 = time.perf_counter()
-        data = stream.state.to_bytes()
+        data = np.frombuffer(stream.state.to_bytes(), dtype=np.uint8)
         self._frozen.add(stream_id)
-        return MoveReport(stream_id, len(data), time.perf_counter() - t0), StreamHandoff(stream_id, stream.params, data)
+        return MoveReport(stream_id, data.nbytes, time.perf_counter() - t0), StreamHandoff(stream_id, stream.params, data)
 
     def thaw(self, stream_id: int) -> None:
         self._frozen.discard(stream_id)
@@ -170,9 +171,9 @@ class StreamWorker:
         t0 = time.perf_counter()
         if handoff.stream_id in self._streams:
             raise ValueError(f"stream {handoff.stream_id} is already open on this worker")
-        state = StreamState.from_bytes(handoff.state, self.device)
+        state = StreamState.from_bytes(handoff.state.tobytes(), self.device)
         # Cheap after ``prepare`` (prompt cached); the fresh state it makes is replaced whole.
         stream = self.pipe.open_stream(handoff.params, str(handoff.stream_id))
         stream.state = state
         self._streams[handoff.stream_id] = stream
-        return MoveReport(handoff.stream_id, len(handoff.state), time.perf_counter() - t0)
+        return MoveReport(handoff.stream_id, handoff.state.nbytes, time.perf_counter() - t0)
