@@ -16,6 +16,7 @@ import threading
 import time
 import webbrowser
 from pathlib import Path
+from urllib.parse import urljoin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,10 +33,11 @@ def default_model() -> str:
 
 
 def open_when_up(url: str, timeout_s: float = 300) -> None:
+    health = urljoin(url, "/healthz")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if http("GET", url.split("/", 3)[0] + "//" + url.split("/", 3)[2] + "/healthz")[0] == 200:
+            if http("GET", health)[0] == 200:
                 print(f"opening {url}")
                 webbrowser.open(url)
                 return
