@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from _runtime_fixtures import HashTextEncoder, clip, fidelity
 
+from app.server.engine_bridge import StreamSettings
 from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.models.wan_vae import WanVAE, WanVAEConfig
 from engine.parallel.pipeline import PipelineRuntime
+from engine.parallel.service import ParallelFactory
+from engine.pipeline import Pipeline, StreamParams, tensor_to_frames
 from engine.sampling import STREAMDIFFUSION_V2
 from engine.streaming.config import RuntimeConfig
 from engine.streaming.runtime import PromptEncoder, StreamRuntime
@@ -73,3 +77,40 @@ class Scenario:
             "ranges_after": [(r.start, r.stop) for r in pipe.ranges],
             "forwards": pipe.forwards,
         }
+
+
+def tiny_pipeline(runtime: StreamRuntime) -> Pipeline:
+    """The public Pipeline API over a TinyFactory runtime's model (32x32 frames)."""
+    rt = runtime
+    return Pipeline(rt.dit, rt.vae, HashTextEncoder(), rt.preset, rt.config, (32, 32), "tiny-parallel")
+
+
+def uint8_clip(chunks: int) -> list[np.ndarray]:
+    return [tensor_to_frames(c) for c in clip(chunks)]
+
+
+@dataclass(frozen=True)
+class ServiceScenario:
+    """The server's StreamProcessor seam over the pipeline: chunks in, the same chunks' frames out."""
+
+    chunks: int = 5
+    switch_at: int = 3
+
+    def reference(self, runtime: StreamRuntime) -> list[np.ndarray]:
+        stream = tiny_pipeline(runtime).open_stream(StreamParams(prompt="oil painting", steps=2, seed=5))
+        out = []
+        for c, frames in enumerate(uint8_clip(self.chunks)):
+            if c == self.switch_at:
+                stream.update(prompt="pencil sketch")
+            out.append(stream.process(frames))
+        return out
+
+    def __call__(self, pipe: PipelineRuntime) -> list[np.ndarray]:
+        factory = ParallelFactory(pipe, tiny_pipeline(pipe.rt))
+        processor = factory.open(StreamSettings(prompt="oil painting", steps=2, seed=5))
+        out = []
+        for c, frames in enumerate(uint8_clip(self.chunks)):
+            if c == self.switch_at:
+                processor.update(prompt="pencil sketch")
+            out.append(processor.process(frames))
+        return out

@@ -49,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="join the Ray cluster at ADDR (e.g. 10.0.0.5:6379 or 'auto') instead of starting one; implies --ray",
     )
     parser.add_argument("--workers", type=int, default=2, help="Ray worker actors (model replicas) with --ray")
+    parser.add_argument(
+        "--gpus", type=int, default=1,
+        help="pipeline-parallel ranks: the DiT's blocks split over N processes (NCCL, one GPU each, with "
+             "--device cuda; gloo CPU ranks with --device cpu); the service runs in rank 0 (docs/parallel.md)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,6 +88,15 @@ def run(args: argparse.Namespace) -> int:
     )
     if (args.ray or args.ray_address) and args.workers < 1:
         raise SystemExit(f"--workers must be at least 1, got {args.workers}")
+    if args.gpus != 1:
+        if args.gpus < 1:
+            raise SystemExit(f"--gpus must be at least 1, got {args.gpus}")
+        if args.ray or args.ray_address:
+            raise SystemExit("--gpus N (pipeline ranks) cannot be combined with --ray")
+        from engine.parallel.service import serve_parallel
+
+        serve_parallel(config, args.gpus, max(args.threads, 1))
+        return 0
     try:
         factory = None
         if args.ray or args.ray_address:

@@ -1,7 +1,8 @@
-"""Spawning the pipeline ranks: one process per rank, torch.distributed over 127.0.0.1.
+"""Spawning the pipeline ranks: one process per rank, torch.distributed on this machine.
 
 ``run_pipeline(factory, program, world)`` starts ``world`` processes (torch.multiprocessing, spawn),
-joins them into a process group (NCCL on GPUs, gloo on CPU), builds the model in each from
+joins them into a process group (NCCL on GPUs, gloo on CPU; rendezvous through a file, gloo's
+connections on the loopback interface with ports the OS picks), builds the model in each from
 ``factory`` (a picklable callable: device -> StreamRuntime), runs ``program`` on rank 0 with the
 :class:`PipelineRuntime` while ranks 1..N-1 serve their stages, and returns what ``program``
 returned. Every rank builds the same model from the same factory, so weights agree without a
@@ -14,12 +15,11 @@ import datetime
 import io
 import logging
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,29 +30,41 @@ from engine.parallel.partition import even_ranges
 from engine.parallel.pipeline import PipelineOptions, PipelineRuntime, StageWorker
 from engine.streaming.runtime import StreamRuntime
 
+if TYPE_CHECKING:
+    from engine.pipeline import Pipeline
+
 log = logging.getLogger(__name__)
 
 RuntimeFactory = Callable[[torch.device], StreamRuntime]
 Program = Callable[[PipelineRuntime], Any]
 
 
+_LOADED: dict[tuple[str | None, str], Pipeline] = {}
+
+
 @dataclass(frozen=True)
 class LoadedModel:
-    """Factory for :func:`run_pipeline`: ``Pipeline.load(model)``'s runtime on the rank's device."""
+    """Factory for :func:`run_pipeline`: ``Pipeline.load(model)``'s runtime on the rank's device.
+
+    The loaded :class:`Pipeline` stays reachable in the rank's process through
+    :func:`loaded_pipeline` (the service needs its default size and chunk lengths).
+    """
 
     model: str | None = None
 
     def __call__(self, device: torch.device) -> StreamRuntime:
         from engine.pipeline import Pipeline
 
-        return Pipeline.load(self.model, device=str(device)).runtime
+        pipeline = _LOADED[(self.model, str(device))] = Pipeline.load(self.model, device=str(device))
+        return pipeline.runtime
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def loaded_pipeline(model: str | None, device: torch.device) -> Pipeline:
+    """The Pipeline that :class:`LoadedModel` loaded in this process."""
+    try:
+        return _LOADED[(model, str(device))]
+    except KeyError:
+        raise RuntimeError(f"model {model!r} was not loaded on {device} in this process") from None
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -79,19 +91,19 @@ def run_pipeline(factory: RuntimeFactory, program: Program, world: int, device: 
     """Run ``program(pipeline)`` on rank 0 of a fresh ``world``-rank pipeline; returns its result."""
     check_world(world, device)
     options = options or PipelineOptions()
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="diffcast-pipeline-") as tmp:
         result_path = Path(tmp) / "result.pt"
         mp.spawn(
             _rank_main,
-            args=(world, port, factory, program, device, options, threads, timeout_s, str(result_path)),
+            args=(world, str(Path(tmp) / "store"), factory, program, device, options, threads, timeout_s,
+                  str(result_path)),
             nprocs=world,
             join=True,
         )
         return torch.load(io.BytesIO(result_path.read_bytes()), weights_only=False)
 
 
-def _rank_main(rank: int, world: int, port: int, factory: RuntimeFactory, program: Program, device: str,
+def _rank_main(rank: int, world: int, store_path: str, factory: RuntimeFactory, program: Program, device: str,
                options: PipelineOptions, threads: int, timeout_s: float, result_path: str) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)
@@ -99,9 +111,11 @@ def _rank_main(rank: int, world: int, port: int, factory: RuntimeFactory, progra
     dev = rank_device(device, rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    # Rendezvous through a file, not a TCP store: a TCPStore listens on every interface, and the
+    # ranks only ever need to meet on this machine.
     dist.init_process_group(
         "nccl" if dev.type == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=dist.FileStore(store_path, world),
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
