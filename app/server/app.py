@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from prometheus_client import generate_latest
 
 from app.dashboard import dashboard_router
 from app.server.config import ServerConfig
@@ -19,7 +20,7 @@ from app.server.control import ControlError, StreamOptions, options_from_query
 from app.server.engine_bridge import DelayedFactory, PipelineFactory, ProcessorFactory
 from app.server.gateway import Gateway
 from app.server.ice import allow_loopback_candidates, browser_ice_servers
-from app.server.metrics import CONTENT_TYPE, build_registry, metrics_text
+from app.server.metrics import CONTENT_TYPE, build_registry
 from app.server.sdp import OfferError
 from app.server.session import CapacityError, SessionManager
 from app.server.whip import bearer_ok, whip_router
@@ -154,7 +155,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(metrics_text(registry), media_type=CONTENT_TYPE)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE)
 
     @app.websocket("/ws")
     async def websocket(ws: WebSocket) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -38,13 +38,11 @@ class ServerConfig:
     min_fps: float = 2.0
     jpeg_quality: int = 80
     default_prompt: str = "oil painting"
-    presets: tuple[str, ...] = field(
-        default=(
-            "oil painting",
-            "watercolor sketch",
-            "anime cel shading",
-            "cyberpunk neon city",
-            "charcoal drawing",
-            "claymation",
-        )
+    presets: tuple[str, ...] = (
+        "oil painting",
+        "watercolor sketch",
+        "anime cel shading",
+        "cyberpunk neon city",
+        "charcoal drawing",
+        "claymation",
     )

@@ -7,9 +7,9 @@ exercised with the real tiny model in tests and lets other engines plug in.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
+import uuid
 import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -147,7 +147,6 @@ class RayFactory:
 
     def __init__(self, controller: Any) -> None:
         self.controller = controller
-        self._ids = itertools.count(1)
 
     @classmethod
     def start(
@@ -172,7 +171,8 @@ class RayFactory:
     def open(self, settings: StreamSettings) -> StreamProcessor:
         from engine.pipeline import StreamParams
 
-        stream_id = next(self._ids)
+        # Unique across every factory sharing the cluster; 63 bits, as the policy's stream ids are int64.
+        stream_id = uuid.uuid4().int >> 65
         self.controller.open(stream_id, StreamParams(**asdict(settings)))
         processor = RayProcessor(self.controller, stream_id)
         # The processor protocol has no close: the stream leaves its worker when its session drops it.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -50,10 +50,6 @@ class SessionCollector(Collector):
             frames_out.add_metric(key, s.playout.frames_shown)
             dropped.add_metric(key, s.dropped_frames)
         yield from (active, capacity, fps, latency, slack, viewers, frames_in, frames_out, dropped)
-
-
-def metrics_text(registry: CollectorRegistry) -> bytes:
-    return generate_latest(registry)
 
 
 def build_registry(manager: SessionManager) -> CollectorRegistry:

@@ -23,7 +23,7 @@ import numpy as np
 from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
-from app.server.framecode import MAX_ID, band_height, draw_id, read_id
+from app.server.framecode import MAX_ID, draw_id, read_id
 
 TIME_BASE = Fraction(1, 90_000)
 
@@ -121,11 +121,6 @@ class OutputProbe:
 
     def latencies(self, since: float = 0.0, until: float = float("inf")) -> np.ndarray:
         return np.array([lat for t, _, lat in self.records if since <= t < until])
-
-
-def content_region(image: np.ndarray) -> np.ndarray:
-    """The part of a frame below the framecode band."""
-    return image[band_height(image.shape[0]) :]
 
 
 def http(
