@@ -1,4 +1,5 @@
-"""Screenshots of the page, playground, viewer and dashboard, taken by the suite's Chromium.
+"""Docs checks: screenshots of the page, playground, viewer and dashboard taken by the suite's Chromium,
+and the configuration reference against the real `diffcast serve` parser.
 
 Always checks that each surface shows real content (live video, filled stats, table rows);
 with DIFFCAST_SCREENSHOTS=1 it also writes the PNGs to docs/img/ for the README and docs:
@@ -100,3 +101,15 @@ def test_screenshots(
     for name, png in shots.items():
         _save(png, out / f"{name}.png")
         assert _pixels((out / f"{name}.png").read_bytes()).std() > 1, name
+
+
+def test_configuration_doc_lists_every_serve_flag() -> None:
+    """docs/configuration.md documents every `diffcast serve` flag (the parser is the source of truth)."""
+    from app.cli import build_parser
+
+    parser = build_parser()
+    serve = next(a for a in parser._actions if a.dest == "command").choices["serve"]  # type: ignore[attr-defined]
+    flags = {flag for action in serve._actions for flag in action.option_strings if flag.startswith("--")} - {"--help"}
+    doc = (DOCS_IMG.parent / "configuration.md").read_text()
+    missing = sorted(flag for flag in flags if f"`{flag}" not in doc)
+    assert not missing, f"docs/configuration.md does not document {missing}"
