@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -91,6 +92,10 @@ async def test_whip_then_whep_exchange(live_server: Callable[..., AbstractContex
         assert (await asyncio.to_thread(http, "DELETE", url + location))[0] == 200
         assert (await asyncio.to_thread(http, "DELETE", url + location))[0] == 404
         assert (await asyncio.to_thread(http, "GET", f"{url}/healthz"))[2].startswith(b'{"status":"ok","streams":0')
+        metrics = (await asyncio.to_thread(http, "GET", f"{url}/metrics"))[2].decode()
+        assert "diffcast_streams_opened_total 1.0" in metrics and "diffcast_streams 0.0" in metrics
+        total_out = re.search(r"^diffcast_output_frames_total (\S+)$", metrics, re.M)
+        assert total_out and float(total_out.group(1)) >= 5  # the closed stream still counts
         await asyncio.gather(publisher.close(), viewer.close())
 
 

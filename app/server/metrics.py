@@ -49,7 +49,15 @@ class SessionCollector(Collector):
             frames_in.add_metric(key, s.assembler.received)
             frames_out.add_metric(key, s.playout.frames_shown)
             dropped.add_metric(key, s.dropped_frames)
-        yield from (active, capacity, fps, latency, slack, viewers, frames_in, frames_out, dropped)
+        totals = self._manager.totals()
+        opened = CounterMetricFamily("diffcast_streams_opened", "Streams opened since start")
+        opened.add_metric([], totals["streams_opened"])
+        all_out = CounterMetricFamily("diffcast_output_frames", "New output frames played, all streams ever")
+        all_out.add_metric([], totals["output_frames"])
+        all_dropped = CounterMetricFamily("diffcast_dropped_frames", "Frames dropped, all streams ever")
+        all_dropped.add_metric([], totals["dropped_frames"])
+        yield from (active, capacity, opened, all_out, all_dropped)
+        yield from (fps, latency, slack, viewers, frames_in, frames_out, dropped)
 
 
 def build_registry(manager: SessionManager) -> CollectorRegistry:

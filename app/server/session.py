@@ -158,6 +158,8 @@ class SessionManager:
         self._engine_turn: asyncio.Lock | None = None
         self.sessions: dict[str, Session] = {}
         self._opening = 0
+        self.opened = 0
+        self.closed_totals = {"dropped_frames": 0, "output_frames": 0}
 
     @property
     def size(self) -> tuple[int, int]:
@@ -193,6 +195,7 @@ class SessionManager:
             secrets.token_hex(8), kind, settings, runner, assembler, playout, on_close=self._forget
         )
         self.sessions[session.id] = session
+        self.opened += 1
         session.spawn(runner.run(), "engine")
         session.spawn(playout.run(), "playout")
         log.info("stream %s (%s) opened: %s", session.id, kind, settings)
@@ -202,7 +205,19 @@ class SessionManager:
         return self.sessions.get(stream_id)
 
     def _forget(self, stream_id: str) -> None:
-        self.sessions.pop(stream_id, None)
+        session = self.sessions.pop(stream_id, None)
+        if session is not None:
+            self.closed_totals["dropped_frames"] += session.dropped_frames
+            self.closed_totals["output_frames"] += session.playout.frames_shown
+
+    def totals(self) -> dict[str, int]:
+        """Counters over the server's life, closed streams included (per-stream series vanish)."""
+        live = list(self.sessions.values())
+        return {
+            "streams_opened": self.opened,
+            "dropped_frames": self.closed_totals["dropped_frames"] + sum(s.dropped_frames for s in live),
+            "output_frames": self.closed_totals["output_frames"] + sum(s.playout.frames_shown for s in live),
+        }
 
     async def close(self, stream_id: str) -> bool:
         session = self.sessions.get(stream_id)
