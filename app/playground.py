@@ -188,7 +188,7 @@ class Playground:
         pipe = self._require_pipe()
         if not 1 <= chunks <= MAX_T2V_CHUNKS:
             raise ValueError(f"chunks must be between 1 and {MAX_T2V_CHUNKS}, got {chunks}")
-        stream = pipe.open_stream(controls.params())
+        stream = pipe.open_stream(controls.params().with_(mode="t2v"))
         dst = _out_path(".mp4")
         writer = VideoWriter(dst, 16.0, pipe.default_size)
         last = np.zeros((pipe.default_size[1], pipe.default_size[0], 3), np.uint8)

@@ -16,6 +16,7 @@ from test_browser_page import CHROMIUM_FLAGS
 
 from app.playground import Controls
 from app.server.probe import http, pattern_frame
+from engine.pipeline import StreamParams
 from engine.video_io import VideoWriter
 
 pytestmark = pytest.mark.browser
@@ -125,3 +126,27 @@ def test_controls_validate_and_blend() -> None:
         Controls("a", "b", 0.5, "cubic", 0.8, 2, 0).params()
     with pytest.raises(ValueError, match="noise_scale"):
         Controls("a", "", 0.0, "linear", 0.05, 2, 0).params()
+
+
+def test_text_to_video_streams_chunks_then_the_clip(engine_factory: Any) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.playground import Playground
+
+    pipe = engine_factory.pipeline
+    with ThreadPoolExecutor(max_workers=1) as engine_thread:
+        updates = list(Playground(pipe, engine_thread).text_to_video(3, Controls("a red fox", "", 0.0, "linear", 0.8, 2, 0)))
+    # One preview per chunk, then the whole clip.
+    assert [path is None for _, path in updates] == [True, True, True, False]
+    width, height = pipe.default_size
+    assert all(frame.shape == (height, width, 3) for frame, _ in updates)
+    with av.open(str(updates[-1][1])) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    # As many frames as three chunks of a text-to-video stream opened here directly.
+    direct = pipe.open_stream(StreamParams(prompt="a red fox", mode="t2v"))
+    assert len(frames) == sum(len(direct.generate()) for _ in range(3))
+    assert frames[0].shape == (height, width, 3)
+    with pytest.raises(ValueError, match="chunks must be between"):
+        next(Playground(pipe, engine_thread).text_to_video(0, Controls("a", "", 0.0, "linear", 0.8, 2, 0)))
+    with pytest.raises(ValueError, match="not a local pipeline"):
+        Playground(None, engine_thread).stylize("x.mp4", Controls("a", "", 0.0, "linear", 0.8, 2, 0))
