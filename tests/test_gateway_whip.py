@@ -32,7 +32,7 @@ async def _post(url: str, sdp: str, headers: dict[str, str] | None = None) -> tu
 
 
 async def test_whip_then_whep_exchange(live_server: Callable[..., AbstractContextManager[str]]) -> None:
-    with live_server(max_streams=1, trace_stamp=True) as url:
+    with live_server(max_streams=1, max_viewers=1, trace_stamp=True) as url:
         status, head, _ = await asyncio.to_thread(http, "OPTIONS", f"{url}/whip")
         assert status == 204 and head["accept-post"] == "application/sdp"
 
@@ -74,6 +74,12 @@ async def test_whip_then_whep_exchange(live_server: Callable[..., AbstractContex
             await asyncio.sleep(0.2)
         # The viewer sees output made from the publisher's frames (IDs carried by the trace stamp).
         assert len(probe.records) >= 5 and not probe.foreign_ids
+
+        # One viewer per stream allowed here: the next one is told to come back later.
+        second, second_offer = await _offer(publish=False)
+        status, head, body = await _post(f"{url}/whep/{stream_id}", second_offer)
+        assert status == 503 and "viewers" in body and int(head["retry-after"]) > 0
+        await second.close()
 
         metrics = (await asyncio.to_thread(http, "GET", f"{url}/metrics"))[2].decode()
         assert f'diffcast_stream_viewers{{kind="whip",stream_id="{stream_id}"}} 1.0' in metrics

@@ -20,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu", help="torch device for the engine (default cpu)")
     parser.add_argument("--max-streams", type=int, default=4, help="concurrent streams before 503 (default 4)")
+    parser.add_argument("--max-viewers", type=int, default=8, help="WHEP viewers per stream before 503 (default 8)")
     parser.add_argument(
         "--ice-server", action="append", default=[], metavar="URL",
         help="STUN/TURN server URL (repeatable), e.g. stun:stun.l.google.com:19302 or turn:host:3478",
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         device=args.device,
         max_streams=args.max_streams,
+        max_viewers=args.max_viewers,
         ice_servers=tuple(args.ice_server),
         ice_username=args.ice_username,
         ice_credential=args.ice_credential,

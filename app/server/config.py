@@ -13,6 +13,8 @@ class ServerConfig:
     model: str | None = None
     device: str = "cpu"
     max_streams: int = 4
+    # WHEP viewers per stream: each one costs a video encoder on the server.
+    max_viewers: int = 8
     # STUN/TURN URLs handed to aiortc and to the page. Empty by default: a public STUN server delays
     # every answer by seconds on an offline host and is not needed on a LAN.
     ice_servers: tuple[str, ...] = ()

@@ -17,7 +17,7 @@ from app.server.engine_bridge import StreamSettings
 from app.server.frame_path import ChunkAssembler, Playout
 from app.server.ice import rtc_configuration, strip_candidates
 from app.server.sdp import OfferError, check_offer
-from app.server.session import Session, SessionManager
+from app.server.session import CapacityError, Session, SessionManager
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,8 @@ class Gateway:
     async def add_viewer(self, session: Session, offer_sdp: str) -> tuple[str, str]:
         """A WHEP viewer of a stream's output: returns (viewer id, answer SDP)."""
         check_offer(offer_sdp, publish=False)
+        if session.viewers >= self._config.max_viewers:
+            raise CapacityError(f"stream {session.id} already has {self._config.max_viewers} viewers")
         pc = self._peer()
         viewer_id = secrets.token_hex(8)
         pc.addTrack(PlayoutTrack(session.playout))

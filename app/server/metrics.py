@@ -45,7 +45,7 @@ class SessionCollector(Collector):
                 if value is not None:
                     latency.add_metric([*key, quantile], value)
             slack.add_metric(key, s.playout.slack_s)
-            viewers.add_metric(key, sum(1 for peer in s.peers if peer != "publisher"))
+            viewers.add_metric(key, s.viewers)
             frames_in.add_metric(key, s.assembler.received)
             frames_out.add_metric(key, s.playout.frames_shown)
             dropped.add_metric(key, s.dropped_frames)

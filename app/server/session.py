@@ -97,6 +97,10 @@ class Session:
         return {"type": "ack", "applied": message.type}
 
     @property
+    def viewers(self) -> int:
+        return sum(1 for key in self.peers if key != "publisher")
+
+    @property
     def dropped_frames(self) -> int:
         return self.assembler.dropped + self.playout.dropped
 
@@ -123,7 +127,7 @@ class Session:
             "frames_out": self.playout.frames_shown,
             "dropped_frames": self.dropped_frames,
             "repeated_frames": self.playout.repeats,
-            "viewers": sum(1 for key in self.peers if key != "publisher"),
+            "viewers": self.viewers,
         }
 
     async def send_stats(self, send: Callable[[str], Awaitable[None]], is_open: Callable[[], bool]) -> None:
