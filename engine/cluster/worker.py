@@ -128,9 +128,6 @@ class StreamWorker:
     def reset(self, stream_id: int) -> None:
         self._runnable(stream_id).reset()
 
-    def expected_frames(self, stream_id: int) -> int:
-        return self._runnable(stream_id).expected_frames
-
     # -- offload --------------------------------------------------------------------------------------
 
     def suspend(self, stream_id: int) -> int:
