@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from engine.models.wan_dit import CONFIGS, CausalWanDiT  # noqa: E402
 from engine.models.wan_vae import WanVAE, WanVAEConfig  # noqa: E402
 from engine.parallel.launch import run_pipeline  # noqa: E402
+from engine.parallel.partition import stage_times  # noqa: E402
 from engine.parallel.pipeline import PipelineOptions, PipelineRuntime  # noqa: E402
 from engine.sampling import STREAMDIFFUSION_V2  # noqa: E402
 from engine.serving.fidelity import FidelityConfig  # noqa: E402
@@ -60,7 +61,7 @@ class BenchModel:
     """Random weights, Wan topology: ``layers`` blocks of width ``dim`` (the tiny config otherwise)."""
 
     layers: int = 8
-    dim: int = 128
+    dim: int = 256
     sink_refresh: bool = False
 
     def __call__(self, device: torch.device | str = "cpu") -> StreamRuntime:
@@ -104,16 +105,17 @@ class BenchProgram:
         for frames in inputs[self.warmup :]:
             out_frames += sum(r.frames.shape[1] for _, r in pipe.push([state], [frames]))
         elapsed = time.perf_counter() - t0
-        timing = pipe.scheduler
+        sched = pipe.scheduler
+        stages = stage_times(pipe.ranges, sched.block_costs or [], sched.fixed_costs or []) if sched.block_costs else []
         return {
             "ranks": pipe.world,
             "depth": pipe.depth,
+            "rebalances": pipe.rebalances,
             "fps": out_frames / elapsed,
             "ms_per_chunk": 1000 * elapsed / self.chunks,
             "forwards": pipe.forwards - forwards,
             "ranges": [(r.start, r.stop) for r in pipe.ranges],
-            "stage_ms": [round(1000 * (f + sum(timing.block_costs[b] for b in r)), 2)  # type: ignore[index]
-                         for f, r in zip(timing.fixed_costs or [], pipe.ranges, strict=True)],
+            "stage_ms": [round(1000 * t, 1) for t in stages],  # the scheduler's smoothed estimates
         }
 
 
@@ -128,7 +130,7 @@ def baseline(model: BenchModel, program: BenchProgram) -> dict[str, Any]:
     t0 = time.perf_counter()
     out_frames = sum(rt.step(state, frames).frames.shape[1] for frames in inputs[program.warmup :])
     elapsed = time.perf_counter() - t0
-    return {"ranks": "single-process", "depth": 1, "fps": out_frames / elapsed,
+    return {"ranks": "single-process", "depth": 1, "rebalances": 0, "fps": out_frames / elapsed,
             "ms_per_chunk": 1000 * elapsed / program.chunks, "forwards": program.chunks * program.steps,
             "ranges": [(0, model.layers)], "stage_ms": []}
 
@@ -138,12 +140,14 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="rank counts to compare")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--size", type=int, default=64, help="frame size in pixels (square)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--chunks", type=int, default=12, help="timed chunks per rank count")
     parser.add_argument("--sink-refresh", action="store_true",
                         help="adaptive sink refresh on (exact across ranks, but one micro-step in flight)")
+    parser.add_argument("--rebalance-every", type=int, default=0, metavar="N",
+                        help="let the block scheduler rebalance every N micro-steps (0 = keep the even split)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args()
     if max(args.ranks) > args.layers:
@@ -158,17 +162,18 @@ def main() -> int:
         if world == 0:
             rows.append(baseline(model, program))
         else:
-            rows.append(run_pipeline(model, program, world, device=args.device, options=PipelineOptions()))
+            options = PipelineOptions(rebalance_every=args.rebalance_every)
+            rows.append(run_pipeline(model, program, world, device=args.device, options=options))
     setup = {"device": args.device, "layers": args.layers, "dim": args.dim, "size": args.size, "steps": args.steps,
-             "chunks": args.chunks, "sink_refresh": args.sink_refresh, "threads_per_rank": 1}
+             "chunks": args.chunks, "sink_refresh": args.sink_refresh, "rebalance_every": args.rebalance_every, "threads_per_rank": 1}
     if args.json:
         print(json.dumps({"setup": setup, "results": rows}, indent=2))
         return 0
     print(f"setup: {setup}")
-    print(f"{'ranks':>15} {'depth':>5} {'fps':>8} {'ms/chunk':>9} {'forwards':>8}  ranges / per-stage ms")
+    print(f"{'ranks':>15} {'depth':>5} {'fps':>8} {'ms/chunk':>9} {'forwards':>8} {'moves':>5}  ranges / per-stage ms")
     for r in rows:
-        print(f"{r['ranks']!s:>15} {r['depth']:>5} {r['fps']:8.2f} {r['ms_per_chunk']:9.1f} {r['forwards']:>8}  "
-              f"{r['ranges']} {r['stage_ms']}")
+        print(f"{r['ranks']!s:>15} {r['depth']:>5} {r['fps']:8.2f} {r['ms_per_chunk']:9.1f} {r['forwards']:>8} "
+              f"{r['rebalances']:>5}  {r['ranges']} {r['stage_ms']}")
     return 0
 
 

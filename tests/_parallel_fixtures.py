@@ -6,9 +6,11 @@ the tiny Wan VAE and the seeded hash text encoder; every rank seeds and builds t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
+import pytest
 import torch
 from _runtime_fixtures import HashTextEncoder, clip, fidelity
 
@@ -21,6 +23,15 @@ from engine.pipeline import Pipeline, StreamParams, tensor_to_frames
 from engine.sampling import STREAMDIFFUSION_V2
 from engine.streaming.config import RuntimeConfig
 from engine.streaming.runtime import PromptEncoder, StreamRuntime
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread in the reference process, as in every rank (import it into a test module)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)

@@ -8,25 +8,20 @@ Batched rows vs. single-row forwards differ by fp32 rounding only, hence atol 1e
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
 import torch
-from _parallel_fixtures import Scenario, TinyFactory
+from _parallel_fixtures import (
+    Scenario,
+    TinyFactory,
+    one_thread,  # noqa: F401  (autouse fixture)
+)
 from _runtime_fixtures import clip, fidelity
 
 from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.parallel.launch import run_pipeline
 from engine.parallel.pipeline import PipelineOptions
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def assert_same_stream(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:

@@ -5,22 +5,14 @@ Reference: the public Pipeline API (Stream.process) on the same tiny model in th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
-import pytest
-import torch
-from _parallel_fixtures import ServiceScenario, TinyFactory
+from _parallel_fixtures import (
+    ServiceScenario,
+    TinyFactory,
+    one_thread,  # noqa: F401  (autouse fixture)
+)
 
 from engine.parallel.launch import run_pipeline
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_processor_over_two_ranks_matches_the_pipeline_api() -> None:
