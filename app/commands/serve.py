@@ -6,7 +6,7 @@ import argparse
 import logging
 
 NAME = "serve"
-HELP = "run the live web service: webcam in over WebRTC/WHIP, stylized video out (page, WHEP, /ws)"
+HELP = "Run the live web service: webcam in over WebRTC/WHIP, stylized video out (page, WHEP, /ws)."
 
 log = logging.getLogger(__name__)
 
