@@ -106,7 +106,7 @@ async def test_runner_first_chunk_then_steady_chunks_with_trace_stamp() -> None:
     playout = Playout(size, chunk_frames=4, max_fps=30, min_fps=2)
     processor = Negate()
     with ThreadPoolExecutor(1) as executor:
-        runner = StreamRunner(processor, assembler, playout, executor, asyncio.Lock(), size, trace_stamp=True)
+        runner = StreamRunner(processor, assembler, playout, executor, asyncio.Semaphore(1), size, trace_stamp=True)
         task = asyncio.ensure_future(runner.run())
         for i in range(5):
             image = np.full((96, 128, 3), 40, np.uint8)  # twice the engine size: resized on the way in
@@ -148,7 +148,7 @@ async def test_runner_pause_stops_feeding_the_engine() -> None:
     assembler = ChunkAssembler(capacity=4)
     playout = Playout(size, chunk_frames=4, max_fps=30, min_fps=2)
     with ThreadPoolExecutor(1) as executor:
-        runner = StreamRunner(Negate(), assembler, playout, executor, asyncio.Lock(), size)
+        runner = StreamRunner(Negate(), assembler, playout, executor, asyncio.Semaphore(1), size)
         task = asyncio.ensure_future(runner.run())
         runner.pause()
         for _ in range(8):
@@ -163,3 +163,19 @@ async def test_runner_pause_stops_feeding_the_engine() -> None:
             await asyncio.sleep(0.01)
         task.cancel()
     assert runner.chunks == 1 and assembler.received == 9
+
+
+def test_parallel_chunks_declared_by_factory() -> None:
+    from app.server.engine_bridge import DelayedFactory, parallel_chunks
+
+    class Plain:
+        size = (8, 8)
+
+        def open(self, settings: Any) -> Any:
+            return Negate()
+
+    class Routed(Plain):
+        parallel_chunks = 3
+
+    assert parallel_chunks(Plain()) == 1
+    assert parallel_chunks(DelayedFactory(Routed(), 0.0)) == 3

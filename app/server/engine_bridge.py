@@ -58,6 +58,15 @@ class ProcessorFactory(Protocol):
     def open(self, settings: StreamSettings) -> StreamProcessor: ...
 
 
+def parallel_chunks(factory: ProcessorFactory) -> int:
+    """How many chunks (of different streams) the factory's engine can run at once.
+
+    A factory may declare ``parallel_chunks``; one in-process pipeline is not thread-safe, so the
+    default is 1. Engines behind a thread-safe router (Ray workers) can say how many they run.
+    """
+    return max(1, int(getattr(factory, "parallel_chunks", 1)))
+
+
 class PipelineProcessor:
     """A `StreamProcessor` over one `engine.pipeline` stream."""
 
@@ -168,6 +177,11 @@ class RayFactory:
         width, height = self.controller.info.default_size
         return int(width), int(height)
 
+    @property
+    def parallel_chunks(self) -> int:
+        """One chunk per worker actor at a time (each actor runs its calls in order)."""
+        return int(self.controller.config.workers)
+
     def open(self, settings: StreamSettings) -> StreamProcessor:
         from engine.pipeline import StreamParams
 
@@ -214,6 +228,10 @@ class DelayedFactory:
     @property
     def size(self) -> tuple[int, int]:
         return self._inner.size
+
+    @property
+    def parallel_chunks(self) -> int:
+        return parallel_chunks(self._inner)
 
     def open(self, settings: StreamSettings) -> StreamProcessor:
         return DelayedProcessor(self._inner.open(settings), self._delay_s)

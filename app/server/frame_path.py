@@ -283,12 +283,12 @@ class StreamRunner:
         assembler: ChunkAssembler,
         playout: Playout,
         executor: Executor,
-        engine_turn: asyncio.Lock,
+        engine_turn: asyncio.Semaphore,
         size: tuple[int, int],
         trace_stamp: bool = False,
     ) -> None:
         self._processor = processor
-        self._engine_turn = engine_turn  # shared by all streams; asyncio.Lock wakes waiters in order
+        self._engine_turn = engine_turn  # shared by all streams; wakes waiters in arrival order
         self._assembler = assembler
         self._playout = playout
         self._executor = executor

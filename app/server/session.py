@@ -24,7 +24,7 @@ from app.server.control import (
     UpdateMessage,
     parse_control,
 )
-from app.server.engine_bridge import ProcessorFactory, StreamSettings
+from app.server.engine_bridge import ProcessorFactory, StreamSettings, parallel_chunks
 from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
 
 log = logging.getLogger(__name__)
@@ -154,12 +154,13 @@ class SessionManager:
     def __init__(self, factory: ProcessorFactory, config: ServerConfig) -> None:
         self.factory = factory
         self.config = config
-        # One thread: the engine is synchronous, CPU-heavy and not thread-safe. Streams take turns
-        # chunk by chunk, since each has at most one chunk in flight.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # One thread for an in-process engine: it is synchronous, CPU-heavy and not thread-safe.
+        # Streams take turns chunk by chunk, since each has at most one chunk in flight.
+        self._parallel = parallel_chunks(factory)
+        self.executor = ThreadPoolExecutor(max_workers=self._parallel, thread_name_prefix="engine")
         # Streams queue for the engine here, on the event loop, so each takes its freshest frames
         # when its turn comes (created lazily: it must belong to the server's running loop).
-        self._engine_turn: asyncio.Lock | None = None
+        self._engine_turn: asyncio.Semaphore | None = None
         self.sessions: dict[str, Session] = {}
         self._opening = 0
         self.opened = 0
@@ -170,9 +171,9 @@ class SessionManager:
         return self.factory.size
 
     @property
-    def engine_turn(self) -> asyncio.Lock:
+    def engine_turn(self) -> asyncio.Semaphore:
         if self._engine_turn is None:
-            self._engine_turn = asyncio.Lock()
+            self._engine_turn = asyncio.Semaphore(self._parallel)
         return self._engine_turn
 
     def check_capacity(self) -> None:
