@@ -129,6 +129,7 @@ def test_page_falls_back_to_websocket(page: Any, live_server: Callable[..., Abst
         page.goto(f"{url}/?autostart=1&ice_timeout_ms=4000")
         _wait(page, "window.diffcast && window.diffcast.status === 'live'", 60)
         assert page.evaluate("window.diffcast.transport") == "websocket"
+        assert page.evaluate("window.diffcast.streamId")
         assert "WebSocket fallback" in page.text_content("#notice")
         assert page.text_content("#transport") == "WebSocket fallback"
         _assert_output_advances(page)

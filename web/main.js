@@ -136,7 +136,7 @@ async function start() {
     $("transport").textContent = connection.transport === "webrtc" ? "WebRTC" : "WebSocket fallback";
     if (connection.streamId) {
       $("view-link").href = `/view/${connection.streamId}`;
-      $("view-link").hidden = connection.transport !== "webrtc";
+      $("view-link").hidden = false; // WHEP viewers work for either transport
     }
     setStatus("live");
     $("stop").disabled = false;

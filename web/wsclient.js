@@ -27,17 +27,24 @@ export function connectWebSocket({ cameraVideo, config, options, canvas, onFrame
     grab.toBlob((blob) => blob && ws.readyState === WebSocket.OPEN && ws.send(blob), "image/jpeg", 0.8);
   };
 
-  const opened = new Promise((resolve, reject) => {
-    ws.onopen = () => {
-      timer = setInterval(sendFrame, 1000 / fps);
-      resolve();
-    };
-    ws.onerror = () => reject(new Error("WebSocket connection failed"));
+  // Ready once the server says hello (the stream exists); a refusal (full, bad option) arrives as
+  // an error message followed by a close, and becomes the rejection reason.
+  let refusal = "WebSocket connection failed";
+  let settle = null;
+  const ready = new Promise((resolve, reject) => {
+    settle = { resolve, reject };
   });
+  ws.onerror = () => settle.reject(new Error(refusal));
   ws.onmessage = async (event) => {
     if (typeof event.data === "string") {
       const message = JSON.parse(event.data);
-      if (message.type === "hello") streamId = message.stream_id;
+      if (message.type === "hello") {
+        streamId = message.stream_id;
+        timer = setInterval(sendFrame, 1000 / fps);
+        settle.resolve();
+      } else if (message.type === "error" && !streamId) {
+        refusal = message.message;
+      }
       onMessage(message);
       return;
     }
@@ -50,13 +57,12 @@ export function connectWebSocket({ cameraVideo, config, options, canvas, onFrame
   };
   ws.onclose = (event) => {
     clearInterval(timer);
+    settle.reject(new Error(refusal));
     onMessage({ type: "closed", code: event.code, reason: event.reason });
   };
-  return opened.then(() => ({
+  return ready.then(() => ({
     transport: "websocket",
-    get streamId() {
-      return streamId;
-    },
+    streamId,
     send: (message) => ws.readyState === WebSocket.OPEN && ws.send(JSON.stringify(message)),
     close: async () => {
       clearInterval(timer);
