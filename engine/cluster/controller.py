@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import ray
+from ray._private import ray_constants
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from engine.cluster.worker import MoveReport, StreamWorker, WorkerInfo
@@ -107,14 +108,17 @@ def connect(address: str | None = None, num_cpus: int | None = None, object_stor
         return
     if address:
         ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            object_store_memory=object_store_mb * 1024 * 1024,
-            _node_ip_address="127.0.0.1",
-            log_to_driver=False,
-        )
+        return
+    # Ray replaces 127.0.0.1 with the machine's routable address (even when passed as the node address)
+    # unless it runs in its single-machine mode; a local cluster has no other node, so that mode keeps
+    # the GCS, raylet and object-manager addresses on loopback. Read at call time, hence settable here.
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        object_store_memory=object_store_mb * 1024 * 1024,
+        log_to_driver=False,
+    )
 
 
 class ClusterController:
