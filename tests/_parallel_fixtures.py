@@ -116,7 +116,7 @@ class ServiceScenario:
             out.append(stream.process(frames))
         return out
 
-    def __call__(self, pipe: PipelineRuntime) -> list[np.ndarray]:
+    def __call__(self, pipe: PipelineRuntime) -> dict[str, object]:
         factory = ParallelFactory(pipe, tiny_pipeline(pipe.rt))
         processor = factory.open(StreamSettings(prompt="oil painting", steps=2, seed=5))
         out = []
@@ -124,4 +124,4 @@ class ServiceScenario:
             if c == self.switch_at:
                 processor.update(prompt="pencil sketch")
             out.append(processor.process(frames))
-        return out
+        return {"frames": out, "rebalances": pipe.rebalances, "ranges": [(r.start, r.stop) for r in pipe.ranges]}
