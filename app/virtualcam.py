@@ -14,8 +14,9 @@ import logging
 import platform
 import queue
 import threading
+import time
 import urllib.parse
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,19 +86,31 @@ def open_camera(
 
 
 class VirtualCamSink:
-    """Sends RGB frames of any size to a virtual camera: centre-crop + resize, then paced sends."""
+    """Sends RGB frames of any size to a virtual camera: centre-crop + resize, then paced sends.
 
-    def __init__(self, camera: Any) -> None:
+    Frames go out at most at the camera's fps, one period apart. After a stall (a chunk that took
+    longer than its frames' playing time) the clock restarts instead of catching up: pyvirtualcam's
+    own ``sleep_until_next_frame`` adapts to a steady per-frame cost and sends bursts faster than
+    the rate when frames arrive a chunk at a time.
+    """
+
+    def __init__(self, camera: Any, clock: Callable[[], float] = time.monotonic) -> None:
         self.camera = camera
         self.size = (int(camera.width), int(camera.height))
         self.frames = 0
+        self._period = 1.0 / float(camera.fps)
+        self._clock = clock
+        self._due: float | None = None
 
     def send(self, frame: np.ndarray) -> None:
-        self.camera.send(np.ascontiguousarray(fit_frame(frame, self.size)))
+        image = np.ascontiguousarray(fit_frame(frame, self.size))
+        now = self._clock()
+        start = now if self._due is None else max(now, self._due)
+        if start > now:
+            time.sleep(start - now)
+        self.camera.send(image)
         self.frames += 1
-        # Sleeps off whatever is left of this frame's slot: output runs at the camera's fps, never
-        # faster, and a slow producer simply lowers the rate.
-        self.camera.sleep_until_next_frame()
+        self._due = start + self._period
 
     def play(self, frames: Iterable[np.ndarray], max_frames: int | None = None) -> int:
         for frame in frames:

@@ -93,10 +93,13 @@ def test_file_to_virtual_camera(recorder: type[RecordingBackend], tmp_path: Path
     expected = np.concatenate([stream.process(np.stack(c)) for c in (inputs[:1], inputs[1:5], inputs[5:9])])
     got = np.stack([frame.reshape(64, 96, 3) for frame in camera.frames])
     assert np.abs(got.astype(int) - expected.astype(int)).max() <= 1
-    # Paced at the camera's rate: never faster, and frames of one chunk go out one period apart.
+    # Paced at the camera's rate: never faster (no catch-up bursts after a slow chunk), and the
+    # frames of one chunk go out one period apart.
+    # (Single intervals jitter with the OS's sleep; the schedule keeps their average at the period.)
     intervals = np.diff(camera.times)
-    assert intervals.min() > 0.8 / fps
-    assert abs(float(np.median(intervals)) - 1 / fps) < 0.25 / fps
+    assert intervals.min() > 0.7 / fps
+    assert camera.times[-1] - camera.times[-4] > 3 * 0.9 / fps  # the last chunk's four frames
+    assert abs(float(np.median(intervals)) - 1 / fps) < 0.2 / fps
 
 
 def test_without_a_backend_the_command_explains_the_setup(
