@@ -48,41 +48,53 @@ class TinyFactory:
         return StreamRuntime(dit, vae, PromptEncoder(HashTextEncoder()), STREAMDIFFUSION_V2, config)
 
 
+PROMPTS = ("oil painting", "watercolor", "neon city")
+
+
 @dataclass(frozen=True)
 class Scenario:
-    """One stream of ``chunks`` chunks with a prompt switch and, optionally, a forced rebalance."""
+    """``streams`` streams of ``chunks`` chunks each (own prompt, seed and input clip); stream s0
+    switches prompt at ``switch_at``; optionally a forced rebalance before chunk ``rebalance_at``."""
 
     chunks: int = 9
     steps: int = 2
+    streams: int = 1
     switch_at: int = 4
     refresh_on_switch: bool = False
     rebalance_at: int | None = None
     rebalance_to: tuple[tuple[int, int], ...] = ()
 
-    def reference(self, rt: StreamRuntime) -> tuple[list[torch.Tensor], int]:
-        """The single-process engine: StreamRuntime.step chunk after chunk."""
-        state = rt.open("s", "oil painting", (32, 32), fidelity(steps=self.steps), seed=3)
-        out = []
-        for c, frames in enumerate(clip(self.chunks)):
-            if c == self.switch_at:
-                rt.set_prompt(state, "pencil sketch", refresh_sinks=self.refresh_on_switch)
-            out.append(rt.step(state, frames).frames)
-        return out, state.sink_refreshes
+    def reference(self, rt: StreamRuntime) -> tuple[dict[str, list[torch.Tensor]], dict[str, int]]:
+        """The single-process engine: StreamRuntime.step chunk after chunk, each stream on its own."""
+        out, refreshes = {}, {}
+        for i in range(self.streams):
+            state = rt.open(f"s{i}", PROMPTS[i], (32, 32), fidelity(steps=self.steps), seed=3 + i)
+            frames_out = []
+            for c, frames in enumerate(clip(self.chunks, seed=i)):
+                if c == self.switch_at and i == 0:
+                    rt.set_prompt(state, "pencil sketch", refresh_sinks=self.refresh_on_switch)
+                frames_out.append(rt.step(state, frames).frames)
+            out[state.stream_id], refreshes[state.stream_id] = frames_out, state.sink_refreshes
+        return out, refreshes
 
     def __call__(self, pipe: PipelineRuntime) -> dict[str, object]:
-        state = pipe.open("s", "oil painting", (32, 32), fidelity(steps=self.steps), seed=3)
-        out = []
+        states = [pipe.open(f"s{i}", PROMPTS[i], (32, 32), fidelity(steps=self.steps), seed=3 + i)
+                  for i in range(self.streams)]
+        clips = [clip(self.chunks, seed=i) for i in range(self.streams)]
+        out: dict[str, list[torch.Tensor]] = {s.stream_id: [] for s in states}
         ranges_before = [(r.start, r.stop) for r in pipe.ranges]
-        for c, frames in enumerate(clip(self.chunks)):
+        for c in range(self.chunks):
             if c == self.switch_at:
-                pipe.set_prompt(state, "pencil sketch", refresh_sinks=self.refresh_on_switch)
+                pipe.set_prompt(states[0], "pencil sketch", refresh_sinks=self.refresh_on_switch)
             if c == self.rebalance_at:
                 pipe.rebalance([range(a, b) for a, b in self.rebalance_to])
-            out += [r.frames for _, r in pipe.push([state], [frames])]
-        out += [r.frames for _, r in pipe.drain()]
+            for state, result in pipe.push(states, [frames[c] for frames in clips]):
+                out[state.stream_id].append(result.frames)
+        for state, result in pipe.drain():
+            out[state.stream_id].append(result.frames)
         return {
             "frames": out,
-            "sink_refreshes": state.sink_refreshes,
+            "sink_refreshes": {s.stream_id: s.sink_refreshes for s in states},
             "depth": pipe.depth,
             "ranges_before": ranges_before,
             "ranges_after": [(r.start, r.stop) for r in pipe.ranges],

@@ -24,11 +24,13 @@ from engine.parallel.launch import run_pipeline
 from engine.parallel.pipeline import PipelineOptions
 
 
-def assert_same_stream(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:
-    assert len(got) == len(expected)
-    for a, b in zip(expected, got, strict=True):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
-    assert not torch.allclose(expected[-1], expected[-2])  # the stream is not trivially constant
+def assert_same_streams(expected: dict[str, list[torch.Tensor]], got: dict[str, list[torch.Tensor]]) -> None:
+    assert got.keys() == expected.keys()
+    for sid, frames in expected.items():
+        assert len(got[sid]) == len(frames)
+        for a, b in zip(frames, got[sid], strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        assert not torch.allclose(frames[-1], frames[-2])  # the stream is not trivially constant
 
 
 def test_stage_helpers_compose_to_forward() -> None:
@@ -62,27 +64,27 @@ def test_two_ranks_match_single_process_with_switch_and_rebalance() -> None:
     factory = TinyFactory(layers=4, sink_refresh=True, sink_tau=0.5)
     scenario = Scenario(chunks=9, steps=2, switch_at=4, rebalance_at=6, rebalance_to=((0, 1), (1, 4)))
     expected, refreshes = scenario.reference(factory())
-    assert refreshes > 0  # the sink decisions matter in this run
+    assert refreshes["s0"] > 0  # the sink decisions matter in this run
     got = run_pipeline(factory, scenario, world=2, options=PipelineOptions(weights="own"))
     assert got["ranges_before"] == [(0, 2), (2, 4)] and got["ranges_after"] == [(0, 1), (1, 4)]
     assert got["sink_refreshes"] == refreshes
-    assert_same_stream(expected, got["frames"])
+    assert_same_streams(expected, got["frames"])
 
 
 @pytest.mark.slow
 def test_four_ranks_overlap_and_match_single_process() -> None:
-    """No adaptive refresh: 4 micro-steps in flight. The prompt switch forces a sink refresh (a barrier
-    micro-step); the rebalance moves blocks between non-adjacent ranks too."""
+    """No adaptive refresh: 4 micro-steps in flight, two streams batched in each. Stream s0's prompt switch
+    forces a sink refresh (barrier micro-steps); the rebalance moves blocks between non-adjacent ranks."""
     factory = TinyFactory(layers=6, sink_refresh=False)
-    scenario = Scenario(chunks=9, steps=2, switch_at=4, refresh_on_switch=True, rebalance_at=5,
+    scenario = Scenario(chunks=9, steps=2, streams=2, switch_at=4, refresh_on_switch=True, rebalance_at=5,
                         rebalance_to=((0, 1), (1, 2), (2, 3), (3, 6)))
     expected, refreshes = scenario.reference(factory())
-    assert refreshes == 1
+    assert refreshes == {"s0": 1, "s1": 0}
     got = run_pipeline(factory, scenario, world=4)
     assert got["depth"] == 4
     assert got["ranges_before"] == [(0, 2), (2, 4), (4, 5), (5, 6)]
     assert got["sink_refreshes"] == refreshes
-    assert_same_stream(expected, got["frames"])
+    assert_same_streams(expected, got["frames"])
     # 9 chunks, 2 steps, 4 in flight: chunk c runs step 1 in micro-step c + 4, so 13 forwards in all.
     assert got["forwards"] == 9 + 4
 
