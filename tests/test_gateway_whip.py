@@ -9,17 +9,23 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc import AudioStreamTrack, RTCConfiguration, RTCPeerConnection, RTCRtpSender, RTCSessionDescription
 
 from app.server.probe import CodedCamera, OutputProbe, http
 
 SDP = {"Content-Type": "application/sdp"}
 
 
-async def _offer(*, publish: bool, camera: CodedCamera | None = None) -> tuple[RTCPeerConnection, str]:
+async def _offer(
+    *, publish: bool, camera: CodedCamera | None = None, like_obs: bool = False
+) -> tuple[RTCPeerConnection, str]:
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     if publish:
-        pc.addTransceiver(camera or CodedCamera((128, 128), fps=15), direction="sendonly")
+        video = pc.addTransceiver(camera or CodedCamera((128, 128), fps=15), direction="sendonly")
+        if like_obs:  # OBS publishes H264 (constrained baseline) video and Opus audio
+            h264 = [c for c in RTCRtpSender.getCapabilities("video").codecs if c.mimeType == "video/H264"]
+            video.setCodecPreferences(h264)
+            pc.addTransceiver(AudioStreamTrack(), direction="sendonly")
     else:
         pc.addTransceiver("video", direction="recvonly")
     await pc.setLocalDescription(await pc.createOffer())
@@ -37,7 +43,8 @@ async def test_whip_then_whep_exchange(live_server: Callable[..., AbstractContex
         assert status == 204 and head["accept-post"] == "application/sdp"
 
         camera = CodedCamera((128, 128), fps=15)
-        publisher, offer = await _offer(publish=True, camera=camera)
+        publisher, offer = await _offer(publish=True, camera=camera, like_obs=True)
+        assert "H264" in offer and "opus" in offer
         status, head, answer = await _post(f"{url}/whip?prompt=ink%20wash", offer)
         assert status == 201, answer
         assert head["content-type"].startswith("application/sdp")
