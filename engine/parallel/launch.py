@@ -27,7 +27,8 @@ import torch.multiprocessing as mp
 
 from engine.parallel.comm import Channel
 from engine.parallel.partition import even_ranges
-from engine.parallel.pipeline import PipelineOptions, PipelineRuntime, StageWorker
+from engine.parallel.pipeline import PipelineOptions, PipelineRuntime
+from engine.parallel.stage import StageWorker
 from engine.streaming.runtime import StreamRuntime
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ def _rank_main(rank: int, world: int, store_path: str, factory: RuntimeFactory, 
             torch.save(result, buf)
             Path(result_path).write_bytes(buf.getvalue())
         else:
-            StageWorker(runtime, channel, rank, world, ranges, options).serve()
+            StageWorker(runtime, channel, rank, world, ranges, options.weights).serve()
     except Exception:
         # Only the first failing rank's error reaches the parent; log every rank's own cause.
         log.exception("rank %d of %d failed", rank, world)
