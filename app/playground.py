@@ -18,15 +18,18 @@ Engine work from the file and text tabs runs chunk by chunk on the server's one 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
+from starlette.types import Receive, Scope, Send
 
 from app.server.config import ServerConfig
 from app.server.control import MAX_STEPS, MIN_NOISE_SCALE
@@ -272,9 +275,67 @@ def build_blocks(config: ServerConfig, playground: Playground) -> gr.Blocks:
     return blocks
 
 
+def _gradio_app(config: ServerConfig, playground: Playground) -> FastAPI:
+    """A FastAPI app holding the playground mounted at /playground (built off the event loop)."""
+    import gradio as gr
+    from fastapi import FastAPI
+
+    holder = FastAPI()
+    gr.mount_gradio_app(holder, build_blocks(config, playground), path=PATH, css=CSS, footer_links=[])
+    return holder
+
+
+class LazyPlayground:
+    """The ASGI app behind /playground: imports Gradio and builds the Blocks on the first request.
+
+    Gradio costs seconds to import and most of a second per Blocks; paying that in every
+    `create_app` (every server test, every CLI start) for a page few requests reach is waste.
+    The first request builds it in a worker thread, so live streams on the event loop keep running.
+    """
+
+    def __init__(self, build: Callable[[], FastAPI]) -> None:
+        self._build = build
+        self._app: FastAPI | None = None
+        self._lifespan: AbstractAsyncContextManager[Any] | None = None
+        self._lock = asyncio.Lock()
+
+    async def _ready(self) -> FastAPI:
+        async with self._lock:
+            if self._app is None:
+                holder = await asyncio.to_thread(self._build)
+                # Gradio's startup (its queue) runs in the holder's lifespan, on this event loop.
+                lifespan = holder.router.lifespan_context(holder)
+                await lifespan.__aenter__()
+                self._lifespan, self._app = lifespan, holder
+            return self._app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        app = await self._ready()
+        # Our Mount already appended /playground to root_path; the holder mounts Gradio at
+        # /playground itself, so hand it the parent's root_path back.
+        root = str(scope.get("root_path", ""))
+        if root.endswith(PATH):
+            scope = {**scope, "root_path": root[: -len(PATH)]}
+        await app(scope, receive, send)
+
+    async def close(self) -> None:
+        if self._lifespan is not None:
+            await self._lifespan.__aexit__(None, None, None)
+            self._lifespan = self._app = None
+
+
 def mount_playground(app: FastAPI, config: ServerConfig, pipe: Pipeline | None, executor: Executor) -> None:
     """Mount the playground at /playground; ``pipe`` None disables the file and text tabs."""
-    import gradio as gr
+    lazy = LazyPlayground(lambda: _gradio_app(config, Playground(pipe, executor)))
+    app.mount(PATH, lazy)
+    outer = app.router.lifespan_context
 
-    blocks = build_blocks(config, Playground(pipe, executor))
-    gr.mount_gradio_app(app, blocks, path=PATH, css=CSS, footer_links=[])
+    @asynccontextmanager
+    async def lifespan(parent: Any) -> AsyncIterator[Any]:
+        async with outer(parent) as state:
+            try:
+                yield state
+            finally:
+                await lazy.close()
+
+    app.router.lifespan_context = lifespan
