@@ -5,7 +5,14 @@ Reference: the public Pipeline API (Stream.process) on the same tiny model in th
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
+import pytest
 from _parallel_fixtures import (
     ServiceScenario,
     TinyFactory,
@@ -30,3 +37,70 @@ def test_processor_over_two_ranks_matches_the_pipeline_api() -> None:
         # uint8 frames: fp32-rounding differences may flip a rounding step, never more.
         assert int(np.abs(e.astype(np.int16) - g.astype(np.int16)).max()) <= 1
     assert not np.array_equal(expected[-1], expected[-2])
+
+
+def test_gpus_flag_rejects_bad_values() -> None:
+    from app.cli import build_parser
+
+    parser = build_parser()
+    for argv, message in ((["serve", "--gpus", "0"], "--gpus must be at least 1"),
+                          (["serve", "--gpus", "2", "--ray"], "cannot be combined with --ray")):
+        args = parser.parse_args(argv)
+        with pytest.raises(SystemExit, match=message):
+            args._run(args)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.slow
+async def test_serve_gpus_streams_through_two_cpu_ranks(tmp_path: Path) -> None:
+    """`diffcast serve --gpus 2 --device cpu`: two gloo ranks start, a WebRTC client gets stylised
+    frames back (trace-stamped IDs prove they are its own frames), SIGTERM stops every rank."""
+    from conftest import free_port
+
+    from app.server.probe import CodedCamera, http, open_session
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--model", "tiny-random", "--device", "cpu", "--gpus", "2",
+         "--port", str(port), "--allow-loopback-candidates", "--trace-stamp", "--threads", "1"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
+    )
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                if (await asyncio.to_thread(http, "GET", f"{url}/healthz"))[0] == 200:
+                    break
+            except OSError:
+                pass
+            await asyncio.sleep(0.5)
+        ranks = _children(server.pid)
+        assert len(ranks) >= 2  # the spawned ranks (plus multiprocessing's resource tracker)
+        session = await open_session(url, CodedCamera((128, 128), fps=15), prompt="oil painting")
+        deadline = time.monotonic() + 90
+        while len(session.probe.records) < 10 and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        await session.close()
+        assert len(session.probe.records) >= 10, (tmp_path / "serve.log").read_text()[-3000:]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+    time.sleep(2)
+    alive = [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
+    assert not alive, f"ranks left running: {alive}"

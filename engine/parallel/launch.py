@@ -94,14 +94,36 @@ def run_pipeline(factory: RuntimeFactory, program: Program, world: int, device: 
     options = options or PipelineOptions()
     with tempfile.TemporaryDirectory(prefix="diffcast-pipeline-") as tmp:
         result_path = Path(tmp) / "result.pt"
-        mp.spawn(
+        ranks = mp.start_processes(
             _rank_main,
             args=(world, str(Path(tmp) / "store"), factory, program, device, options, threads, timeout_s,
                   str(result_path)),
             nprocs=world,
-            join=True,
+            join=False,
+            start_method="spawn",
         )
+        try:
+            while not ranks.join():
+                pass
+        except BaseException:
+            _stop_ranks(ranks.processes)
+            raise
         return torch.load(io.BytesIO(result_path.read_bytes()), weights_only=False)
+
+
+def _stop_ranks(processes: list[Any], grace_s: float = 10.0) -> None:
+    """Interrupted (Ctrl-C, SIGTERM, a failed rank): let rank 0 stop its program (SIGTERM; uvicorn shuts
+    down gracefully on it), then terminate whatever rank is still alive. Never leaves orphans."""
+    if processes and processes[0].is_alive():
+        processes[0].terminate()
+        processes[0].join(grace_s)
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(grace_s)
+        if p.is_alive():
+            p.kill()
 
 
 def _rank_main(rank: int, world: int, store_path: str, factory: RuntimeFactory, program: Program, device: str,

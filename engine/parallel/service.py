@@ -11,6 +11,7 @@ back later than it hands them in).
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import uuid
 import weakref
@@ -158,5 +159,14 @@ class ServeProgram:
 def serve_parallel(config: ServerConfig, ranks: int, threads: int = 1) -> None:
     """Start ``ranks`` pipeline ranks (gloo CPU ranks for ``--device cpu``) and serve from rank 0."""
     device = "cuda" if config.device.startswith("cuda") else "cpu"
-    run_pipeline(LoadedModel(config.model), ServeProgram(config), ranks, device=device, threads=threads,
-                 timeout_s=24 * 3600.0)
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # SIGTERM must stop the ranks too (run_pipeline stops them on an exception), not orphan them.
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        run_pipeline(LoadedModel(config.model), ServeProgram(config), ranks, device=device, threads=threads,
+                     timeout_s=24 * 3600.0)
+    except KeyboardInterrupt as exc:
+        log.info("stopped (%s); the pipeline ranks are down", exc)
