@@ -41,6 +41,7 @@ from engine.serving.snapshot import Admission, Dispatch, TickPlan, WorkerView
 log = logging.getLogger(__name__)
 
 HISTORY = 1000  # migrations and recoveries kept for inspection
+HEALTH_GROUP = "health"  # the actors' concurrency group for pings
 
 
 class ClusterError(RuntimeError):
@@ -127,8 +128,12 @@ class ClusterController:
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
-        self._actor_cls: Any = ray.remote(StreamWorker).options(
-            num_cpus=config.cpus_per_worker, num_gpus=config.gpus_per_worker, max_restarts=0, max_concurrency=1
+        # Stream calls run one at a time (the default group); health pings have a thread of their own so a
+        # worker with a queue of long chunks still answers them and is not taken for dead.
+        self._actor_cls: Any = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(  # type: ignore[call-overload]
+            StreamWorker
+        ).options(
+            num_cpus=config.cpus_per_worker, num_gpus=config.gpus_per_worker, max_restarts=0
         )
         self._workers: dict[int, Any] = {}
         self._next_worker = 0
@@ -347,10 +352,11 @@ class ClusterController:
     # -- failure --------------------------------------------------------------------------------------
 
     def check_health(self) -> list[Recovery]:
-        """Ping every worker; a failed or late answer is a dead worker, and is recovered from."""
+        """Ping every worker; a failed or late answer is a dead worker, and is recovered from. The ping
+        checks that the process lives and answers, not that its chunks make progress."""
         with self._table:
             workers = dict(self._workers)
-        refs = {wid: actor.ping.remote() for wid, actor in workers.items()}
+        refs = {wid: actor.ping.options(concurrency_group=HEALTH_GROUP).remote() for wid, actor in workers.items()}
         deadline = time.monotonic() + self.config.health_timeout_s
         recovered = []
         for wid, ref in refs.items():
