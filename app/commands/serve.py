@@ -36,6 +36,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-fps", type=float, default=30.0, help="upper bound of the output frame rate")
     parser.add_argument("--engine-delay-ms", type=float, default=0.0, help="test knob: extra delay per chunk")
     parser.add_argument(
+        "--engine-step-delay-ms", type=float, default=0.0,
+        help="test knob: extra delay per denoising step of each forward (emulates a DiT-bound model)",
+    )
+    parser.add_argument(
+        "--policy", choices=("slack", "fifo"), default="slack",
+        help="slack (default): the playout-slack policy admits streams, orders chunks, picks each chunk's "
+             "fidelity and batches streams; fifo: streams take turns at their own fixed fidelity",
+    )
+    parser.add_argument(
+        "--profile", default=None, metavar="FILE",
+        help="fidelity profile for --policy slack (default: the bundled one; write one with `diffcast profile`)",
+    )
+    parser.add_argument("--max-batch", type=int, default=4, help="most streams per batched forward (default 4)")
+    parser.add_argument(
         "--trace-stamp", action="store_true",
         help="copy each input frame's frame-ID band onto its output (glass-to-glass measurements)",
     )
@@ -85,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
         max_prompt_chars=args.max_prompt_chars,
         max_fps=args.max_fps,
         engine_delay_ms=args.engine_delay_ms,
+        engine_step_delay_ms=args.engine_step_delay_ms,
+        policy=args.policy,
+        profile=args.profile,
+        max_batch=args.max_batch,
         trace_stamp=args.trace_stamp,
         break_ice=args.break_ice,
     )

@@ -21,6 +21,7 @@ from app.server.engine_bridge import DelayedFactory, PipelineFactory, ProcessorF
 from app.server.gateway import Gateway
 from app.server.ice import allow_loopback_candidates, browser_ice_servers
 from app.server.metrics import CONTENT_TYPE, build_registry
+from app.server.scheduler import build_scheduler
 from app.server.sdp import OfferError
 from app.server.session import CapacityError, SessionManager
 from app.server.whip import bearer_ok, whip_router
@@ -49,9 +50,11 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         allow_loopback_candidates()
     if factory is None:
         factory = PipelineFactory.load(config.model, config.device)
-    if config.engine_delay_ms > 0:
-        factory = DelayedFactory(factory, config.engine_delay_ms / 1000.0)
+    if config.engine_delay_ms > 0 or config.engine_step_delay_ms > 0:
+        factory = DelayedFactory(factory, config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0)
     manager = SessionManager(factory, config)
+    if config.policy == "slack":
+        manager.scheduler = build_scheduler(config, factory, manager.executor)
     gateway = Gateway(manager, config)
     registry = build_registry(manager)
 

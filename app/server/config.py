@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+POLICIES = ("slack", "fifo")
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -29,6 +31,16 @@ class ServerConfig:
     retry_after_s: int = 5
     # Test knob: extra sleep per engine chunk, to emulate a model slower than the camera.
     engine_delay_ms: float = 0.0
+    # Test knob: extra sleep per denoising step of each forward (fewer steps are then faster, as with
+    # a DiT-dominated model on a GPU); the policy's profile is charged the same delays.
+    engine_step_delay_ms: float = 0.0
+    # Serving policy on this machine: "slack" = admission, ordering, per-chunk fidelity and batching by
+    # the playout-slack policy (app/server/scheduler.py); "fifo" = streams take turns, fixed fidelity.
+    policy: str = "slack"
+    # Fidelity profile for the policy (diffcast-fidelity-profile/1); None = the bundled measured one.
+    profile: str | None = None
+    # Most streams one batched forward may carry under the slack policy.
+    max_batch: int = 4
     # Test/bench knob: copy the frame-ID band (app.server.framecode) of each input frame onto the
     # output frame made from it, so an external client can measure glass-to-glass latency.
     trace_stamp: bool = False
@@ -48,3 +60,9 @@ class ServerConfig:
         "charcoal drawing",
         "claymation",
     )
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")

@@ -11,10 +11,13 @@ import logging
 import time
 import uuid
 import weakref
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+from engine.serving.fidelity import FidelityConfig
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,40 @@ def parallel_chunks(factory: ProcessorFactory) -> int:
     return max(1, int(getattr(factory, "parallel_chunks", 1)))
 
 
+def per_chunk_fidelity(factory: ProcessorFactory) -> bool:
+    """Whether the factory's processors are `BatchProcessor`s (a factory declares it), so the
+    serving policy can set their fidelity per chunk and batch them (app/server/scheduler.py)."""
+    return bool(getattr(factory, "per_chunk_fidelity", False))
+
+
+@runtime_checkable
+class BatchProcessor(Protocol):
+    """A `StreamProcessor` whose fidelity the serving policy sets per chunk and whose chunks can run
+    together with other streams' in one batched forward (app/server/scheduler.py drives it)."""
+
+    @property
+    def first_chunk_frames(self) -> int: ...
+
+    @property
+    def chunk_frames(self) -> int: ...
+
+    def process(self, frames: np.ndarray) -> np.ndarray: ...
+
+    def fidelity(self) -> FidelityConfig: ...
+
+    def set_fidelity(self, config: FidelityConfig) -> None:
+        """Applies from the next chunk; raises ValueError for a config this engine cannot run."""
+        ...
+
+    def batch_key(self) -> Hashable:
+        """Streams whose keys are equal may share one forward (same fidelity, sizes, cache fill)."""
+        ...
+
+    def process_batch(self, rows: Sequence[tuple[BatchProcessor, np.ndarray]]) -> list[np.ndarray]:
+        """Run each (processor, frames) row's chunk in one batched forward; rows share ``batch_key``."""
+        ...
+
+
 class PipelineProcessor:
     """A `StreamProcessor` over one `engine.pipeline` stream."""
 
@@ -92,9 +129,44 @@ class PipelineProcessor:
     def reset(self) -> None:
         self._stream.reset()
 
+    # -- BatchProcessor: the serving policy's per-chunk fidelity and batched forwards --------------
+
+    def fidelity(self) -> FidelityConfig:
+        config: FidelityConfig = self._stream.state.fidelity
+        return config
+
+    def set_fidelity(self, config: FidelityConfig) -> None:
+        if config != self.fidelity():
+            self._stream.update(steps=config.steps, kv_window_frames=config.kv_window_frames,
+                                precision=config.precision)
+
+    def batch_key(self) -> Hashable:
+        stream = self._stream
+        state = stream.state
+        runtime = stream.runtime
+        cache = state.kv[0] if state.kv else None
+        fill = (cache.local_end, cache.window_frames, len(state.kv)) if cache is not None else (0, 0, 0)
+        return (id(runtime), state.fidelity, state.size, runtime.engine_size(state.size, state.fidelity), fill)
+
+    def process_batch(self, rows: Sequence[tuple[BatchProcessor, np.ndarray]]) -> list[np.ndarray]:
+        from engine.pipeline import frames_to_tensor, tensor_to_frames
+
+        streams = []
+        for processor, _ in rows:
+            if not isinstance(processor, PipelineProcessor):
+                raise TypeError(f"cannot batch a {type(processor).__name__} with a PipelineProcessor")
+            streams.append(processor._stream)
+        chunks = [frames_to_tensor(frames, s.expected_frames) for s, (_, frames) in zip(streams, rows, strict=True)]
+        results = streams[0].runtime.step_batch([s.state for s in streams], chunks)
+        for stream, result in zip(streams, results, strict=True):
+            stream.last = result
+        return [tensor_to_frames(r.frames) for r in results]
+
 
 class PipelineFactory:
     """Opens streams on one loaded `engine.pipeline.Pipeline`."""
+
+    per_chunk_fidelity = True  # its processors are BatchProcessors
 
     def __init__(self, pipeline: Any) -> None:
         self._pipe = pipeline
@@ -195,11 +267,39 @@ class RayFactory:
 
 
 class DelayedProcessor:
-    """Adds a fixed sleep to every chunk: emulates a model slower than the camera (test knob)."""
+    """Adds a sleep to every chunk: emulates a model slower than the camera (test knob).
 
-    def __init__(self, inner: StreamProcessor, delay_s: float) -> None:
+    ``step_delay_s`` is added per denoising step of the chunk's fidelity (once per batched forward):
+    it emulates a DiT-dominated model (the 1.3B on a GPU), where fewer steps really are faster.
+    """
+
+    def __init__(self, inner: StreamProcessor, delay_s: float, step_delay_s: float = 0.0) -> None:
         self._inner = inner
         self._delay_s = delay_s
+        self._step_delay_s = step_delay_s
+
+    def _sleep(self) -> None:
+        steps = self._inner.fidelity().steps if isinstance(self._inner, BatchProcessor) else 0
+        time.sleep(self._delay_s + self._step_delay_s * steps)
+
+    def fidelity(self) -> FidelityConfig:
+        return self._batch_inner().fidelity()
+
+    def set_fidelity(self, config: FidelityConfig) -> None:
+        self._batch_inner().set_fidelity(config)
+
+    def batch_key(self) -> Hashable:
+        return self._batch_inner().batch_key()
+
+    def process_batch(self, rows: Sequence[tuple[BatchProcessor, np.ndarray]]) -> list[np.ndarray]:
+        self._sleep()
+        inner = [(p._batch_inner() if isinstance(p, DelayedProcessor) else p, f) for p, f in rows]
+        return self._batch_inner().process_batch(inner)
+
+    def _batch_inner(self) -> BatchProcessor:
+        if not isinstance(self._inner, BatchProcessor):
+            raise TypeError(f"{type(self._inner).__name__} has no per-chunk fidelity or batching")
+        return self._inner
 
     @property
     def first_chunk_frames(self) -> int:
@@ -210,7 +310,7 @@ class DelayedProcessor:
         return self._inner.chunk_frames
 
     def process(self, frames: np.ndarray) -> np.ndarray:
-        time.sleep(self._delay_s)
+        self._sleep()
         return self._inner.process(frames)
 
     def update(self, **changes: Any) -> None:
@@ -221,9 +321,10 @@ class DelayedProcessor:
 
 
 class DelayedFactory:
-    def __init__(self, inner: ProcessorFactory, delay_s: float) -> None:
+    def __init__(self, inner: ProcessorFactory, delay_s: float, step_delay_s: float = 0.0) -> None:
         self._inner = inner
         self._delay_s = delay_s
+        self._step_delay_s = step_delay_s
 
     @property
     def size(self) -> tuple[int, int]:
@@ -233,5 +334,9 @@ class DelayedFactory:
     def parallel_chunks(self) -> int:
         return parallel_chunks(self._inner)
 
+    @property
+    def per_chunk_fidelity(self) -> bool:
+        return per_chunk_fidelity(self._inner)
+
     def open(self, settings: StreamSettings) -> StreamProcessor:
-        return DelayedProcessor(self._inner.open(settings), self._delay_s)
+        return DelayedProcessor(self._inner.open(settings), self._delay_s, self._step_delay_s)

@@ -212,6 +212,21 @@ class Playout:
         """Production stopped on purpose (pause, reset): do not count the gap as model speed."""
         self._last_push = None
 
+    def discard_buffered(self) -> None:
+        """A prompt switch under the serving policy: buffered output of the old prompt is not played
+        (SlackServe's slack reset); the viewer holds the last frame until the new prompt's chunk."""
+        self.dropped += len(self._buffer)
+        self._buffer.clear()
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    @property
+    def frames_consumed(self) -> int:
+        """Output frames that have left the buffer (played, dropped or discarded): the playout cursor."""
+        return self.frames_shown + self.dropped
+
     def tick(self) -> None:
         now = self._clock()
         if self._buffer:
@@ -299,21 +314,29 @@ class StreamRunner:
         self._restart = True
         self.chunks = 0
         self.chunk_seconds = 0.0  # engine time of the last chunk
+        # Told "pause", "resume", "reset" and "prompt" as they happen (the serving policy's ledger).
+        self.on_event: Callable[[str], None] | None = None
 
     @property
     def paused(self) -> bool:
         return not self._resumed.is_set()
+
+    def _notify(self, event: str) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
 
     def pause(self) -> None:
         self._resumed.clear()
         self._assembler.accepting = False
         self._assembler.clear()
         self._playout.mark_gap()
+        self._notify("pause")
 
     def resume(self) -> None:
         self._assembler.accepting = True
         self._playout.mark_gap()
         self._resumed.set()
+        self._notify("resume")
 
     async def call(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
         """Run a processor method on the engine thread (the engine is not thread-safe)."""
@@ -322,11 +345,14 @@ class StreamRunner:
 
     async def update(self, **changes: Any) -> None:
         await self.call(self._processor.update, **changes)
+        if "prompt" in changes:
+            self._notify("prompt")
 
     async def reset(self) -> None:
         await self.call(self._processor.reset)
         self._restart = True
         self._playout.mark_gap()
+        self._notify("reset")
 
     def _chunk_size(self) -> int:
         return self._processor.first_chunk_frames if self._restart else self._processor.chunk_frames
@@ -348,14 +374,43 @@ class StreamRunner:
                 t0 = time.perf_counter()
                 out = await loop.run_in_executor(self._executor, self._process, frames)
                 self.chunk_seconds = time.perf_counter() - t0
-            self.chunks += 1
-            self._playout.push_chunk(out, [frame.meta for frame in frames])
+            self.deliver(frames, out)
+
+    # -- hooks for an external engine loop (app/server/scheduler.py runs several streams' chunks) --
+
+    @property
+    def processor(self) -> StreamProcessor:
+        return self._processor
+
+    def has_chunk(self) -> bool:
+        """Event loop: a chunk of input is waiting and the stream is not paused."""
+        return not self.paused and self._assembler.ready(self._chunk_size())
+
+    def next_chunk(self) -> list[InputFrame] | None:
+        """Event loop: this stream's next chunk of input frames if it is ready now (not paused)."""
+        if not self.has_chunk():
+            return None
+        n = self._chunk_size()
+        self._restart = False
+        return self._assembler.take(n)
+
+    def chunk_inputs(self, frames: list[InputFrame]) -> np.ndarray:
+        """Engine thread: decode and resize a chunk's frames to the engine's size."""
+        return np.stack([to_rgb(frame.source, self._size) for frame in frames])
+
+    def deliver(self, frames: list[InputFrame], out: np.ndarray) -> None:
+        """Event loop: a finished chunk goes to the playout buffer."""
+        self.chunks += 1
+        self._playout.push_chunk(out, [frame.meta for frame in frames])
 
     def _process(self, frames: list[InputFrame]) -> np.ndarray:
         """Engine thread: decode + resize, run the model, optionally stamp the frame-ID band."""
-        inputs = np.stack([to_rgb(frame.source, self._size) for frame in frames])
-        out = self._processor.process(inputs)
-        if out.ndim != 4 or out.shape[0] != len(frames) or out.shape[3] != 3:
+        inputs = self.chunk_inputs(frames)
+        return self.chunk_outputs(inputs, self._processor.process(inputs))
+
+    def chunk_outputs(self, inputs: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Engine thread: check the engine's output, fit it to our size, stamp the frame-ID band."""
+        if out.ndim != 4 or out.shape[0] != len(inputs) or out.shape[3] != 3:
             raise RuntimeError(f"engine returned {out.shape} for an input chunk of {inputs.shape}")
         if out.shape != inputs.shape:  # an engine working at another size: play out at ours
             out = np.stack([fit_frame(image, self._size) for image in out])

@@ -10,7 +10,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiortc import RTCPeerConnection
 
@@ -26,6 +26,9 @@ from app.server.control import (
 )
 from app.server.engine_bridge import ProcessorFactory, StreamSettings, parallel_chunks
 from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
+
+if TYPE_CHECKING:
+    from app.server.scheduler import PolicyScheduler
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,8 @@ class Session:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._on_close = on_close
         self._closing: asyncio.Task[None] | None = None
+        # The serving policy's fields (tier, credit, fidelity, ...) when it schedules this stream.
+        self.policy_stats: Callable[[], dict[str, Any]] | None = None
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run a task that lives as long as the session; a crash ends the session."""
@@ -128,6 +133,7 @@ class Session:
             "dropped_frames": self.dropped_frames,
             "repeated_frames": self.playout.repeats,
             "viewers": self.viewers,
+            **(self.policy_stats() if self.policy_stats is not None else {}),
         }
 
     async def send_stats(self, send: Callable[[str], Awaitable[None]], is_open: Callable[[], bool]) -> None:
@@ -165,6 +171,11 @@ class SessionManager:
         self._opening = 0
         self.opened = 0
         self.closed_totals = {"dropped_frames": 0, "output_frames": 0}
+        # The serving policy's engine loop (app/server/scheduler.py, `--policy slack`); None = streams
+        # take FIFO turns on the engine (`--policy fifo`).
+        self.scheduler: PolicyScheduler | None = None
+        self._scheduler_task: asyncio.Task[None] | None = None
+        self._policy_ids: dict[str, int] = {}
 
     @property
     def size(self) -> tuple[int, int]:
@@ -182,12 +193,18 @@ class SessionManager:
 
     async def open(self, kind: str, settings: StreamSettings) -> Session:
         self.check_capacity()
+        scheduler = self.scheduler
+        policy_id = scheduler.admit() if scheduler is not None else None  # AdmissionError -> 503
         self._opening += 1
+        loop = asyncio.get_running_loop()
         try:
-            loop = asyncio.get_running_loop()
             processor = await loop.run_in_executor(self.executor, self.factory.open, settings)
-        except ValueError as exc:  # the engine refusing an option (e.g. a prompt it cannot encode)
-            raise ControlError(str(exc)) from exc
+        except BaseException as exc:
+            if scheduler is not None and policy_id is not None:
+                scheduler.remove(policy_id)  # admitted, but never opened
+            if isinstance(exc, ValueError):  # the engine refusing an option (e.g. a prompt it cannot encode)
+                raise ControlError(str(exc)) from exc
+            raise
         finally:
             self._opening -= 1
         cfg = self.config
@@ -201,7 +218,14 @@ class SessionManager:
         )
         self.sessions[session.id] = session
         self.opened += 1
-        session.spawn(runner.run(), "engine")
+        if scheduler is not None and policy_id is not None:
+            scheduler.attach(policy_id, runner, playout, lambda: session.settings.steps)
+            self._policy_ids[session.id] = policy_id
+            session.policy_stats = lambda: scheduler.stats(policy_id)
+            if self._scheduler_task is None or self._scheduler_task.done():
+                self._scheduler_task = loop.create_task(scheduler.run(), name="policy-engine-loop")
+        else:
+            session.spawn(runner.run(), "engine")
         session.spawn(playout.run(), "playout")
         log.info("stream %s (%s) opened: %s", session.id, kind, settings)
         return session
@@ -210,6 +234,9 @@ class SessionManager:
         return self.sessions.get(stream_id)
 
     def _forget(self, stream_id: str) -> None:
+        policy_id = self._policy_ids.pop(stream_id, None)
+        if self.scheduler is not None and policy_id is not None:
+            self.scheduler.remove(policy_id)
         session = self.sessions.pop(stream_id, None)
         if session is not None:
             self.closed_totals["dropped_frames"] += session.dropped_frames
@@ -233,4 +260,6 @@ class SessionManager:
 
     async def close_all(self) -> None:
         await asyncio.gather(*(self.close(sid) for sid in list(self.sessions)))
+        if self._scheduler_task is not None:
+            self._scheduler_task.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)

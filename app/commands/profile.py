@@ -1,0 +1,91 @@
+"""`diffcast profile`: measure every fidelity configuration of a model and write a fidelity profile."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+NAME = "profile"
+HELP = "measure latency and quality of every fidelity configuration and write a profile for the serving policy"
+
+log = logging.getLogger(__name__)
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size must be WIDTHxHEIGHT, e.g. 128x128, got {text!r}") from None
+    if width <= 0 or height <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return width, height
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None,
+        help="model: omitted = the embedded default if present, else 'tiny-random'; or a path",
+    )
+    parser.add_argument("--size", type=_size, default=None, help="frame size WxH (default: the model's size)")
+    parser.add_argument("--out", type=Path, default=None, help="profile JSON to write (default: print a summary only)")
+    parser.add_argument("--chunks", type=int, default=8, help="timed chunks per config after warm-up (default 8)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed chunks first (default: the largest window)")
+    parser.add_argument("--fps", type=float, default=16.0, help="content frame rate the profile refers to (default 16)")
+    parser.add_argument("--windows", type=_ints, default=None, help="KV windows, e.g. 4,6 (default: smallest, default)")
+    parser.add_argument("--scales", type=_floats, default=None, help="resolution scales (default 1,0.75,0.5)")
+    parser.add_argument("--steps", type=_ints, default=None, help="denoising steps (default: 1..the preset's)")
+    parser.add_argument("--precisions", default="fp32,bf16", help="attention precisions (default fp32,bf16)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.pipeline import DEFAULT_MODEL, ModelNotAvailableError, Pipeline
+    from engine.profiler import ProfileRun, profile_pipeline
+    from engine.serving.bmpr import BMPR
+
+    torch.set_num_threads(max(args.threads, 1))
+    model = args.model or ("default" if DEFAULT_MODEL.is_file() else "tiny-random")
+    try:
+        pipe = Pipeline.load(model)
+        spec = ProfileRun(size=args.size, chunks=args.chunks, warmup=args.warmup, fps=args.fps, seed=args.seed,
+                          windows=args.windows, scales=args.scales, steps=args.steps,
+                          precisions=tuple(p.strip() for p in args.precisions.split(",") if p.strip()))
+        result = profile_pipeline(pipe, spec, model_name=model)
+    except ModelNotAvailableError as exc:
+        log.error("%s", exc)
+        return 2
+    except ValueError as exc:
+        log.error("cannot profile: %s", exc)
+        return 2
+    profile = result.profile
+    router = BMPR(profile.per_stream())
+    frontier = {p.config for p in router.frontier}
+    print(f"{'config':<34} {'chunk ms':>9} {'first ms':>9} {'PSNR dB':>8} {'SSIM':>6}  frontier")
+    for p in sorted(profile.points, key=lambda p: p.latency_s):
+        mark = "*" if p.config in frontier else ""
+        print(f"{p.config.label():<34} {1000 * p.latency_s:9.1f} {1000 * p.first_chunk_latency_s:9.1f} "
+              f"{p.quality:8.2f} {result.ssim[p.config]:6.3f}  {mark}")
+    print(f"{len(profile.points)} configs, frontier {len(frontier)}, quality floor {router.floor:.2f} dB")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        result.save(args.out)
+        print(f"wrote {args.out}")
+    return 0

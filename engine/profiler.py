@@ -1,0 +1,222 @@
+"""Measure every fidelity configuration the engine supports and write a fidelity profile.
+
+For one model at one frame size, each candidate ``FidelityConfig`` (denoising steps within the
+sampler preset, KV window, resolution scale, attention precision) runs the same synthetic camera
+clip with the same seed:
+
+* latency: wall time of one V2V chunk (encode + DiT + decode, ``Stream.process``), the median over
+  ``chunks`` chunks after ``warmup`` chunks (enough to fill the largest KV window, so the attention
+  cost is the steady-state one); the first-chunk latency is the median of ``first_repeats`` fresh
+  first chunks. Configs are run *interleaved* chunk by chunk, so load from other processes on a
+  shared machine spreads over all configs instead of biasing whichever ran during a busy spell.
+* quality: PSNR (dB) of the config's output clip against the reference config's output (the most
+  expensive one: most steps, largest window, full resolution, fp32) — the same clip, seed and
+  input, so the only difference is the fidelity knob. Identical output scores ``PSNR_CAP`` (the
+  reference against itself). SSIM is stored beside it in each point (``"ssim"``).
+
+PSNR to the full-fidelity output is the proxy because the serving question is "how far does this
+knob take the stream from what it would have shown at full fidelity"; absolute scores (VBench) need
+models and data this repository does not ship. The result is a ``diffcast-fidelity-profile/1`` file
+whose frontier and floor BMPR reads (``engine.serving.bmpr.BMPR``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from skimage.metrics import structural_similarity
+from tqdm import tqdm
+
+from engine.pipeline import Pipeline, Stream, StreamParams
+from engine.serving.fidelity import FidelityConfig, FidelityProfile, ProfilePoint
+
+log = logging.getLogger(__name__)
+
+PSNR_CAP = 100.0  # dB for identical clips (MSE 0), so the reference is the finite maximum
+DEFAULT_SCALES = (1.0, 0.75, 0.5)
+PROFILE_PROMPT = "oil painting"
+
+
+@dataclass(frozen=True)
+class ProfileRun:
+    """What to measure. ``windows``/``scales`` None = the engine's defaults (see candidate_configs)."""
+
+    size: tuple[int, int] | None = None  # (width, height); None = the model's default size
+    chunks: int = 8
+    warmup: int | None = None  # None = the largest window (fills every KV cache before timing)
+    first_repeats: int = 3
+    seed: int = 0
+    fps: float = 16.0  # the content frame rate the profile's chunk durations refer to
+    windows: tuple[int, ...] | None = None
+    scales: tuple[float, ...] | None = None
+    precisions: tuple[str, ...] = ("fp32", "bf16")
+    steps: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {self.chunks}")
+        if self.first_repeats < 1:
+            raise ValueError(f"first_repeats must be >= 1, got {self.first_repeats}")
+        if self.fps <= 0:
+            raise ValueError(f"fps must be positive, got {self.fps}")
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    """PSNR in dB of two uint8 clips, ``PSNR_CAP`` when identical."""
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    if mse == 0.0:
+        return PSNR_CAP
+    return min(PSNR_CAP, 10.0 * float(np.log10(255.0**2 / mse)))
+
+
+def ssim(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean per-frame SSIM of two uint8 clips [T, H, W, 3]."""
+    return float(np.mean([structural_similarity(x, y, channel_axis=2, data_range=255) for x, y in zip(a, b, strict=True)]))
+
+
+def candidate_configs(pipe: Pipeline, size: tuple[int, int], run: ProfileRun) -> list[FidelityConfig]:
+    """Every config the engine accepts at ``size``: steps 1..preset, windows (default: the smallest
+    that holds the sinks plus a chunk, and the runtime default), scales that give distinct engine
+    sizes, precisions. The first element is the reference (most expensive) config."""
+    runtime = pipe.runtime
+    cfg = runtime.config
+    steps = run.steps or tuple(range(1, len(runtime.preset.steps) + 1))
+    windows = run.windows or tuple(sorted({cfg.sink_frames + cfg.chunk_latent_frames, cfg.kv_window_frames}))
+    scales: list[float] = []
+    seen: set[tuple[int, int]] = set()
+    for scale in run.scales or DEFAULT_SCALES:
+        engine_size = runtime.engine_size(size, FidelityConfig(resolution_scale=scale))
+        if min(engine_size) > 0 and engine_size not in seen:
+            seen.add(engine_size)
+            scales.append(scale)
+    configs = []
+    for s, w, scale, precision in itertools.product(steps, windows, scales, run.precisions):
+        config = FidelityConfig(steps=s, kv_window_frames=w, resolution_scale=scale, precision=precision)
+        runtime.check_fidelity(config)  # a clear error for a knob value this engine cannot run
+        configs.append(config)
+    if not configs:
+        raise ValueError(f"no fidelity configuration of this engine is valid at size {size}")
+    precision_rank = {p: i for i, p in enumerate(("bf16", "fp32"))}
+    reference = max(configs, key=lambda c: (c.steps, c.kv_window_frames, c.resolution_scale,
+                                            precision_rank.get(c.precision, -1)))
+    return [reference] + [c for c in configs if c != reference]
+
+
+def synthetic_clip(size: tuple[int, int], frames: int, seed: int) -> np.ndarray:
+    """Moving camera-like content: a smooth gradient, a drifting blob and mild sensor noise."""
+    width, height = size
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    out = np.empty((frames, height, width, 3), np.uint8)
+    for t in range(frames):
+        cx = width * (0.3 + 0.4 * np.sin(t / 9.0) ** 2)
+        cy = height * (0.5 + 0.25 * np.cos(t / 13.0))
+        blob = np.exp(-((x - cx) ** 2 + (y - cy) ** 2) / (2 * (0.12 * width) ** 2))
+        base = np.stack([x / width, y / height, 0.5 + 0.5 * np.sin((x + 3 * t) / 17.0)], axis=-1)
+        image = 0.6 * base + 0.4 * blob[..., None] + rng.normal(0, 0.02, (height, width, 3))
+        out[t] = np.clip(image * 255, 0, 255).astype(np.uint8)
+    return out
+
+
+def _open(pipe: Pipeline, config: FidelityConfig, size: tuple[int, int], seed: int) -> Stream:
+    return pipe.open_stream(StreamParams(
+        prompt=PROFILE_PROMPT, steps=config.steps, seed=seed, size=size, kv_window_frames=config.kv_window_frames,
+        resolution_scale=config.resolution_scale, precision=config.precision,
+    ))
+
+
+def _timed(stream: Stream, frames: np.ndarray) -> tuple[float, np.ndarray]:
+    t0 = time.perf_counter()
+    out = stream.process(frames)
+    return time.perf_counter() - t0, out
+
+
+def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = None,
+                     configs: Sequence[FidelityConfig] | None = None) -> ProfileResult:
+    """Measure ``configs`` (default: every candidate; the first one is the quality reference)."""
+    size = run.size or pipe.default_size
+    configs = list(configs) if configs is not None else candidate_configs(pipe, size, run)
+    warmup = run.warmup if run.warmup is not None else max(c.kv_window_frames for c in configs)
+    first_n, chunk_n = pipe.first_chunk_frames, pipe.chunk_frames
+    clip = synthetic_clip(size, first_n + (warmup + run.chunks) * chunk_n, run.seed)
+    first_input, rest = clip[:first_n], clip[first_n:]
+
+    # Untimed warm-up of the whole path (allocator, kernels, text encoder caches).
+    probe = _open(pipe, configs[0], size, run.seed)
+    probe.process(first_input)
+    probe.process(rest[:chunk_n])
+
+    first_times: dict[FidelityConfig, list[float]] = {c: [] for c in configs}
+    for _ in range(run.first_repeats):
+        for c in configs:
+            first_times[c].append(_timed(_open(pipe, c, size, run.seed), first_input)[0])
+
+    streams = {c: _open(pipe, c, size, run.seed) for c in configs}
+    outputs: dict[FidelityConfig, list[np.ndarray]] = {c: [streams[c].process(first_input)] for c in configs}
+    chunk_times: dict[FidelityConfig, list[float]] = {c: [] for c in configs}
+    total = warmup + run.chunks
+    for k in tqdm(range(total), desc=f"profiling {len(configs)} configs", unit="chunk"):
+        frames = rest[k * chunk_n : (k + 1) * chunk_n]
+        for c in configs:  # interleaved: background load hits every config alike
+            seconds, out = _timed(streams[c], frames)
+            outputs[c].append(out)
+            if k >= warmup:
+                chunk_times[c].append(seconds)
+
+    clips = {c: np.concatenate(outputs[c]) for c in configs}
+    reference = clips[configs[0]]
+    points = []
+    for c in configs:
+        points.append(ProfilePoint(
+            config=c,
+            latency_s=statistics.median(chunk_times[c]),
+            first_chunk_latency_s=statistics.median(first_times[c]),
+            quality=psnr(clips[c], reference),
+            state_bytes=float(streams[c].state.nbytes()),
+            source="measured",
+        ))
+    device = f"{platform.processor() or platform.machine()} cpu x{torch.get_num_threads()} threads"
+    if pipe.runtime.device.type != "cpu":
+        device = torch.cuda.get_device_name(pipe.runtime.device)
+    profile = FidelityProfile(
+        model=model_name or pipe.name,
+        device=device,
+        resolution=(int(size[0]), int(size[1])),
+        chunk_latent_frames=pipe.runtime.config.chunk_latent_frames,
+        chunk_pixel_frames=chunk_n,
+        first_chunk_pixel_frames=first_n,
+        fps=run.fps,
+        points=tuple(points),
+        source=f"measured: engine/profiler.py, {run.chunks} chunks after {warmup} warm-up, seed {run.seed}",
+        notes=(
+            f"quality = PSNR (dB, cap {PSNR_CAP:g}) of each config's output against the reference config "
+            f"{configs[0].label()} on the same synthetic clip and seed; 'ssim' per point is the mean SSIM",
+            "latency = median wall time of one V2V chunk (encode + DiT + decode), configs interleaved",
+            f"measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        ),
+    )
+    return ProfileResult(profile, {c: ssim(clips[c], reference) for c in configs})
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    profile: FidelityProfile
+    ssim: dict[FidelityConfig, float]  # mean SSIM against the reference, per config
+
+    def save(self, path: str | Path) -> None:
+        """The profile file, with each point's SSIM beside its quality (loaders ignore the extra key)."""
+        doc: dict[str, Any] = self.profile.to_json()
+        for raw, point in zip(doc["points"], self.profile.points, strict=True):
+            raw["ssim"] = round(self.ssim[point.config], 5)
+        Path(path).write_text(json.dumps(doc, indent=1) + "\n")
