@@ -26,7 +26,8 @@ from engine.serving.snapshot import Snapshot, StreamView, WorkerView
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[ClusterController]:
-    controller = ClusterController.start(ClusterConfig(model="tiny-random", workers=2, threads_per_worker=1))
+    config = ClusterConfig(model="tiny-random", workers=2, threads_per_worker=1, object_store_mb=200)
+    controller = ClusterController.start(config)
     yield controller
     controller.shutdown()
 

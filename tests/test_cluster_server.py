@@ -33,7 +33,8 @@ WAIT_S = 60.0
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[ClusterController]:
-    controller = ClusterController.start(ClusterConfig(model="tiny-random", workers=2, health_interval_s=0.5))
+    config = ClusterConfig(model="tiny-random", workers=2, health_interval_s=0.5, object_store_mb=200)
+    controller = ClusterController.start(config)
     controller.start_monitor()
     yield controller
     controller.shutdown()

@@ -57,6 +57,7 @@ class ClusterConfig:
     cpus_per_worker: float = 1.0  # Ray scheduling resources of one actor
     gpus_per_worker: float = 0.0
     state_slots: int = 4  # resident streams per worker, as the policy's WorkerView sees it
+    object_store_mb: int | None = None  # a local cluster's object store (moving states); None = Ray's default
     health_interval_s: float = 1.0
     health_timeout_s: float = 5.0
 
@@ -103,8 +104,9 @@ class _Stream:
     suspended: bool = False
 
 
-def connect(address: str | None = None, num_cpus: int | None = None, object_store_mb: int = 200) -> None:
-    """Join the Ray cluster at ``address``, or start a local one on 127.0.0.1 (no dashboard, small store)."""
+def connect(address: str | None = None, num_cpus: int | None = None, object_store_mb: int | None = None) -> None:
+    """Join the Ray cluster at ``address``, or start a local one on 127.0.0.1 (no dashboard; object store
+    of ``object_store_mb``, None = Ray's default share of memory)."""
     if ray.is_initialized():
         return
     if address:
@@ -117,7 +119,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, object_stor
     ray.init(
         num_cpus=num_cpus,
         include_dashboard=False,
-        object_store_memory=object_store_mb * 1024 * 1024,
+        object_store_memory=None if object_store_mb is None else object_store_mb * 1024 * 1024,
         log_to_driver=False,
     )
 
@@ -149,7 +151,8 @@ class ClusterController:
     @classmethod
     def start(cls, config: ClusterConfig, address: str | None = None) -> ClusterController:
         """Connect to (or start) Ray and bring up ``config.workers`` actors, each with a model replica."""
-        connect(address, num_cpus=None if address else max(2, int(config.workers * config.cpus_per_worker) + 1))
+        num_cpus = max(2, int(config.workers * config.cpus_per_worker) + 1)
+        connect(address, num_cpus=None if address else num_cpus, object_store_mb=config.object_store_mb)
         controller = cls(config)
         controller.add_workers(config.workers)
         return controller
