@@ -18,9 +18,10 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 
 from app.server.config import ServerConfig
 from app.server.session import Session, SessionManager
-from engine.serving.credit import classify, service_credit
+from engine.serving.credit import Tier, classify, service_credit
 
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
+WARMING = "WARMING"  # no chunk finished yet: no chunk time, no credit
 
 
 class ChunkRate:
@@ -43,19 +44,31 @@ class ChunkRate:
 
 
 def stream_row(session: Session, chunk_rate: float) -> dict[str, Any]:
-    """One stream: its /metrics-facing stats plus credit, tier and the engine time it costs."""
+    """One stream: its /metrics-facing stats plus tier, credit, fidelity and its engine load.
+
+    Under ``--policy slack`` the stats already carry the policy's own tier, credit and per-chunk
+    fidelity, and those are shown. Otherwise (``--policy fifo``, Ray workers) the same SlackServe
+    credit is computed here for display: C = P - (R + T) with P the playout slack and T the last
+    chunk's measured time; R (the rest of the chunk in flight) is not tracked, so taken as 0.
+    """
     stats = session.stats()
     chunk_s = float(session.runner.chunk_seconds)
-    slack_s = float(session.playout.slack_s)
-    # The live runner does not track how far the chunk in flight has got, so R is taken as 0;
-    # T is the measured time of this stream's last chunk.
-    credit = service_credit(slack_s, 0.0, chunk_s)
-    tier = classify(credit, chunk_s).name if chunk_s > 0 else "WARMING"
+    if stats.get("tier", "-") not in ("-", None):
+        tier = str(stats["tier"]).upper()
+        credit = float(stats["credit_s"])
+    elif chunk_s > 0:
+        credit = service_credit(float(session.playout.slack_s), 0.0, chunk_s)
+        tier = classify(credit, chunk_s).name
+    else:
+        credit, tier = 0.0, WARMING
+    steps = stats.get("fidelity_steps") or stats["steps"]
+    fidelity = stats.get("fidelity") or f"{steps} steps"
     return {
         **stats,
         "credit_s": round(credit, 3),
         "tier": tier,
-        "fidelity": f"{stats['steps']} steps · noise {stats['noise_scale']:.2f}",
+        "fidelity": f"{fidelity} · noise {stats['noise_scale']:.2f}",
+        "fidelity_steps": steps,
         # Seconds of engine time per wall-clock second this stream costs right now.
         "engine_load": round(chunk_s * chunk_rate, 3),
         "age_s": round(time.monotonic() - session.created, 1),
@@ -66,12 +79,13 @@ def snapshot(manager: SessionManager, config: ServerConfig, rate: ChunkRate) -> 
     sessions = list(manager.sessions.values())
     rates = rate.update(sessions, time.monotonic())
     streams = [stream_row(s, rates.get(s.id, 0.0)) for s in sessions]
-    tiers = {name: sum(1 for s in streams if s["tier"] == name) for name in ("URGENT", "NORMAL", "RELAXED", "WARMING")}
+    tiers = {name: sum(1 for s in streams if s["tier"] == name) for name in (*(t.name for t in Tier), WARMING)}
     # One in-process worker today: the engine thread every stream takes turns on.
     worker = {
         "id": "engine-0",
         "device": config.device,
         "model": config.model or "default",
+        "policy": config.policy,
         "streams": len(streams),
         "max_streams": config.max_streams,
         "load": round(sum(s["engine_load"] for s in streams), 3),

@@ -41,10 +41,12 @@ def _expected_tier(slack_s: float, chunk_s: float) -> str:
 
 @pytest.fixture
 def two_streams(
+    request: pytest.FixtureRequest,
     aio: Callable[[Any], Any],  # noqa: F811  (the fixture imported above, requested by name)
     live_server: Callable[..., AbstractContextManager[str]],
 ) -> Iterator[tuple[str, list[str]]]:
-    with live_server(max_streams=3) as url:
+    policy = getattr(request, "param", "slack")
+    with live_server(max_streams=3, policy=policy) as url:
         sessions = [aio(open_session(url, CodedCamera((128, 128), fps=15, variant=i))) for i in range(2)]
         try:
             yield url, [s.stream_id for s in sessions]
@@ -53,31 +55,56 @@ def two_streams(
                 aio(s.close())
 
 
-def test_dashboard_json_matches_the_live_sessions(two_streams: tuple[str, list[str]]) -> None:
-    url, ids = two_streams
-    _wait_for(lambda: all(s["chunk_ms"] > 0 and s["frames_out"] > 5 for s in _get(f"{url}/api/dashboard")[1]["streams"]))
-    _get(f"{url}/api/dashboard")  # a second snapshot after a gap gives chunk rates
-    time.sleep(1.0)
+def _settled_snapshot(url: str) -> dict[str, Any]:
+    def ready() -> bool:
+        streams = _get(f"{url}/api/dashboard")[1]["streams"]
+        return len(streams) == 2 and all(s["chunk_ms"] > 0 and s["frames_out"] > 5 for s in streams)
+
+    _wait_for(ready)
+    time.sleep(1.0)  # a second snapshot after a gap gives chunk rates
     status, data = _get(f"{url}/api/dashboard")
     assert status == 200
+    return data
+
+
+def _check_common(url: str, data: dict[str, Any], ids: list[str], policy: str) -> dict[str, dict[str, Any]]:
     streams = {s["stream_id"]: s for s in data["streams"]}
     assert set(streams) == set(ids)
     (worker,) = data["workers"]
     assert worker["streams"] == 2 and worker["max_streams"] == 3 and worker["device"] == "cpu"
-    assert data["totals"]["streams"] == 2
-    assert sum(data["totals"]["tiers"].values()) == 2
+    assert worker["policy"] == policy
+    assert data["totals"]["streams"] == 2 and sum(data["totals"]["tiers"].values()) == 2
     assert worker["load"] > 0  # the engine thread is doing work for these streams
+    metrics = http("GET", f"{url}/metrics")[2].decode()
     for stream_id, row in streams.items():
-        assert row["kind"] == "webrtc" and row["steps"] == 2
-        assert row["credit_s"] == pytest.approx(row["slack_s"] - row["chunk_ms"] / 1000, abs=2e-3)
-        assert row["tier"] == _expected_tier(row["slack_s"], row["chunk_ms"] / 1000)
+        assert row["kind"] == "webrtc" and row["tier"] in {t.name for t in Tier}
         # Same source as /metrics: the frame counters agree (they only grow between the two reads).
-        metrics = http("GET", f"{url}/metrics")[2].decode()
         match = re.search(
             rf'diffcast_stream_input_frames_total{{kind="webrtc",stream_id="{stream_id}"}} ([0-9.]+)', metrics
         )
         assert match is not None, metrics
         assert float(match.group(1)) >= row["frames_in"]
+    return streams
+
+
+@pytest.mark.parametrize("two_streams", ["fifo"], indirect=True)
+def test_dashboard_computes_tiers_under_fifo(two_streams: tuple[str, list[str]]) -> None:
+    url, ids = two_streams
+    for row in _check_common(url, _settled_snapshot(url), ids, "fifo").values():
+        # No policy in the loop: the dashboard classifies by SlackServe's definition itself.
+        assert row["credit_s"] == pytest.approx(row["slack_s"] - row["chunk_ms"] / 1000, abs=2e-3)
+        assert row["tier"] == _expected_tier(row["slack_s"], row["chunk_ms"] / 1000)
+        assert row["fidelity_steps"] == row["steps"] == 2
+
+
+def test_dashboard_shows_the_policy_decisions(two_streams: tuple[str, list[str]]) -> None:
+    url, ids = two_streams
+    for stream_id, row in _check_common(url, _settled_snapshot(url), ids, "slack").items():
+        # Under --policy slack the tier, credit and fidelity are the policy's own (its stats fields).
+        assert row["policy"] == "slackserve" and row["cpr"] >= 0
+        assert row["fidelity"].startswith(f"S{row['fidelity_steps']}/W")  # the policy's config label
+        assert 1 <= row["fidelity_steps"] <= row["steps"]  # the user's steps cap the policy's choice
+        assert _get(f"{url}/api/streams/{stream_id}")[1]["policy"] == "slackserve"
 
 
 def test_dashboard_needs_the_token_when_the_server_has_one(live_server: Callable[..., AbstractContextManager[str]]) -> None:

@@ -32,7 +32,7 @@ function renderWorkers(workers) {
       const load = document.createElement("td");
       const pct = Math.min(100, Math.round(w.load * 100));
       load.innerHTML = `<span class="load"><span style="width:${pct}%"></span></span> ${pct}%`;
-      row.append(cell(w.id), cell(w.device), cell(w.model), cell(`${w.streams} / ${w.max_streams}`), load,
+      row.append(cell(w.id), cell(w.device), cell(w.model), cell(w.policy || "–"), cell(`${w.streams} / ${w.max_streams}`), load,
         cell(w.tiers.URGENT), cell(w.tiers.NORMAL), cell(w.tiers.RELAXED));
       return row;
     }),
@@ -115,7 +115,7 @@ function render(data) {
   renderWorkers(data.workers);
   renderStreams(data.streams);
   drawChart($("chart-slack"), "slack_s", 0.5);
-  drawChart($("chart-fidelity"), "steps", 4);
+  drawChart($("chart-fidelity"), "fidelity_steps", 4);
   drawChart($("chart-fps"), "fps", 10);
 }
 
