@@ -51,15 +51,18 @@ async def test_whip_then_whep_exchange(live_server: Callable[..., AbstractContex
         location = head["location"]
         assert location.startswith("/whip/")
         stream_id = location.rsplit("/", 1)[1]
+        # The stream's owner capability (docs/security.md): control, trickle and DELETE need it.
+        owner = {"Authorization": f"Bearer {head['x-diffcast-owner-token']}"}
         assert "a=candidate" in answer  # complete answer: no trickle ICE
         await publisher.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
 
         # Trickle ICE is not supported: 405 with Allow (RFC 9725 §4.3.1); unknown session: 404.
         status, head, _ = await asyncio.to_thread(
-            http, "PATCH", url + location, b"a=end-of-candidates\r\n", {"Content-Type": "application/trickle-ice-sdpfrag"}
+            http, "PATCH", url + location, b"a=end-of-candidates\r\n",
+            {"Content-Type": "application/trickle-ice-sdpfrag", **owner},
         )
         assert status == 405 and "DELETE" in head["allow"]
-        assert (await asyncio.to_thread(http, "PATCH", f"{url}/whip/nope", b""))[0] == 404
+        assert (await asyncio.to_thread(http, "PATCH", f"{url}/whip/nope", b"", owner))[0] == 404
 
         # Over capacity: 503 + Retry-After.
         extra, extra_offer = await _offer(publish=True)
@@ -94,16 +97,16 @@ async def test_whip_then_whep_exchange(live_server: Callable[..., AbstractContex
 
         # WHIP streams have no data channel: control goes through the HTTP API.
         control_url = f"{url}/api/streams/{stream_id}/control"
-        status, _, body = await asyncio.to_thread(http, "POST", control_url, b'{"type": "update", "steps": 1}')
+        status, _, body = await asyncio.to_thread(http, "POST", control_url, b'{"type": "update", "steps": 1}', owner)
         assert status == 200 and json.loads(body) == {"type": "ack", "applied": "update"}
-        status, _, body = await asyncio.to_thread(http, "POST", control_url, b'{"type": "jump"}')
+        status, _, body = await asyncio.to_thread(http, "POST", control_url, b'{"type": "jump"}', owner)
         assert status == 422 and b"type" in body
         assert json.loads((await asyncio.to_thread(http, "GET", f"{url}/api/streams/{stream_id}"))[2])["steps"] == 1
 
         assert (await asyncio.to_thread(http, "DELETE", url + viewer_location))[0] == 200
         assert (await asyncio.to_thread(http, "DELETE", url + viewer_location))[0] == 404
-        assert (await asyncio.to_thread(http, "DELETE", url + location))[0] == 200
-        assert (await asyncio.to_thread(http, "DELETE", url + location))[0] == 404
+        assert (await asyncio.to_thread(http, "DELETE", url + location, None, owner))[0] == 200
+        assert (await asyncio.to_thread(http, "DELETE", url + location, None, owner))[0] == 404
         assert (await asyncio.to_thread(http, "GET", f"{url}/healthz"))[2].startswith(b'{"status":"ok","streams":0')
         metrics = (await asyncio.to_thread(http, "GET", f"{url}/metrics"))[2].decode()
         assert "diffcast_streams_opened_total 1.0" in metrics and "diffcast_streams 0.0" in metrics

@@ -39,9 +39,13 @@ export async function connectWebRTC({ camera, config, options, onTrack, onMessag
   pc.ontrack = (event) => onTrack(event.streams[0] || new MediaStream([event.track]));
 
   let streamId = null;
+  let ownerToken = null; // the stream's owner capability: only it may stop the stream
   const close = async () => {
     pc.close();
-    if (streamId) await fetch(`/api/streams/${streamId}`, { method: "DELETE" }).catch(() => {});
+    if (streamId) {
+      const headers = { Authorization: `Bearer ${ownerToken}` };
+      await fetch(`/api/streams/${streamId}`, { method: "DELETE", headers }).catch(() => {});
+    }
   };
   try {
     await pc.setLocalDescription(await pc.createOffer());
@@ -58,6 +62,7 @@ export async function connectWebRTC({ camera, config, options, onTrack, onMessag
       throw error;
     }
     streamId = body.stream_id;
+    ownerToken = body.owner_token;
     await pc.setRemoteDescription({ type: "answer", sdp: body.sdp });
     await waitForConnection(pc, iceTimeoutMs);
   } catch (error) {

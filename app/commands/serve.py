@@ -33,6 +33,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--token", default=None, help="Bearer token required on WHIP/WHEP requests")
     parser.add_argument("--max-prompt-chars", type=int, default=500, help="longest accepted prompt")
+    parser.add_argument(
+        "--api-token", default=None,
+        help="service-wide API token: needed to create or list streams, and an admin credential (docs/security.md)",
+    )
+    parser.add_argument(
+        "--allowed-origin", action="append", default=[], metavar="ORIGIN",
+        help="origin (e.g. https://example.com) whose pages may call the API (repeatable; default: any)",
+    )
+    parser.add_argument(
+        "--private-viewing", action="store_true",
+        help="WHEP and stream stats need the stream's viewer token (default: the unlisted stream id suffices)",
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=65536, help="largest request body (default 65536)")
+    parser.add_argument(
+        "--max-streams-per-client", type=int, default=2, help="concurrent streams per client address (default 2)"
+    )
+    parser.add_argument(
+        "--max-messages-per-s", type=float, default=10.0, help="control messages per second per stream (default 10)"
+    )
     parser.add_argument("--max-fps", type=float, default=30.0, help="upper bound of the output frame rate")
     parser.add_argument("--engine-delay-ms", type=float, default=0.0, help="test knob: extra delay per chunk")
     parser.add_argument(
@@ -97,6 +116,12 @@ def run(args: argparse.Namespace) -> int:
         allow_loopback_candidates=args.allow_loopback_candidates,
         token=args.token,
         max_prompt_chars=args.max_prompt_chars,
+        api_token=args.api_token,
+        allowed_origins=tuple(args.allowed_origin),
+        private_viewing=args.private_viewing,
+        max_body_bytes=args.max_body_bytes,
+        max_streams_per_client=args.max_streams_per_client,
+        max_messages_per_s=args.max_messages_per_s,
         max_fps=args.max_fps,
         engine_delay_ms=args.engine_delay_ms,
         engine_step_delay_ms=args.engine_step_delay_ms,
@@ -128,5 +153,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     log.info("serving on http://%s:%d/", args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, ws="websockets-sansio", log_level="info")
+    # ws_max_size: a WebSocket message over the frame limit closes the socket (1009) before it is buffered.
+    uvicorn.run(app, host=args.host, port=args.port, ws="websockets-sansio", log_level="info",
+                ws_max_size=config.max_frame_bytes + 4096, timeout_graceful_shutdown=10)
     return 0

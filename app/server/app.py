@@ -23,6 +23,7 @@ from app.server.ice import allow_loopback_candidates, browser_ice_servers
 from app.server.metrics import CONTENT_TYPE, build_registry
 from app.server.scheduler import build_scheduler
 from app.server.sdp import OfferError
+from app.server.security import OWNER_HEADER, VIEWER_HEADER, AccessControl, ClientSlots, EdgeGuard
 from app.server.session import CapacityError, SessionManager
 from app.server.whip import bearer_ok, whip_router
 from app.server.ws import serve_websocket
@@ -66,13 +67,21 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     app = FastAPI(title="diffcast", lifespan=lifespan)
     app.state.manager = manager
     app.state.config = config
+    # Capabilities, listing rights, body size, origins, API token, streams per client
+    # (app/server/security.py). Added before CORS, so CORS wraps it: refusals get CORS headers too.
+    access = AccessControl(config, is_live=lambda stream_id: stream_id in manager.sessions)
+    app.state.access = access
+    app.add_middleware(
+        EdgeGuard, config=config, access=access,
+        slots=ClientSlots(config.max_streams_per_client, is_live=lambda stream_id: stream_id in manager.sessions),
+    )
     # Browser WHIP/WHEP clients on other origins need CORS, and must be able to read Location.
     app.add_middleware(
         CORSMiddleware,
-        allow_origins=["*"],
+        allow_origins=list(config.allowed_origins) or ["*"],
         allow_methods=["GET", "POST", "DELETE", "PATCH", "OPTIONS"],
         allow_headers=["*"],
-        expose_headers=["Location", "Accept-Post", "Retry-After"],
+        expose_headers=["Location", "Accept-Post", "Retry-After", OWNER_HEADER, VIEWER_HEADER],
     )
     app.include_router(whip_router(manager, gateway, config))
     # Operator dashboard at /dashboard and the JSON it polls (app/dashboard.py).

@@ -27,6 +27,21 @@ class ServerConfig:
     # Bearer token required on WHIP/WHEP requests (OBS "Bearer Token" field); None = open.
     token: str | None = None
     max_prompt_chars: int = 500
+    # Hardening (app/server/security.py, limits.py; docs/security.md). Service-wide API token: needed
+    # to create or list streams, and an admin credential over every stream; None = no such gate.
+    api_token: str | None = None
+    # Origins whose pages may call the API (CORS and an Origin check); () = any origin.
+    allowed_origins: tuple[str, ...] = ()
+    # True: WHEP/stats need the stream's viewer (or owner) token; False: the unlisted stream id suffices.
+    private_viewing: bool = False
+    max_body_bytes: int = 65536
+    max_streams_per_client: int = 2
+    # Control messages (data channel, WebSocket text, HTTP control): bytes each, and per second.
+    max_message_bytes: int = 4096
+    max_messages_per_s: float = 10.0
+    # WebSocket video frames: bytes each, and pixels before decoding (larger ones are downscaled).
+    max_frame_bytes: int = 1 << 20
+    max_frame_pixels: int = 4096 * 4096
     # Seconds a client is told to wait when the server is full.
     retry_after_s: int = 5
     # Test knob: extra sleep per engine chunk, to emulate a model slower than the camera.

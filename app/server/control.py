@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -14,6 +15,13 @@ MAX_STEPS = 4  # StreamDiffusionV2's V2V schedule has at most 4 denoising steps
 # The first timestep is 1000*s - 100 after motion-aware damping (s - 0.1 at full motion), so below
 # 0.2 it can go negative and the engine fails mid-stream (measured at 0.15).
 MIN_NOISE_SCALE = 0.2
+
+
+# Control (Cc: NUL, newlines, escapes), format (Cf: bidi overrides, zero-width spaces) and surrogate
+# code points have no place in a prompt: they hide or reorder text in logs and the dashboard.
+# Zero-width (non-)joiners are kept: emoji sequences and Persian/Indic text need them.
+FORBIDDEN_CATEGORIES = {"Cc", "Cf", "Cs"}
+ALLOWED_FORMAT_CHARS = {"\u200c", "\u200d"}
 
 
 class ControlError(ValueError):
@@ -70,6 +78,12 @@ def check_prompt(prompt: str | list[str] | None, weights: list[float] | None, ma
             raise ControlError("prompt is empty")
         if len(text) > max_chars:
             raise ControlError(f"prompt is {len(text)} characters long; the limit is {max_chars}")
+        bad = next((c for c in text if unicodedata.category(c) in FORBIDDEN_CATEGORIES
+                    and c not in ALLOWED_FORMAT_CHARS), None)
+        if bad is not None:
+            raise ControlError(
+                f"prompt contains the control character U+{ord(bad):04X} at position {text.index(bad)}"
+            )
     if weights is not None:
         if len(weights) != len(prompts):
             raise ControlError(f"{len(prompts)} prompts but {len(weights)} prompt_weights")

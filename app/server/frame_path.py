@@ -62,11 +62,11 @@ def fit_frame(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     if (w, h) == (width, height):
         return image
     if w * height > h * width:  # too wide
-        crop = h * width // height
+        crop = max(1, h * width // height)  # max: a 1-pixel-tall strip still yields an image
         x0 = (w - crop) // 2
         image = image[:, x0 : x0 + crop]
     elif w * height < h * width:  # too tall
-        crop = w * height // width
+        crop = max(1, w * height // width)
         y0 = (h - crop) // 2
         image = image[y0 : y0 + crop]
     return cv2.resize(image, (width, height), interpolation=cv2.INTER_AREA)

@@ -139,7 +139,7 @@ class Gateway:
         if session.viewers >= self._config.max_viewers:
             raise CapacityError(f"stream {session.id} already has {self._config.max_viewers} viewers")
         pc = self._peer()
-        viewer_id = secrets.token_hex(8)
+        viewer_id = secrets.token_urlsafe(16)  # the viewer's session URL is its only credential
         pc.addTrack(PlayoutTrack(session.playout))
 
         @pc.on("connectionstatechange")

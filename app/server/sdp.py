@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from aiortc.sdp import SessionDescription
 
+# A browser's or OBS's offer is 2-10 KB; more is not an offer we want to parse.
+MAX_SDP_BYTES = 32768
 SENDING = {"sendrecv", "sendonly"}
 RECEIVING = {"sendrecv", "recvonly"}
 
@@ -16,6 +18,9 @@ def check_offer(sdp: str, *, publish: bool) -> None:
     """A publisher's offer must send video; a viewer's (WHEP) offer must receive video."""
     if not sdp.strip():
         raise OfferError("empty SDP offer")
+    size = len(sdp.encode("utf-8", "replace"))
+    if size > MAX_SDP_BYTES:
+        raise OfferError(f"SDP offer of {size} bytes is over the limit of {MAX_SDP_BYTES} bytes")
     if not sdp.lstrip().startswith("v=0"):
         raise OfferError("malformed SDP: an SDP offer starts with 'v=0'")
     try:

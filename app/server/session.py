@@ -26,6 +26,7 @@ from app.server.control import (
 )
 from app.server.engine_bridge import ProcessorFactory, StreamSettings, parallel_chunks
 from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
+from app.server.limits import MessageGuard, control_guard
 
 if TYPE_CHECKING:
     from app.server.scheduler import PolicyScheduler
@@ -58,6 +59,8 @@ class Session:
         self._closing: asyncio.Task[None] | None = None
         # The serving policy's fields (tier, credit, fidelity, ...) when it schedules this stream.
         self.policy_stats: Callable[[], dict[str, Any]] | None = None
+        # Size and rate limit of this stream's control messages, over every transport (limits.py).
+        self.control_guard: MessageGuard | None = None
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run a task that lives as long as the session; a crash ends the session."""
@@ -95,9 +98,11 @@ class Session:
     async def handle_text(self, text: str, max_prompt_chars: int) -> dict[str, Any]:
         """One control message from a client -> the reply to send back (ack or error)."""
         try:
+            if self.control_guard is not None:
+                self.control_guard.check(text)
             message = parse_control(text, max_prompt_chars)
             await self.apply(message)
-        except ValueError as exc:  # ControlError, or the engine refusing a value
+        except ValueError as exc:  # ControlError, MessageLimitError, or the engine refusing a value
             return {"type": "error", "message": str(exc)}
         return {"type": "ack", "applied": message.type}
 
@@ -213,9 +218,11 @@ class SessionManager:
         runner = StreamRunner(
             processor, assembler, playout, self.executor, self.engine_turn, self.size, cfg.trace_stamp
         )
+        # Unguessable (128 bits): with public viewing, knowing the id is what lets a viewer watch.
         session = Session(
-            secrets.token_hex(8), kind, settings, runner, assembler, playout, on_close=self._forget
+            secrets.token_urlsafe(16), kind, settings, runner, assembler, playout, on_close=self._forget
         )
+        session.control_guard = control_guard(cfg.max_message_bytes, cfg.max_messages_per_s)
         self.sessions[session.id] = session
         self.opened += 1
         if scheduler is not None and policy_id is not None:

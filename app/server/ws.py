@@ -15,7 +15,8 @@ from starlette.websockets import WebSocketState
 
 from app.server.config import ServerConfig
 from app.server.engine_bridge import StreamSettings
-from app.server.frame_path import decode_jpeg, encode_jpeg
+from app.server.frame_path import encode_jpeg
+from app.server.limits import decode_frame, frame_guard
 from app.server.session import CapacityError, SessionManager
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ async def serve_websocket(
             async with send_lock:
                 await websocket.send_bytes(data)
 
+    frames = frame_guard(config.max_frame_bytes, config.max_fps)
     session.spawn(send_output(), "ws-output")
     session.spawn(session.send_stats(send_text, is_open), "stats")
     try:
@@ -65,8 +67,11 @@ async def serve_websocket(
                 break
             if message.get("bytes") is not None:
                 try:
-                    image = await asyncio.to_thread(decode_jpeg, message["bytes"])
-                except ValueError as exc:
+                    frames.check(message["bytes"])
+                    image = await asyncio.to_thread(
+                        decode_frame, message["bytes"], (width, height), config.max_frame_pixels
+                    )
+                except ValueError as exc:  # MessageLimitError: over a limit, or not an image
                     await send_text(json.dumps({"type": "error", "message": str(exc)}))
                     continue
                 session.assembler.push(image)

@@ -1,0 +1,384 @@
+"""Who may do what to which stream, enforced at the HTTP/WebSocket edge (one ASGI middleware).
+
+Every stream gets two unguessable capabilities (``secrets.token_urlsafe``) when it is created,
+returned only to its creator (the /api/offer JSON, the WHIP 201 headers, the /ws hello):
+
+* the **owner token** controls, stops and watches the stream;
+* the **viewer token** watches it (WHEP, stats) and nothing else: it is the one to share.
+
+Admin credentials (``--api-token``, and the WHIP ``--token``, which is the operator's) may do
+everything, and only they may list streams (``/api/streams``, ``/api/dashboard``, ``/metrics``:
+the ids are what WHEP needs); with neither configured, only a loopback client may list.
+
+Refusals never tell a caller without rights whether a stream exists: no token -> 401 whether the
+id exists or not; a wrong token -> the same 404 as an unknown id; only a valid viewer token used for
+an owner action gets 403 (its holder already knows the stream exists).
+
+The middleware also enforces the request-body limit, the allowed origins, the service-wide API
+token on stream creation and the streams-per-client limit (app/server/limits.py has the rest).
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import ipaddress
+import json
+import logging
+import re
+import secrets
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs
+
+from app.server.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+OWNER_HEADER = "X-Diffcast-Owner-Token"
+VIEWER_HEADER = "X-Diffcast-Viewer-Token"
+TOKEN_BYTES = 24  # 192 bits: unguessable by any number of online attempts
+POLICY_VIOLATION = 1008  # WebSocket close code
+
+
+class Access(enum.IntEnum):
+    NONE = 0
+    VIEWER = 1
+    OWNER = 2
+    ADMIN = 3
+
+
+@dataclass(frozen=True)
+class Grant:
+    owner: str
+    viewer: str
+
+
+# Per-stream routes and the access each needs; the stream id is the first group. WHEP viewer
+# sessions (/whep/{id}/{viewer}) are capability URLs handed only to that viewer and are not listed.
+STREAM_RULES: tuple[tuple[str, re.Pattern[str], Access], ...] = (
+    ("GET", re.compile(r"^/api/streams/([^/]+)$"), Access.VIEWER),
+    ("DELETE", re.compile(r"^/api/streams/([^/]+)$"), Access.OWNER),
+    ("POST", re.compile(r"^/api/streams/([^/]+)/control$"), Access.OWNER),
+    ("DELETE", re.compile(r"^/whip/([^/]+)$"), Access.OWNER),
+    ("PATCH", re.compile(r"^/whip/([^/]+)$"), Access.OWNER),
+    ("POST", re.compile(r"^/whep/([^/]+)$"), Access.VIEWER),
+)
+# Routes that reveal every stream's id: admin only.
+LISTING = {("GET", "/api/streams"), ("GET", "/api/dashboard"), ("GET", "/metrics")}
+# Routes that create a stream: the API token (when set) and the per-client limit apply.
+CREATION = {("POST", "/api/offer"), ("POST", "/whip"), ("WEBSOCKET", "/ws")}
+# Bodies above --max-body-bytes are refused here, except the playground's file uploads (Gradio
+# enforces its own limits there).
+UNLIMITED_BODY_PREFIXES = ("/playground",)
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+
+
+def presented_token(scope: Scope) -> str | None:
+    """The Bearer token of a request: ``Authorization: Bearer <t>``, or ``?access_token=<t>``
+    (RFC 6750 §2.3) for clients that cannot set headers (a browser's WebSocket)."""
+    scheme, _, given = _headers(scope).get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and given.strip():
+        return given.strip()
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("access_token")
+    return values[0] if values else None
+
+
+def client_host(scope: Scope) -> str:
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class AccessControl:
+    """The capabilities of live streams. A grant dies with its stream (checked through ``is_live``)."""
+
+    def __init__(self, config: ServerConfig, is_live: Callable[[str], bool]) -> None:
+        self._admin_tokens = tuple(t for t in (config.api_token, config.token) if t)
+        self._is_live = is_live
+        self._grants: dict[str, Grant] = {}
+        self.private_viewing = config.private_viewing
+
+    @property
+    def has_admin_token(self) -> bool:
+        return bool(self._admin_tokens)
+
+    def grant(self, stream_id: str) -> Grant:
+        self._prune()
+        grant = Grant(secrets.token_urlsafe(TOKEN_BYTES), secrets.token_urlsafe(TOKEN_BYTES))
+        self._grants[stream_id] = grant
+        return grant
+
+    def _prune(self) -> None:
+        for stream_id in [s for s in self._grants if not self._is_live(s)]:
+            del self._grants[stream_id]
+
+    @property
+    def grants(self) -> int:
+        self._prune()
+        return len(self._grants)
+
+    def is_admin(self, token: str | None) -> bool:
+        return token is not None and any(hmac.compare_digest(token, t) for t in self._admin_tokens)
+
+    def access(self, token: str | None, stream_id: str) -> Access:
+        if self.is_admin(token):
+            return Access.ADMIN
+        grant = self._grants.get(stream_id)
+        if token is None or grant is None or not self._is_live(stream_id):
+            return Access.NONE
+        if hmac.compare_digest(token, grant.owner):
+            return Access.OWNER
+        if hmac.compare_digest(token, grant.viewer):
+            return Access.VIEWER
+        return Access.NONE
+
+    def refusal(self, token: str | None, stream_id: str, need: Access) -> tuple[int, str] | None:
+        """None when ``token`` may do what needs ``need`` on the stream; else (status, reason)."""
+        level = self.access(token, stream_id)
+        if level >= need:
+            return None
+        if need == Access.VIEWER and not self.private_viewing and self._is_live(stream_id):
+            return None  # public viewing: the (unguessable, unlisted) id is the viewing capability
+        if token is None:
+            wanted = "the stream's owner token" if need == Access.OWNER else "the stream's viewer or owner token"
+            return 401, f"this needs {wanted} as 'Authorization: Bearer <token>'"
+        if level == Access.VIEWER:
+            return 403, "a viewer token can only watch this stream; controlling or stopping it needs the owner token"
+        return 404, f"no stream {stream_id}"  # the same answer as for an id that does not exist
+
+
+class ClientSlots:
+    """Streams per client address: live streams it created plus creations in flight."""
+
+    def __init__(self, limit: int, is_live: Callable[[str], bool]) -> None:
+        self.limit = limit
+        self._is_live = is_live
+        self._pending: dict[str, int] = {}
+        self._owned: dict[str, str] = {}  # stream id -> client host
+
+    def count(self, host: str) -> int:
+        for stream_id in [s for s in self._owned if not self._is_live(s)]:
+            del self._owned[stream_id]
+        return self._pending.get(host, 0) + sum(1 for h in self._owned.values() if h == host)
+
+    def try_reserve(self, host: str) -> bool:
+        if self.count(host) >= self.limit:
+            return False
+        self._pending[host] = self._pending.get(host, 0) + 1
+        return True
+
+    def release(self, host: str, stream_id: str | None) -> None:
+        """The creation finished: ``stream_id`` is the stream it made, if any."""
+        left = self._pending.get(host, 0) - 1
+        if left > 0:
+            self._pending[host] = left
+        else:
+            self._pending.pop(host, None)
+        if stream_id is not None:
+            self._owned[stream_id] = host
+
+
+async def _send_http(send: Send, status: int, body: bytes, content_type: str, headers: dict[str, str]) -> None:
+    raw = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def refuse(scope: Scope, receive: Receive, send: Send, status: int, reason: str,
+                 headers: dict[str, str] | None = None) -> None:
+    """An error in the style of the route: JSON ``{"detail"}`` under /api, plain text elsewhere;
+    on a WebSocket, an error message and a close (1008, or 1013 for a 503/429)."""
+    headers = dict(headers or {})
+    if status == 401:
+        headers.setdefault("WWW-Authenticate", "Bearer")
+    if scope["type"] == "websocket":
+        await receive()  # websocket.connect
+        await send({"type": "websocket.accept"})
+        await send({"type": "websocket.send", "text": json.dumps({"type": "error", "message": reason})})
+        code = 1013 if status in (429, 503) else POLICY_VIOLATION
+        await send({"type": "websocket.close", "code": code, "reason": reason[:120]})
+        return
+    if scope["path"].startswith("/api/"):
+        await _send_http(send, status, json.dumps({"detail": reason}).encode(), "application/json", headers)
+    else:
+        await _send_http(send, status, (reason + "\n").encode(), "text/plain; charset=utf-8", headers)
+
+
+class EdgeGuard:
+    """ASGI middleware: origins, body size, listing rights, API token and per-client limit on
+    creation, per-stream capabilities; hands the creator its tokens."""
+
+    def __init__(self, app: ASGIApp, config: ServerConfig, access: AccessControl, slots: ClientSlots) -> None:
+        self.app = app
+        self.config = config
+        self.access = access
+        self.slots = slots
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        method = "WEBSOCKET" if scope["type"] == "websocket" else scope["method"]
+        path = scope["path"]
+        denied = self._origin_refusal(scope)
+        if denied is not None:
+            await refuse(scope, receive, send, 403, denied)
+            return
+        if scope["type"] == "http" and not path.startswith(UNLIMITED_BODY_PREFIXES):
+            body = await self._read_body(receive)
+            if body is None:
+                await refuse(scope, receive, send, 413,
+                             f"request body is larger than the limit of {self.config.max_body_bytes} bytes")
+                return
+            receive = _replay(body, receive)
+        token = presented_token(scope)
+        if (method, path) in LISTING:
+            refusal = self._listing_refusal(scope, token)
+            if refusal is not None:
+                await refuse(scope, receive, send, *refusal)
+                return
+        elif (method, path) in CREATION:
+            await self._create(scope, receive, send, token)
+            return
+        for rule_method, pattern, need in STREAM_RULES:
+            match = pattern.match(path) if rule_method == method else None
+            if match is not None:
+                refusal = self.access.refusal(token, match.group(1), need)
+                if refusal is not None:
+                    await refuse(scope, receive, send, *refusal)
+                    return
+                break
+        await self.app(scope, receive, send)
+
+    def _origin_refusal(self, scope: Scope) -> str | None:
+        allowed = self.config.allowed_origins
+        origin = _headers(scope).get("origin")
+        if not allowed or origin is None or origin in allowed:
+            return None  # no list, or a non-browser client (OBS, curl), or an allowed page
+        host = _headers(scope).get("host", "")
+        if origin.split("://", 1)[-1] == host:
+            return None  # the service's own page
+        return f"origin {origin} is not allowed (--allowed-origin)"
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, or None once it passes the limit (the rest is not read)."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.config.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks)
+
+    def _listing_refusal(self, scope: Scope, token: str | None) -> tuple[int, str] | None:
+        if self.access.has_admin_token:
+            if self.access.is_admin(token):
+                return None
+            return 401, "listing streams needs an admin token as 'Authorization: Bearer <token>'"
+        if is_loopback(client_host(scope)):
+            return None
+        return 403, "listing streams is only open to loopback clients unless the server has --api-token"
+
+    async def _create(self, scope: Scope, receive: Receive, send: Send, token: str | None) -> None:
+        if self.config.api_token is not None and not self.access.is_admin(token):
+            await refuse(scope, receive, send, 401, "creating a stream needs the API token as 'Authorization: Bearer <token>'")
+            return
+        host = client_host(scope)
+        if not self.slots.try_reserve(host):
+            await refuse(scope, receive, send, 429,
+                         f"client {host} already has {self.slots.limit} streams (--max-streams-per-client)",
+                         {"Retry-After": str(self.config.retry_after_s)})
+            return
+        created: list[str] = []
+        try:
+            await self.app(scope, receive, self._minting_send(scope, send, created))
+        finally:
+            self.slots.release(host, created[0] if created else None)
+
+    def _minting_send(self, scope: Scope, send: Send, created: list[str]) -> Send:
+        """Wraps ``send`` so the creator's response carries the new stream's tokens."""
+        if scope["type"] == "websocket":
+            async def ws_send(message: Message) -> None:
+                if message["type"] == "websocket.send" and not created and message.get("text"):
+                    hello = json.loads(message["text"])
+                    if hello.get("type") == "hello":
+                        grant = self._mint(hello["stream_id"], created)
+                        hello.update(owner_token=grant.owner, viewer_token=grant.viewer)
+                        message = {**message, "text": json.dumps(hello)}
+                await send(message)
+
+            return ws_send
+
+        held: list[Message] = []
+
+        async def http_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                held.append(message)  # until the body says which stream was created
+                return
+            if message["type"] == "http.response.body" and held:
+                head, message = self._with_tokens(scope["path"], held.pop(), message, created)
+                await send(head)
+            await send(message)
+
+        return http_send
+
+    def _with_tokens(self, path: str, head: Message, body: Message, created: list[str]) -> tuple[Message, Message]:
+        if path == "/api/offer" and head["status"] == 200:
+            if body.get("more_body"):
+                raise RuntimeError("/api/offer answered with a streamed body")
+            reply = json.loads(body["body"])
+            grant = self._mint(reply["stream_id"], created)
+            reply.update(owner_token=grant.owner, viewer_token=grant.viewer,
+                         view_url=f"{reply['view_url']}?token={grant.viewer}")
+            data = json.dumps(reply).encode()
+            headers = [(k, str(len(data)).encode() if k == b"content-length" else v) for k, v in head["headers"]]
+            return {**head, "headers": headers}, {**body, "body": data}
+        if path == "/whip" and head["status"] == 201:
+            location = dict(head["headers"]).get(b"location", b"").decode()
+            grant = self._mint(location.rsplit("/", 1)[-1], created)
+            extra = [(OWNER_HEADER.lower().encode(), grant.owner.encode()),
+                     (VIEWER_HEADER.lower().encode(), grant.viewer.encode())]
+            return {**head, "headers": [*head["headers"], *extra]}, body
+        return head, body
+
+    def _mint(self, stream_id: str, created: list[str]) -> Grant:
+        created.append(stream_id)
+        return self.access.grant(stream_id)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the already-read body once, then waits for the disconnect."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
