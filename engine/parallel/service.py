@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.parallel.launch import LoadedModel, loaded_pipeline, run_pipeline
-from engine.parallel.pipeline import PipelineRuntime
+from engine.parallel.pipeline import PipelineOptions, PipelineRuntime
 from engine.sampling import NoiseSource
 
 if TYPE_CHECKING:
@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from engine.streaming.state import StreamState
 
 log = logging.getLogger(__name__)
+
+# The block scheduler checks every this many micro-steps (a few seconds of video); a move drains the
+# ring once, so checks must be rare enough for that bubble not to matter.
+REBALANCE_EVERY = 64
 
 
 class ParallelProcessor:
@@ -167,6 +171,6 @@ def serve_parallel(config: ServerConfig, ranks: int, threads: int = 1) -> None:
     signal.signal(signal.SIGTERM, interrupted)
     try:
         run_pipeline(LoadedModel(config.model), ServeProgram(config), ranks, device=device, threads=threads,
-                     timeout_s=24 * 3600.0)
+                     options=PipelineOptions(rebalance_every=REBALANCE_EVERY), timeout_s=24 * 3600.0)
     except KeyboardInterrupt as exc:
         log.info("stopped (%s); the pipeline ranks are down", exc)
