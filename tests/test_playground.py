@@ -72,6 +72,11 @@ def test_webcam_tab_streams_stylized_frames(page: Any, live_server: Callable[...
         page.click("#dc-apply")
         _wait(page, f"{W}.stats.prompt === 'claymation + charcoal drawing' && {W}.stats.steps === 1", 15)
         assert page.evaluate(f"{W}.errors") == []
+        # Pause and resume, as on the page.
+        page.click("[data-dc=pause]")
+        _wait(page, f"{W}.stats.paused === true", 10)
+        page.click("[data-dc=pause]")
+        _wait(page, f"{W}.stats.paused === false", 10)
         # The widget links the stream's WHEP viewer page.
         stream_id = page.evaluate(f"{W}.streamId")
         assert page.get_attribute("[data-dc=view-link]", "href") == f"/view/{stream_id}"

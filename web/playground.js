@@ -21,6 +21,7 @@ const state = {
   outputFrames: 0,
   stats: null,
   errors: [],
+  paused: false,
   options: null,
   setOptions,
   apply,
@@ -126,6 +127,7 @@ async function start() {
     if (state.options.prompt2 && state.options.blend > 0) apply(); // blends are not an opening option
     setStatus("live");
     q("stop").disabled = false;
+    q("pause").disabled = false;
   } catch (error) {
     notice(`Could not start: ${error.message}`);
     await stop();
@@ -139,9 +141,12 @@ async function stop() {
   if (camera) camera.getTracks().forEach((track) => track.stop());
   camera = null;
   state.transport = null;
+  state.paused = false;
+  q("pause").textContent = "Pause";
   q("view-link").hidden = true;
   q("start").disabled = false;
   q("stop").disabled = true;
+  q("pause").disabled = true;
   setStatus("idle");
 }
 
@@ -150,6 +155,7 @@ function markup() {
   return `
     <div class="dc-bar">
       <button data-dc="start" class="primary">Start camera</button>
+      <button data-dc="pause" disabled>Pause</button>
       <button data-dc="stop" disabled>Stop</button>
       <span data-dc="status" class="badge" data-state="idle">idle</span>
       <span class="dc-now">now: <em data-dc="prompt-now">–</em></span>
@@ -179,5 +185,11 @@ export async function mount(element) {
   output.requestVideoFrameCallback(count);
   q("start").addEventListener("click", start);
   q("stop").addEventListener("click", stop);
+  q("pause").addEventListener("click", () => {
+    // Paused: the server stops generating and holds the last frame; resume continues the stream.
+    state.paused = !state.paused;
+    if (connection) connection.send({ type: state.paused ? "pause" : "resume" });
+    q("pause").textContent = state.paused ? "Resume" : "Pause";
+  });
   state.ready = true;
 }
