@@ -304,9 +304,12 @@ class ClusterController:
             t0 = time.perf_counter()
             src_actor = self.actor(src)
             exported, handoff = src_actor.export_stream.options(num_returns=2).remote(stream_id)
+            # Submitted at once: Ray starts the import as soon as the export's object exists. The report
+            # is read first, so a dead source is blamed on the source, not on the destination.
+            imported = dst_actor.import_stream.remote(handoff)
             sent: MoveReport = self._call(src, exported)  # the state itself stays in the object store
             try:
-                received: MoveReport = self._call(dst, dst_actor.import_stream.remote(handoff))
+                received: MoveReport = self._call(dst, imported)
             except Exception:
                 # The source never let go: un-freeze it there and keep serving from it.
                 src_actor.thaw.remote(stream_id)
