@@ -1,7 +1,8 @@
 """The worker: one model replica and the streams homed on it, as a plain class that runs as a Ray actor.
 
-Every method is a chunk-boundary operation; Ray runs an actor's calls one at a time, so a stream's state
-is never touched by two calls at once. The class itself does not import Ray: the controller wraps it
+Every method is a chunk-boundary operation; Ray runs an actor's stream calls one at a time, so a stream's
+state is never touched by two calls at once (health pings run on a thread of their own and touch no
+stream). The class itself does not import Ray: the controller wraps it
 with ``ray.remote`` (so it can also be constructed in-process, e.g. by the migration benchmark).
 """
 
@@ -56,7 +57,7 @@ class MoveReport:
     seconds: float
 
 
-class UnknownStreamError(KeyError):
+class UnknownStreamError(LookupError):
     """The worker does not host this stream (never opened here, closed, or moved away)."""
 
 
