@@ -45,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--private-viewing", action="store_true",
         help="WHEP and stream stats need the stream's viewer token (default: the unlisted stream id suffices)",
     )
+    parser.add_argument(
+        "--input-timeout-s", type=float, default=15.0,
+        help="close a stream whose client sent no frame for this long (default 15)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=65536, help="largest request body (default 65536)")
     parser.add_argument(
         "--max-streams-per-client", type=int, default=2, help="concurrent streams per client address (default 2)"
@@ -122,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_streams_per_client=args.max_streams_per_client,
         max_messages_per_s=args.max_messages_per_s,
+        input_timeout_s=args.input_timeout_s,
         max_fps=args.max_fps,
         engine_delay_ms=args.engine_delay_ms,
         engine_step_delay_ms=args.engine_step_delay_ms,

@@ -42,6 +42,8 @@ class ServerConfig:
     # WebSocket video frames: bytes each, and pixels before decoding (larger ones are downscaled).
     max_frame_bytes: int = 1 << 20
     max_frame_pixels: int = 4096 * 4096
+    # A stream whose client sent no frame for this long is closed (a vanished or idle client).
+    input_timeout_s: float = 15.0
     # Seconds a client is told to wait when the server is full.
     retry_after_s: int = 5
     # Test knob: extra sleep per engine chunk, to emulate a model slower than the camera.

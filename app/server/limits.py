@@ -8,6 +8,7 @@ scheduler.py).
 
 from __future__ import annotations
 
+import asyncio
 import io
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from app.server.frame_path import fit_frame
+from app.server.frame_path import ChunkAssembler, fit_frame
 
 Clock = Callable[[], float]
 # cv2.imdecode's reduced modes decode a JPEG at 1/2, 1/4 or 1/8 size for little more than the
@@ -105,3 +106,24 @@ def decode_frame(data: bytes, size: tuple[int, int], max_pixels: int) -> np.ndar
     if image is None:
         raise MessageLimitError(f"binary message of {len(data)} bytes is not a decodable JPEG/PNG image")
     return fit_frame(cv2.cvtColor(image, cv2.COLOR_BGR2RGB), size)
+
+
+class InputTimeout(RuntimeError):
+    """A publisher sent no frame for too long: its stream ends."""
+
+
+async def watch_input(assembler: ChunkAssembler, timeout_s: float, clock: Clock = time.monotonic) -> None:
+    """Returns never; raises InputTimeout once no frame has arrived for ``timeout_s`` seconds.
+
+    A client that vanishes without a goodbye (power loss, a killed process, a dropped network)
+    is otherwise noticed only by ICE consent freshness (about 30 s in aioice), and a client that
+    keeps ICE alive but sends nothing would hold its slot and engine state for ever. Run as a
+    session task: its failure closes the session."""
+    seen, since = assembler.received, clock()
+    while True:
+        await asyncio.sleep(min(1.0, timeout_s / 4))
+        now = clock()
+        if assembler.received != seen:
+            seen, since = assembler.received, now
+        elif now - since > timeout_s:
+            raise InputTimeout(f"no input frame for {now - since:.1f} s (the limit is {timeout_s:g} s)")

@@ -26,7 +26,7 @@ from app.server.control import (
 )
 from app.server.engine_bridge import ProcessorFactory, StreamSettings, parallel_chunks
 from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
-from app.server.limits import MessageGuard, control_guard
+from app.server.limits import MessageGuard, control_guard, watch_input
 
 if TYPE_CHECKING:
     from app.server.scheduler import PolicyScheduler
@@ -75,8 +75,14 @@ class Session:
             return
         exc = task.exception()
         if exc is not None:
-            log.error("stream %s: task %s failed: %r", self.id, task.get_name(), exc, exc_info=exc)
-            self._closing = asyncio.get_running_loop().create_task(self.close())  # keep a reference
+            self.fail(task.get_name(), exc)
+
+    def fail(self, what: str, exc: BaseException) -> None:
+        """Something this stream depends on crashed (one of its tasks, or its chunk on the engine)."""
+        if self.closed.is_set():
+            return
+        log.error("stream %s: %s failed: %r", self.id, what, exc, exc_info=exc)
+        self._closing = asyncio.get_running_loop().create_task(self.close())  # keep a reference
 
     async def apply(self, message: ControlMessage) -> None:
         if isinstance(message, UpdateMessage):
@@ -226,7 +232,8 @@ class SessionManager:
         self.sessions[session.id] = session
         self.opened += 1
         if scheduler is not None and policy_id is not None:
-            scheduler.attach(policy_id, runner, playout, lambda: session.settings.steps)
+            scheduler.attach(policy_id, runner, playout, lambda: session.settings.steps,
+                             on_failure=lambda exc: session.fail("engine chunk", exc))
             self._policy_ids[session.id] = policy_id
             session.policy_stats = lambda: scheduler.stats(policy_id)
             if self._scheduler_task is None or self._scheduler_task.done():
@@ -234,6 +241,7 @@ class SessionManager:
         else:
             session.spawn(runner.run(), "engine")
         session.spawn(playout.run(), "playout")
+        session.spawn(watch_input(assembler, cfg.input_timeout_s), "input-watch")
         log.info("stream %s (%s) opened: %s", session.id, kind, settings)
         return session
 

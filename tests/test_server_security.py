@@ -1,0 +1,166 @@
+"""Access: per-stream owner/viewer capabilities, admin-only listing, the API token and origins
+(app/server/security.py). Each refusal is checked, and that refusals never reveal whether a
+stream exists to a caller without rights to it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+
+import pytest
+import websockets
+from _security_fixtures import REMOTE, Api, asgi_api, bearer, publisher_offer, viewer_offer  # noqa: F401
+
+from app.server.security import OWNER_HEADER, VIEWER_HEADER
+
+ApiFactory = Callable[..., AbstractAsyncContextManager[Api]]
+UPDATE = json.dumps({"type": "update", "seed": 3})
+
+
+async def test_owner_controls_viewer_only_watches(asgi_api: ApiFactory) -> None:  # noqa: F811
+    async with asgi_api(max_streams=4) as api:
+        stream = await api.create()
+        # Unguessable: 128-bit ids and 192-bit tokens, all different.
+        assert re.fullmatch(r"[A-Za-z0-9_-]{22}", stream.stream_id)
+        assert len({stream.stream_id, stream.owner, stream.viewer}) == 3 and len(stream.owner) >= 32
+        assert stream.reply["view_url"] == f"/view/{stream.stream_id}?token={stream.viewer}"
+        control = f"/api/streams/{stream.stream_id}/control"
+
+        response = await api.client.post(control, content=UPDATE)
+        assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+        response = await api.client.post(control, content=UPDATE, headers=bearer(stream.viewer))
+        assert response.status_code == 403 and "owner token" in response.json()["detail"]
+        response = await api.client.post(control, content=UPDATE, headers=bearer(stream.owner))
+        assert response.status_code == 200 and response.json() == {"type": "ack", "applied": "update"}
+        stats = (await api.client.get(f"/api/streams/{stream.stream_id}", headers=bearer(stream.viewer))).json()
+        assert stats["seed"] == 3
+
+        assert (await api.client.delete(f"/api/streams/{stream.stream_id}", headers=bearer(stream.viewer))).status_code == 403
+        assert (await api.client.delete(f"/api/streams/{stream.stream_id}")).status_code == 401
+        assert (await api.client.delete(f"/api/streams/{stream.stream_id}", headers=bearer(stream.owner))).status_code == 204
+        # The capability died with its stream.
+        assert (await api.client.post(control, content=UPDATE, headers=bearer(stream.owner))).status_code == 404
+        assert api.app.state.access.grants == 0
+
+
+async def test_refusals_do_not_reveal_existence(asgi_api: ApiFactory) -> None:  # noqa: F811
+    async with asgi_api(max_streams=4, private_viewing=True) as api:
+        a = await api.create()
+        b = await api.create()
+        missing = "A" * 22
+        for method, path in (("POST", "/api/streams/{}/control"), ("DELETE", "/api/streams/{}"),
+                             ("GET", "/api/streams/{}"), ("DELETE", "/whip/{}"), ("PATCH", "/whip/{}")):
+            answers = []
+            for stream_id, headers in ((b.stream_id, bearer(a.owner)), (missing, bearer(a.owner)),
+                                       (b.stream_id, {}), (missing, {})):
+                response = await api.client.request(method, path.format(stream_id), content=UPDATE, headers=headers)
+                answers.append((response.status_code, response.text.replace(stream_id, "<id>")))
+            # Another stream's owner token on b is as good as nothing: the same 404 as an unknown id;
+            # no token at all: the same 401 whether the stream exists or not.
+            assert answers[0] == answers[1] and answers[0][0] == 404, (method, path, answers)
+            assert answers[2] == answers[3] and answers[2][0] == 401, (method, path, answers)
+        assert (await api.client.get(f"/api/streams/{b.stream_id}", headers=bearer(b.viewer))).status_code == 200
+
+
+async def test_private_viewing_needs_the_viewer_token(asgi_api: ApiFactory) -> None:  # noqa: F811
+    async with asgi_api(max_streams=2, private_viewing=True) as api:
+        stream = await api.create()
+        sdp_headers = {"Content-Type": "application/sdp"}
+        pc, offer = await viewer_offer()
+        api.peers.append(pc)
+        response = await api.client.post(f"/whep/{stream.stream_id}", content=offer, headers=sdp_headers)
+        assert response.status_code == 401
+        assert (await api.client.get(f"/api/streams/{stream.stream_id}")).status_code == 401
+        response = await api.client.post(f"/whep/{stream.stream_id}", content=offer,
+                                         headers={**sdp_headers, **bearer(stream.viewer)})
+        assert response.status_code == 201 and response.headers["location"].startswith(f"/whep/{stream.stream_id}/")
+    async with asgi_api(max_streams=2) as api:  # public viewing (default): the unlisted id suffices
+        stream = await api.create()
+        assert (await api.client.get(f"/api/streams/{stream.stream_id}")).status_code == 200
+        assert (await api.client.post(f"/api/streams/{stream.stream_id}/control", content=UPDATE)).status_code == 401
+
+
+async def test_listing_needs_admin_rights(asgi_api: ApiFactory) -> None:  # noqa: F811
+    async with asgi_api(max_streams=2) as api:
+        stream = await api.create()
+        remote = api.at(REMOTE)
+        for path in ("/api/streams", "/api/dashboard", "/metrics"):
+            response = await remote.client.get(path)
+            assert response.status_code == 403 and stream.stream_id not in response.text, path
+            assert (await api.client.get(path)).status_code == 200, path  # the operator, on loopback
+    async with asgi_api(max_streams=2, api_token="adm1n") as api:
+        stream = await api.create(headers=bearer("adm1n"))
+        for path in ("/api/streams", "/api/dashboard", "/metrics"):
+            assert (await api.client.get(path)).status_code == 401, path
+            assert (await api.client.get(path, headers=bearer(stream.owner))).status_code == 401, path
+            response = await api.at(REMOTE).client.get(path, headers=bearer("adm1n"))
+            assert response.status_code == 200 and stream.stream_id in response.text, path
+        # The admin may control and stop any stream.
+        control = f"/api/streams/{stream.stream_id}/control"
+        assert (await api.client.post(control, content=UPDATE, headers=bearer("adm1n"))).status_code == 200
+        assert (await api.client.delete(f"/api/streams/{stream.stream_id}", headers=bearer("adm1n"))).status_code == 204
+
+
+async def test_api_token_gates_creation(asgi_api: ApiFactory) -> None:  # noqa: F811
+    async with asgi_api(max_streams=2, api_token="adm1n") as api:
+        response = await api.offer()
+        assert response.status_code == 401 and "API token" in response.json()["detail"]
+        assert (await api.offer(headers=bearer("wrong"))).status_code == 401
+        assert not api.app.state.manager.sessions
+        stream = await api.create(headers=bearer("adm1n"))
+        # The creator's own tokens work without the API token.
+        response = await api.client.post(f"/api/streams/{stream.stream_id}/control", content=UPDATE,
+                                         headers=bearer(stream.owner))
+        assert response.status_code == 200
+
+
+async def test_whip_creator_gets_tokens_in_headers(asgi_api: ApiFactory) -> None:  # noqa: F811
+    async with asgi_api(max_streams=2) as api:
+        pc, offer = await publisher_offer()
+        api.peers.append(pc)
+        response = await api.client.post("/whip", content=offer, headers={"Content-Type": "application/sdp"})
+        assert response.status_code == 201
+        location = response.headers["location"]
+        owner, viewer = response.headers[OWNER_HEADER], response.headers[VIEWER_HEADER]
+        assert (await api.client.delete(location, headers=bearer(viewer))).status_code == 403
+        assert (await api.client.delete(location)).status_code == 401
+        assert (await api.client.delete(location, headers=bearer(owner))).status_code == 200
+
+
+async def test_origins(asgi_api: ApiFactory) -> None:  # noqa: F811
+    async with asgi_api(max_streams=4, max_streams_per_client=4, allowed_origins=("https://good.example",)) as api:
+        response = await api.offer(headers={"Origin": "https://evil.example"})
+        assert response.status_code == 403 and "evil.example" in response.json()["detail"]
+        assert "access-control-allow-origin" not in response.headers
+        assert (await api.offer(headers={"Origin": "https://good.example"})).status_code == 200
+        assert (await api.offer(headers={"Origin": "http://diffcast.test"})).status_code == 200  # its own page
+        assert (await api.offer()).status_code == 200  # no Origin: OBS, curl
+        preflight = await api.client.options("/api/offer", headers={
+            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+        assert preflight.headers.get("access-control-allow-origin") is None
+
+
+async def test_websocket_gates(live_server: Callable[..., AbstractContextManager[str]]) -> None:
+    with live_server(max_streams=2, api_token="adm1n", allowed_origins=("https://good.example",)) as url:
+        ws_url = url.replace("http", "ws") + "/ws"
+        for target, headers, reason in ((ws_url, {}, "API token"),
+                                        (ws_url + "?access_token=adm1n", {"Origin": "https://evil.example"}, "origin")):
+            async with websockets.connect(target, additional_headers=headers) as ws:
+                error = json.loads(await ws.recv())
+                assert error["type"] == "error" and reason in error["message"], error
+                await asyncio.wait_for(ws.wait_closed(), 5)
+                assert ws.close_code == 1008
+        async with websockets.connect(ws_url + "?access_token=adm1n") as ws:
+            hello = json.loads(await ws.recv())
+            assert hello["type"] == "hello" and len(hello["owner_token"]) >= 32 and hello["viewer_token"]
+
+
+@pytest.mark.parametrize("token", [None, "s3cret"])
+async def test_legacy_whip_token_is_an_operator_credential(asgi_api: ApiFactory, token: str | None) -> None:  # noqa: F811
+    async with asgi_api(max_streams=2, token=token) as api:
+        stream = await api.create()
+        response = await api.client.delete(f"/api/streams/{stream.stream_id}", headers=bearer("s3cret"))
+        assert response.status_code == (204 if token else 404)
