@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 from app.server.engine_bridge import StreamSettings
 from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
 from app.server.scheduler import LIVE_PROFILE, AdmissionError, PolicyScheduler, live_profile
-from engine.serving.fidelity import bundled_profile
+from engine.serving.fidelity import FidelityConfig, ProfilePoint, bundled_profile
 
 FPS = 8.0
 
@@ -145,3 +146,20 @@ async def test_admission_refuses_a_stream_whose_first_chunk_would_be_late(
             admitted += 1
     # Every admitted stream's next chunk is queued ahead of a newcomer; the initial slack covers a few.
     assert 1 <= admitted < 50
+
+
+async def test_a_config_the_engine_cannot_run_ends_only_that_stream(
+    engine_factory: Any, executor: ThreadPoolExecutor
+) -> None:
+    clock = FakeClock()
+    measured = bundled_profile(LIVE_PROFILE)
+    # A profile from some other engine: a 2-frame KV window cannot hold this engine's 3 sink frames.
+    alien = replace(measured, points=(ProfilePoint(FidelityConfig(steps=1, kv_window_frames=2), 0.1, 0.1, 30.0, 0.0),))
+    scheduler = PolicyScheduler(alien, executor, fps=FPS, clock=clock)
+    sid, runner, assembler, _ = _stream(engine_factory, scheduler, clock, executor)
+    failures: list[BaseException] = []
+    scheduler.streams[sid].on_failure = failures.append
+    _push(assembler, 1, engine_factory.size)
+    assert await scheduler.run_once()
+    assert len(failures) == 1 and "kv_window_frames=2" in str(failures[0])
+    assert sid not in scheduler.streams and scheduler.ledger.entries[sid].left

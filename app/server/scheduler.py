@@ -91,6 +91,7 @@ class LiveStream:
     runner: StreamRunner
     playout: Playout
     ceiling: Callable[[], int]  # the user's steps: BMPR never goes above it
+    on_failure: Callable[[BaseException], None]  # its chunk raised on the engine: the session ends
     config: FidelityConfig | None = None  # of the last chunk started
     quality: float = 0.0
     top_quality: float = 0.0  # best quality the stream's ceiling allows
@@ -153,10 +154,11 @@ class PolicyScheduler:
         self.ledger.restore(sid)  # its state lives on this host from the start
         return sid
 
-    def attach(self, sid: int, runner: StreamRunner, playout: Playout, ceiling: Callable[[], int]) -> None:
+    def attach(self, sid: int, runner: StreamRunner, playout: Playout, ceiling: Callable[[], int],
+               on_failure: Callable[[BaseException], None] | None = None) -> None:
         if not isinstance(runner.processor, BatchProcessor):
             raise TypeError(f"{type(runner.processor).__name__} cannot take per-chunk fidelity from the policy")
-        stream = LiveStream(sid, runner, playout, ceiling)
+        stream = LiveStream(sid, runner, playout, ceiling, on_failure or _reraise)
         self.streams[sid] = stream
         runner.on_event = lambda event: self.on_event(sid, event)
 
@@ -198,12 +200,7 @@ class PolicyScheduler:
     # ---- the loop -------------------------------------------------------------------------------
     async def run(self) -> None:
         while True:
-            try:
-                ran = await self.run_once()
-            except Exception:
-                log.exception("policy engine loop: a chunk failed")
-                ran = False
-            if not ran:
+            if not await self.run_once():
                 await asyncio.sleep(POLL_S)
 
     def report_cursors(self, now: float) -> None:
@@ -237,7 +234,12 @@ class PolicyScheduler:
                                if self.route(self.streams[sid], views[sid]).config == point.config]
         limit = self.batcher.batch_size()
         loop = asyncio.get_running_loop()
-        keys = await loop.run_in_executor(self.executor, _set_fidelity, [s.runner for s in candidates], point.config)
+        try:
+            keys = await loop.run_in_executor(self.executor, _set_fidelity, [s.runner for s in candidates], point.config)
+        except ValueError as exc:  # a profile config this engine cannot run: the profile is not for it
+            self.remove(lead.sid)
+            lead.on_failure(exc)
+            return True
         group = [s for s, key in zip(candidates, keys, strict=True) if key == keys[0]][:limit]
         jobs = []
         for s in group:
@@ -255,11 +257,15 @@ class PolicyScheduler:
         t0 = time.perf_counter()
         try:
             outputs = await loop.run_in_executor(self.executor, _run_jobs, jobs)
-        except BaseException:
+        except Exception as exc:  # the engine refused or crashed: those streams end, the others go on
+            self._running = set()
             for job in jobs:
-                if job.sid in self.ledger.entries:
-                    self.ledger.abandon(job.sid, self.clock())
-            raise
+                self.ledger.abandon(job.sid, self.clock())
+                failed = self.streams.get(job.sid)
+                self.remove(job.sid)
+                if failed is not None:
+                    failed.on_failure(exc)
+            return True
         finally:
             self._running = set()
         seconds = time.perf_counter() - t0
@@ -375,3 +381,7 @@ def build_scheduler(config: ServerConfig, factory: ProcessorFactory, executor: E
     log.info("serving policy %s: %d live configs, initial slack %.2f s, content rate %g fps",
              scheduler.policy.name, len(scheduler.profile.points), scheduler.policy.initial_slack_s, config.max_fps)
     return scheduler
+
+
+def _reraise(exc: BaseException) -> None:
+    raise exc
