@@ -19,8 +19,6 @@ from app.server.probe import http, pattern_frame
 from engine.pipeline import StreamParams
 from engine.video_io import VideoWriter
 
-pytestmark = pytest.mark.browser
-
 W = "window.diffcastPlayground"
 
 
@@ -45,6 +43,7 @@ def _wait(page: Any, expression: str, timeout_s: float = 40) -> None:
     page.wait_for_function(expression, timeout=timeout_s * 1000)
 
 
+@pytest.mark.browser
 def test_webcam_tab_streams_stylized_frames(page: Any, live_server: Callable[..., AbstractContextManager[str]]) -> None:
     with live_server() as url:
         page.goto(f"{url}/playground/")
@@ -92,6 +91,7 @@ def _write_clip(path: Path, frames: int, size: tuple[int, int]) -> Path:
     return path
 
 
+@pytest.mark.browser
 def test_file_tab_returns_a_stylized_video(
     page: Any, live_server: Callable[..., AbstractContextManager[str]], engine_factory: Any, tmp_path: Path
 ) -> None:

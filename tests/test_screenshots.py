@@ -21,8 +21,6 @@ import pytest
 from PIL import Image
 from test_browser_page import CHROMIUM_FLAGS
 
-pytestmark = pytest.mark.browser
-
 DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 MAX_PNG_BYTES = 400_000
 
@@ -50,6 +48,7 @@ def _live_video(page: Any, selector: str) -> None:
     assert np.abs(first - second).mean() > 0.5, f"{selector} is not moving"
 
 
+@pytest.mark.browser
 def test_screenshots(
     chromium_path: Path, camera_clip: Path, live_server: Callable[..., AbstractContextManager[str]], tmp_path: Path
 ) -> None:
