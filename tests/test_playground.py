@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -12,7 +12,7 @@ import av
 import cv2
 import numpy as np
 import pytest
-from test_browser_page import CHROMIUM_FLAGS
+import test_browser_page
 
 from app.playground import Controls
 from app.server.probe import http, pattern_frame
@@ -22,21 +22,8 @@ from engine.video_io import VideoWriter
 W = "window.diffcastPlayground"
 
 
-@pytest.fixture
-def page(chromium_path: Path, camera_clip: Path) -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(chromium_path),
-            args=[*CHROMIUM_FLAGS, f"--use-file-for-fake-video-capture={camera_clip}"],
-        )
-        page = browser.new_context(viewport={"width": 1200, "height": 900}).new_page()
-        page.on("console", lambda message: print(f"[browser] {message.type}: {message.text}"))
-        try:
-            yield page
-        finally:
-            browser.close()
+# The page test's Chromium fixture (fake camera from the generated clip, DESIGN.md §4 flags).
+page = test_browser_page.page
 
 
 def _wait(page: Any, expression: str, timeout_s: float = 40) -> None:
