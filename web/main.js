@@ -49,8 +49,11 @@ function renderStats(stats) {
   state.stats = stats;
   $("stat-fps").textContent = fmt(stats.fps, "fps", 1);
   $("stat-latency").textContent = stats.latency_ms === null ? "–" : `${fmt(stats.latency_p50_ms, "ms")} (p95 ${fmt(stats.latency_p95_ms, "ms")})`;
-  $("stat-slack").textContent = fmt(stats.slack_s * 1000, "ms");
-  $("stat-fidelity").textContent = `${stats.steps} steps · noise ${Number(stats.noise_scale).toFixed(2)}`;
+  // Under the slack policy the server adds the stream's tier and the fidelity its last chunk ran at.
+  $("stat-slack").textContent = fmt(stats.slack_s * 1000, "ms") + (stats.tier ? ` · ${stats.tier}` : "");
+  const live = stats.fidelity_steps ? `${stats.fidelity_steps} of ${stats.steps} steps · window ${stats.kv_window} · ${stats.precision}`
+    : `${stats.steps} steps`;
+  $("stat-fidelity").textContent = `${live} · noise ${Number(stats.noise_scale).toFixed(2)}`;
   $("stat-dropped").textContent = String(stats.dropped_frames);
   $("stat-frames").textContent = String(stats.frames_out);
 }
