@@ -37,8 +37,23 @@ class SessionCollector(Collector):
         dropped = CounterMetricFamily(
             "diffcast_stream_dropped_frames", "Input frames skipped and output frames discarded", labels=labels
         )
+        # The slack policy's view of each stream (absent under --policy fifo).
+        steps = GaugeMetricFamily("diffcast_stream_fidelity_steps", "Denoising steps of the last chunk", labels=labels)
+        credit = GaugeMetricFamily("diffcast_stream_credit_seconds", "Service credit C = P - (R + T)", labels=labels)
+        tier = GaugeMetricFamily("diffcast_stream_tier", "Policy tier (0 urgent, 1 normal, 2 relaxed)", labels=labels)
+        downshifts = CounterMetricFamily(
+            "diffcast_stream_fidelity_downshifts", "Chunks at lower quality than the chunk before", labels=labels
+        )
+        tiers = {"urgent": 0, "normal": 1, "relaxed": 2}
         for s in sessions:
             key = [s.id, s.kind]
+            policy = s.policy_stats() if s.policy_stats is not None else {}
+            if policy.get("fidelity_steps") is not None:
+                steps.add_metric(key, policy["fidelity_steps"])
+                downshifts.add_metric(key, policy["downshifts"])
+            if policy.get("tier") in tiers:
+                tier.add_metric(key, tiers[policy["tier"]])
+                credit.add_metric(key, policy["credit_s"])
             fps.add_metric(key, s.playout.output_fps())
             for quantile, name in (("0.5", "p50"), ("0.95", "p95")):
                 value = s.playout.latency_s().get(name)
@@ -58,6 +73,7 @@ class SessionCollector(Collector):
         all_dropped.add_metric([], totals["dropped_frames"])
         yield from (active, capacity, opened, all_out, all_dropped)
         yield from (fps, latency, slack, viewers, frames_in, frames_out, dropped)
+        yield from (steps, credit, tier, downshifts)
 
 
 def build_registry(manager: SessionManager) -> CollectorRegistry:
