@@ -68,8 +68,13 @@ function renderTotals(data) {
   $("total-load").textContent = `${Math.round(load * 100)}%`;
 }
 
-// One line per stream over the history; y from 0 to the largest value seen (at least `floor`).
-function drawChart(canvas, key, floor) {
+const TIER_COLORS = { URGENT: "#e5484d", NORMAL: "#f2a541", RELAXED: "#2fbf71" };
+const perStream = (key) => (sample) => sample.streams.map((s) => [s.stream_id, s[key], color(s.stream_id)]);
+const perTier = (sample) => Object.entries(TIER_COLORS).map(([tier, c]) => [tier, sample.totals.tiers[tier], c]);
+
+// One line per series over the history; y from 0 to the largest value seen (at least `floor`).
+// `seriesOf(sample)` gives [id, value, color] rows: one per stream, or one per tier.
+function drawChart(canvas, seriesOf, floor) {
   const dpr = window.devicePixelRatio || 1;
   const width = canvas.clientWidth, height = canvas.clientHeight;
   canvas.width = width * dpr;
@@ -80,11 +85,13 @@ function drawChart(canvas, key, floor) {
   const pad = { left: 34, right: 6, top: 6, bottom: 14 };
   const series = new Map();
   let top = floor;
+  const colors = new Map();
   state.history.forEach((sample, i) => {
-    for (const s of sample.streams) {
-      if (!series.has(s.stream_id)) series.set(s.stream_id, []);
-      series.get(s.stream_id).push([i, s[key]]);
-      top = Math.max(top, s[key]);
+    for (const [id, value, c] of seriesOf(sample)) {
+      if (!series.has(id)) series.set(id, []);
+      series.get(id).push([i, value]);
+      colors.set(id, c);
+      top = Math.max(top, value);
     }
   });
   const x = (i) => pad.left + (i / Math.max(1, HISTORY - 1)) * (width - pad.left - pad.right);
@@ -102,7 +109,7 @@ function drawChart(canvas, key, floor) {
   }
   ctx.fillText(`last ${state.history.length} s`, pad.left, height - 2);
   for (const [id, points] of series) {
-    ctx.strokeStyle = color(id);
+    ctx.strokeStyle = colors.get(id);
     ctx.lineWidth = 1.5;
     ctx.beginPath();
     points.forEach(([i, v], n) => (n ? ctx.lineTo(x(i), y(v)) : ctx.moveTo(x(i), y(v))));
@@ -114,9 +121,10 @@ function render(data) {
   renderTotals(data);
   renderWorkers(data.workers);
   renderStreams(data.streams);
-  drawChart($("chart-slack"), "slack_s", 0.5);
-  drawChart($("chart-fidelity"), "fidelity_steps", 4);
-  drawChart($("chart-fps"), "fps", 10);
+  drawChart($("chart-slack"), perStream("slack_s"), 0.5);
+  drawChart($("chart-fidelity"), perStream("fidelity_steps"), 4);
+  drawChart($("chart-tiers"), perTier, 2);
+  drawChart($("chart-fps"), perStream("fps"), 10);
 }
 
 async function poll() {

@@ -1,5 +1,6 @@
 // The diffcast page: camera in, stylized video out; WebRTC first, WebSocket fallback when ICE fails.
 import { connectWebRTC } from "./rtc.js";
+import { statCells } from "./stats.js";
 import { connectWebSocket } from "./wsclient.js";
 
 const $ = (id) => document.getElementById(id);
@@ -43,19 +44,9 @@ function options() {
   };
 }
 
-const fmt = (value, unit, digits = 0) => (value === null || value === undefined ? "–" : `${Number(value).toFixed(digits)} ${unit}`);
-
 function renderStats(stats) {
   state.stats = stats;
-  $("stat-fps").textContent = fmt(stats.fps, "fps", 1);
-  $("stat-latency").textContent = stats.latency_ms === null ? "–" : `${fmt(stats.latency_p50_ms, "ms")} (p95 ${fmt(stats.latency_p95_ms, "ms")})`;
-  // Under the slack policy the server adds the stream's tier and the fidelity its last chunk ran at.
-  $("stat-slack").textContent = fmt(stats.slack_s * 1000, "ms") + (stats.tier ? ` · ${stats.tier}` : "");
-  const live = stats.fidelity_steps ? `${stats.fidelity_steps} of ${stats.steps} steps · window ${stats.kv_window} · ${stats.precision}`
-    : `${stats.steps} steps`;
-  $("stat-fidelity").textContent = `${live} · noise ${Number(stats.noise_scale).toFixed(2)}`;
-  $("stat-dropped").textContent = String(stats.dropped_frames);
-  $("stat-frames").textContent = String(stats.frames_out);
+  for (const [key, text] of Object.entries(statCells(stats))) $(`stat-${key}`).textContent = text;
 }
 
 function onMessage(message) {

@@ -2,6 +2,7 @@
 // fallback from wsclient.js) mounted inside a Gradio gr.HTML block. Gradio controls outside the
 // block call window.diffcastPlayground.setOptions(...) / .apply(); nothing here is Gradio-specific.
 import { connectWebRTC } from "./rtc.js";
+import { statCells } from "./stats.js";
 import { connectWebSocket } from "./wsclient.js";
 
 const ICE_TIMEOUT_MS = 8000;
@@ -34,7 +35,6 @@ let camera = null;
 let connection = null;
 
 const q = (name) => root.querySelector(`[data-dc="${name}"]`);
-const fmt = (value, unit, digits = 0) => (value === null || value === undefined ? "–" : `${Number(value).toFixed(digits)} ${unit}`);
 
 function setStatus(status) {
   state.status = status;
@@ -73,12 +73,7 @@ function apply(options = {}) {
 
 function renderStats(stats) {
   state.stats = stats;
-  q("fps").textContent = fmt(stats.fps, "fps", 1);
-  q("latency").textContent = stats.latency_ms === null ? "–" : `${fmt(stats.latency_p50_ms, "ms")} (p95 ${fmt(stats.latency_p95_ms, "ms")})`;
-  q("slack").textContent = fmt(stats.slack_s * 1000, "ms");
-  q("fidelity").textContent = `${stats.steps} steps · noise ${Number(stats.noise_scale).toFixed(2)}`;
-  q("dropped").textContent = String(stats.dropped_frames);
-  q("frames").textContent = String(stats.frames_out);
+  for (const [key, text] of Object.entries(statCells(stats))) q(key).textContent = text;
   q("prompt-now").textContent = stats.prompt;
 }
 
