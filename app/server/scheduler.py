@@ -200,7 +200,12 @@ class PolicyScheduler:
     # ---- the loop -------------------------------------------------------------------------------
     async def run(self) -> None:
         while True:
-            if not await self.run_once():
+            try:
+                ran = await self.run_once()
+            except Exception:  # a bug here must not freeze every stream: log it and keep serving
+                log.exception("policy engine loop failed at a chunk boundary")
+                ran = False
+            if not ran:
                 await asyncio.sleep(POLL_S)
 
     def report_cursors(self, now: float) -> None:
@@ -216,7 +221,7 @@ class PolicyScheduler:
 
     async def run_once(self) -> bool:
         """One chunk boundary: dispatch, run one (batched) chunk, feed the ledger. False if idle."""
-        ready = {sid for sid, s in self.streams.items() if s.runner.has_chunk()}
+        ready = {sid for sid, s in self.streams.items() if s.runner.has_chunk() and sid in self.ledger.entries}
         if not ready:
             return False
         now = self.clock()
@@ -229,7 +234,7 @@ class PolicyScheduler:
             return False
         lead = self.streams[decision.stream_ids[0]]
         point = self.route(lead, views[lead.sid])
-        others = sorted((sid for sid in ready if sid != lead.sid), key=lambda sid: views[sid].slack_s)
+        others = sorted((sid for sid in ready if sid != lead.sid and sid in views), key=lambda sid: views[sid].slack_s)
         candidates = [lead] + [self.streams[sid] for sid in others
                                if self.route(self.streams[sid], views[sid]).config == point.config]
         limit = self.batcher.batch_size()
