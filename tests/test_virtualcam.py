@@ -147,3 +147,15 @@ def test_bad_sources_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "needs a stream id" in capsys.readouterr().err
     assert main(["virtualcam", "--source", "camera"]) == 2
     assert "--prompt is required" in capsys.readouterr().err
+
+
+def test_missing_webcam_is_reported(recorder: type[RecordingBackend], capsys: pytest.CaptureFixture[str]) -> None:
+    # This machine has no webcam: the command says so (and closes the virtual camera it opened).
+    code = main([
+        "virtualcam", "--source", "camera:7", "--prompt", "p", "--model", "tiny-random",
+        "--size", "64x64", "--backend", BACKEND,
+    ])
+    assert code == 2
+    assert "cannot open camera 7" in capsys.readouterr().err
+    (camera,) = recorder.opened
+    assert camera.closed and camera.frames == []
