@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 
 import cv2
@@ -36,7 +36,7 @@ async def test_request_body_limit(asgi_api: ApiFactory) -> None:  # noqa: F811
         response = await api.client.post("/api/offer", content=big, headers={"Content-Type": "application/json"})
         assert response.status_code == 413 and "limit of 1000 bytes" in response.json()["detail"]
 
-        async def chunked() -> object:  # no Content-Length: counted as it arrives
+        async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: counted as it arrives
             for _ in range(10):
                 yield b"v=0" + b"x" * 300
 
@@ -107,8 +107,9 @@ def test_large_frames_are_downscaled_and_bombs_refused() -> None:
     out = decode_frame(encode_jpeg(big, 80), (128, 128), max_pixels=4096 * 4096)
     assert out.shape == (128, 128, 3)
     # Compare with a full decode, crop and resize: the reduced decode shows the same picture.
-    reference = fit_frame(cv2.cvtColor(cv2.imdecode(np.frombuffer(encode_jpeg(big, 80), np.uint8), cv2.IMREAD_COLOR),
-                                       cv2.COLOR_BGR2RGB), (128, 128))
+    full = cv2.imdecode(np.frombuffer(encode_jpeg(big, 80), np.uint8), cv2.IMREAD_COLOR)
+    assert full is not None
+    reference = fit_frame(cv2.cvtColor(full, cv2.COLOR_BGR2RGB), (128, 128))
     assert np.abs(out.astype(int) - reference.astype(int)).mean() < 12
     with pytest.raises(MessageLimitError, match="1920x1080; frames may have at most 1000000 pixels"):
         decode_frame(encode_jpeg(big, 80), (128, 128), max_pixels=1_000_000)
