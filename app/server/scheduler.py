@@ -39,6 +39,7 @@ from app.server.frame_path import InputFrame, Playout, StreamRunner
 from app.server.session import CapacityError
 from engine.serving.credit import Tier
 from engine.serving.fidelity import (
+    BUNDLED_PROFILES,
     FidelityConfig,
     FidelityProfile,
     ProfilePoint,
@@ -368,6 +369,17 @@ def _run_jobs(jobs: Sequence[Job]) -> list[np.ndarray]:
     return [job.runner.chunk_outputs(x, out) for job, x, out in zip(jobs, inputs, outs, strict=True)]
 
 
+def bundled_live_profile(model: str | None, size: tuple[int, int]) -> FidelityProfile:
+    """The bundled measured profile of ``model`` (None = the embedded default) at ``size``, else the
+    tiny-random one (the policy then plans with the wrong latencies; the caller warns)."""
+    name = model or "default"
+    for path in sorted(BUNDLED_PROFILES.glob("*.json")):
+        profile = load_profile(path)
+        if profile.model == name and tuple(profile.resolution) == tuple(size) and profile.source.startswith("measured"):
+            return profile
+    return bundled_profile(LIVE_PROFILE)
+
+
 def build_scheduler(config: ServerConfig, factory: ProcessorFactory, executor: Executor) -> PolicyScheduler | None:
     """The slack policy's engine loop for ``factory``, or None (FIFO turns) where it cannot apply:
     engines without per-chunk fidelity (Ray workers, pipeline ranks) or running chunks in parallel."""
@@ -375,7 +387,7 @@ def build_scheduler(config: ServerConfig, factory: ProcessorFactory, executor: E
         log.warning("--policy slack needs one in-process engine with per-chunk fidelity; %s takes FIFO turns",
                     type(factory).__name__)
         return None
-    profile = load_profile(config.profile) if config.profile else bundled_profile(LIVE_PROFILE)
+    profile = load_profile(config.profile) if config.profile else bundled_live_profile(config.model, factory.size)
     if tuple(profile.resolution) != tuple(factory.size):
         log.warning("fidelity profile %s was measured at %s but the engine runs at %s: latencies are off; "
                     "measure one with `diffcast profile --out FILE` and pass --profile FILE",
