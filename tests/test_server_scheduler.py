@@ -163,3 +163,24 @@ async def test_a_config_the_engine_cannot_run_ends_only_that_stream(
     assert await scheduler.run_once()
     assert len(failures) == 1 and "kv_window_frames=2" in str(failures[0])
     assert sid not in scheduler.streams and scheduler.ledger.entries[sid].left
+
+
+async def test_policy_recalibrates_to_the_measured_engine_speed(
+    engine_factory: Any, executor: ThreadPoolExecutor
+) -> None:
+    clock = FakeClock()
+    measured = bundled_profile(LIVE_PROFILE)
+    # A profile that claims the engine is 100x faster than it is on this box.
+    fast = replace(measured, points=tuple(replace(p, latency_s=p.latency_s / 100, first_chunk_latency_s=p.first_chunk_latency_s / 100)
+                                          for p in measured.points))
+    scheduler = PolicyScheduler(fast, executor, fps=FPS, clock=clock, max_batch=1)
+    claimed = scheduler.policy.reference.latency_s
+    _, _, assembler, _ = _stream(engine_factory, scheduler, clock, executor)
+    for i in range(7):
+        _push(assembler, 1 if i == 0 else 4, engine_factory.size)
+        clock.now += 1.0
+        assert await scheduler.run_once()
+    # Independent: the engine's real chunk time is what the runner measured for its last chunk.
+    assert scheduler.applied_ratio > 10
+    assert scheduler.policy.reference.latency_s == pytest.approx(claimed * scheduler.applied_ratio)
+    assert scheduler.policy.reference.latency_s > 0.2 * scheduler.streams[1].runner.chunk_seconds

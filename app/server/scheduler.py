@@ -57,6 +57,8 @@ Clock = Callable[[], float]
 LIVE_CONTENT_S = 365 * 86400.0  # a live stream has no known end
 WORKER = WorkerView(worker_id=0, node_id=0, state_slots=1 << 20)  # states never leave this host
 LIVE_PROFILE = "tiny-random_cpu_128"  # measured on this repository's CPU box (docs/service.md, "Live policy")
+CALIBRATION_MIN_SAMPLES = 5
+CALIBRATION_DRIFT = 0.2  # rebuild the policy when the box's speed moved this much from the last fit
 POLL_S = 0.005  # idle wait for input when no stream has a chunk ready
 STATS_TICK_S = 0.5  # how often tiers/credits for the stats are recomputed (policy.tick)
 
@@ -127,8 +129,15 @@ class PolicyScheduler:
     ) -> None:
         if fps <= 0:
             raise ValueError(f"fps must be positive, got {fps}")
-        self.profile = live_profile(profile)
+        self.measured_profile = live_profile(profile)
+        self.profile = self.measured_profile
         self.policy = SlackPolicy(self.profile, policy or PolicyConfig(rehoming=False))
+        # Online calibration: this box's current speed relative to the profile (load from other
+        # processes, another machine, thermal state). Single-stream chunks are compared with their
+        # profiled latency; when the ratio drifts, the policy is rebuilt on the rescaled profile.
+        self.speed_ratio = 1.0  # EWMA of measured / profiled chunk time
+        self.applied_ratio = 1.0
+        self._ratio_samples = 0
         self.ledger = StreamLedger(max_lookahead_s=None)
         self.fps = fps
         self.clock = clock
@@ -275,6 +284,9 @@ class PolicyScheduler:
         finally:
             self._running = set()
         seconds = time.perf_counter() - t0
+        if len(jobs) == 1:
+            first = len(jobs[0].frames) < self.profile.chunk_pixel_frames  # a (re)start's short chunk
+            self.observe_latency(point.first_chunk_latency_s if first else point.latency_s, seconds)
         self.batcher.observe(len(jobs), seconds)
         self.batches_run += 1
         self.batched_chunks += len(jobs)
@@ -290,6 +302,27 @@ class PolicyScheduler:
             self.ledger.chunk_done(job.sid, done, len(job.frames) / self.fps)
             job.runner.deliver(job.frames, out)
         return True
+
+    def observe_latency(self, profiled_s: float, measured_s: float) -> None:
+        """One single-stream chunk's measured time against its profiled (currently scaled) time."""
+        ratio = self.applied_ratio * measured_s / profiled_s
+        self.speed_ratio = ratio if self._ratio_samples == 0 else 0.8 * self.speed_ratio + 0.2 * ratio
+        self._ratio_samples += 1
+        if self._ratio_samples >= CALIBRATION_MIN_SAMPLES and abs(self.speed_ratio / self.applied_ratio - 1) > CALIBRATION_DRIFT:
+            self.recalibrate(self.speed_ratio)
+
+    def recalibrate(self, ratio: float) -> None:
+        """Rebuild the policy and routers on the measured profile with every latency times ``ratio``."""
+        def scaled(p: ProfilePoint) -> ProfilePoint:
+            return replace(p, latency_s=p.latency_s * ratio, first_chunk_latency_s=p.first_chunk_latency_s * ratio)
+
+        base = self.measured_profile
+        self.profile = replace(base, points=tuple(scaled(p) for p in base.points))
+        self.policy = SlackPolicy(self.profile, self.policy.config)
+        self._routers.clear()
+        log.info("serving policy recalibrated: chunks take %.2fx the profiled time (was %.2fx)", ratio,
+                 self.applied_ratio)
+        self.applied_ratio = ratio
 
     def _record_start(self, stream: LiveStream, point: ProfilePoint, batch: int) -> None:
         top = self.router(stream.ceiling()).reference.quality
