@@ -144,6 +144,9 @@ class ProbeSession:
     started: float
     channel: Any
     replies: list[dict[str, Any]]
+    # The stream's capabilities (docs/security.md): the owner token controls and stops it.
+    owner_token: str = ""
+    viewer_token: str = ""
 
     async def close(self) -> None:
         await self.pc.close()
@@ -177,4 +180,5 @@ async def open_session(base_url: str, camera: CodedCamera, **options: Any) -> Pr
         raise RuntimeError(f"offer refused: {status} {raw.decode(errors='replace')}")
     answer = json.loads(raw)
     await pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type="answer"))
-    return ProbeSession(pc, camera, probe, answer["stream_id"], started, channel, replies)
+    return ProbeSession(pc, camera, probe, answer["stream_id"], started, channel, replies,
+                        answer.get("owner_token", ""), answer.get("viewer_token", ""))
