@@ -194,7 +194,7 @@ async def soak(url: str, process: psutil.Process, args: argparse.Namespace) -> R
     samples: list[Sample] = []
     t0 = time.monotonic()
     total = args.warmup_s + 60 * args.minutes
-    with tqdm(total=round(total), unit="s", desc="soak") as bar:
+    with tqdm(total=round(total), desc="soak", bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s {postfix}") as bar:
         await run_phase("warmup", args.warmup_s, clients, sampler, args.interval, t0, samples, bar)
         await clients.close_all()
         baseline = await idle_sample(sampler, t0, "baseline", args.settle_s)

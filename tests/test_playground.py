@@ -65,7 +65,7 @@ def test_webcam_tab_streams_stylized_frames(page: Any, live_server: Callable[...
         _wait(page, f"{W}.stats.paused === false", 10)
         # The widget links the stream's WHEP viewer page.
         stream_id = page.evaluate(f"{W}.streamId")
-        assert page.get_attribute("[data-dc=view-link]", "href") == f"/view/{stream_id}"
+        assert page.get_attribute("[data-dc=view-link]", "href").startswith(f"/view/{stream_id}?token=")
         page.click("[data-dc=stop]")
         _wait(page, f"{W}.status === 'idle'", 10)
 

@@ -129,7 +129,7 @@ async function start() {
     state.streamId = connection.streamId;
     $("transport").textContent = connection.transport === "webrtc" ? "WebRTC" : "WebSocket fallback";
     if (connection.streamId) {
-      $("view-link").href = `/view/${connection.streamId}`;
+      $("view-link").href = `/view/${connection.streamId}?token=${connection.viewerToken}`;
       $("view-link").hidden = false; // WHEP viewers work for either transport
     }
     setStatus("live");

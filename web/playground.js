@@ -115,7 +115,7 @@ async function start() {
     state.transport = connection.transport;
     state.streamId = connection.streamId;
     if (webrtc) {
-      q("view-link").href = `/view/${connection.streamId}`;
+      q("view-link").href = `/view/${connection.streamId}?token=${connection.viewerToken}`;
       q("view-link").textContent = `/view/${connection.streamId}`;
       q("view-link").hidden = false;
     }

@@ -40,6 +40,7 @@ export async function connectWebRTC({ camera, config, options, onTrack, onMessag
 
   let streamId = null;
   let ownerToken = null; // the stream's owner capability: only it may stop the stream
+  let viewerToken = null; // its viewer capability: the view link carries it
   const close = async () => {
     pc.close();
     if (streamId) {
@@ -63,6 +64,7 @@ export async function connectWebRTC({ camera, config, options, onTrack, onMessag
     }
     streamId = body.stream_id;
     ownerToken = body.owner_token;
+    viewerToken = body.viewer_token;
     await pc.setRemoteDescription({ type: "answer", sdp: body.sdp });
     await waitForConnection(pc, iceTimeoutMs);
   } catch (error) {
@@ -77,6 +79,7 @@ export async function connectWebRTC({ camera, config, options, onTrack, onMessag
   return {
     transport: "webrtc",
     streamId,
+    viewerToken,
     pc,
     send: (message) => channel.readyState === "open" && channel.send(JSON.stringify(message)),
     close,

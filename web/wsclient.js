@@ -15,6 +15,7 @@ export function connectWebSocket({ cameraVideo, config, options, canvas, onFrame
   const drawContext = canvas.getContext("2d");
   let timer = null;
   let streamId = null;
+  let viewerToken = null; // the stream's viewer capability (docs/security.md)
 
   const sendFrame = () => {
     // Skip a frame rather than queue it: a backlog here would be latency.
@@ -40,6 +41,7 @@ export function connectWebSocket({ cameraVideo, config, options, canvas, onFrame
       const message = JSON.parse(event.data);
       if (message.type === "hello") {
         streamId = message.stream_id;
+        viewerToken = message.viewer_token;
         timer = setInterval(sendFrame, 1000 / fps);
         settle.resolve();
       } else if (message.type === "error" && !streamId) {
@@ -63,6 +65,7 @@ export function connectWebSocket({ cameraVideo, config, options, canvas, onFrame
   return ready.then(() => ({
     transport: "websocket",
     streamId,
+    viewerToken,
     send: (message) => ws.readyState === WebSocket.OPEN && ws.send(JSON.stringify(message)),
     close: async () => {
       clearInterval(timer);
