@@ -105,7 +105,7 @@ async def test_executor_feeds_ledger_chunk_times_and_cursor(engine_factory: Any,
     stats = scheduler.stats(sid)
     assert stats["policy_chunks"] == 3 and stats["fidelity_steps"] == config.steps
     scheduler.remove(sid)
-    assert scheduler.ledger.entries[sid].left
+    assert sid not in scheduler.ledger.entries  # forgotten: a server running for days keeps no closed streams
 
 
 async def test_streams_with_one_config_share_a_batched_forward(
@@ -162,7 +162,7 @@ async def test_a_config_the_engine_cannot_run_ends_only_that_stream(
     _push(assembler, 1, engine_factory.size)
     assert await scheduler.run_once()
     assert len(failures) == 1 and "kv_window_frames=2" in str(failures[0])
-    assert sid not in scheduler.streams and scheduler.ledger.entries[sid].left
+    assert sid not in scheduler.streams and sid not in scheduler.ledger.entries
 
 
 async def test_policy_recalibrates_to_the_measured_engine_speed(

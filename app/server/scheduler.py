@@ -61,6 +61,7 @@ CALIBRATION_MIN_SAMPLES = 5
 CALIBRATION_DRIFT = 0.2  # rebuild the policy when the box's speed moved this much from the last fit
 POLL_S = 0.005  # idle wait for input when no stream has a chunk ready
 STATS_TICK_S = 0.5  # how often tiers/credits for the stats are recomputed (policy.tick)
+LEDGER_LOG_ROWS = 1000  # per-stream tracker log kept: a live stream may run for days
 
 
 class AdmissionError(CapacityError):
@@ -138,7 +139,7 @@ class PolicyScheduler:
         self.speed_ratio = 1.0  # EWMA of measured / profiled chunk time
         self.applied_ratio = 1.0
         self._ratio_samples = 0
-        self.ledger = StreamLedger(max_lookahead_s=None)
+        self.ledger = StreamLedger(max_lookahead_s=None, max_log=LEDGER_LOG_ROWS)
         self.fps = fps
         self.clock = clock
         self.executor = executor
@@ -177,6 +178,8 @@ class PolicyScheduler:
         self.streams.pop(sid, None)
         if sid in self.ledger.entries and not self.ledger.entries[sid].left:
             self.ledger.leave(sid, running=sid in self._running)
+        if sid in self.ledger.entries and sid not in self._running:
+            self.ledger.forget(sid)  # else when its chunk in flight comes back
 
     def on_event(self, sid: int, event: str) -> None:
         stream = self.streams.get(sid)
@@ -295,6 +298,7 @@ class PolicyScheduler:
             job.runner.chunk_seconds = seconds
             if self.ledger.entries[job.sid].left:
                 self.ledger.chunk_done(job.sid, done, len(job.frames) / self.fps)  # detaches it
+                self.ledger.forget(job.sid)
                 continue
             if self.ledger.is_stale(job.sid):  # the prompt switched while it ran: never shown
                 self.ledger.abandon(job.sid, done)
@@ -370,7 +374,7 @@ class PolicyScheduler:
             "degraded_chunks": stream.degraded_chunks,
             "policy_chunks": stream.chunks,
             "batch": stream.batch,
-            "stalls": len(tracker.stalls),
+            "stalls": tracker.stall_count,
             "cpr": round(tracker.cpr, 3),
         }
 

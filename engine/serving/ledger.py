@@ -68,6 +68,7 @@ class StreamEntry:
 @dataclass
 class StreamLedger:
     max_lookahead_s: float | None = None  # live V2V cannot run ahead of the camera; None = unbounded
+    max_log: int | None = None  # per-stream tracker log/stall rows kept (live servers); None = all
     entries: dict[int, StreamEntry] = field(default_factory=dict)
     _by_worker: dict[int, set[int]] = field(default_factory=dict)
 
@@ -77,8 +78,8 @@ class StreamLedger:
             raise ValueError(f"stream {adm.stream_id} was not admitted: {adm.reason}")
         if adm.stream_id in self.entries:
             raise ValueError(f"stream {adm.stream_id} is already in the ledger")
-        e = StreamEntry(adm.stream_id, now, PlayoutTracker(now, adm.initial_slack_s, content_s), adm.worker_id,
-                        state_bytes)
+        tracker = PlayoutTracker(now, adm.initial_slack_s, content_s, max_log=self.max_log)
+        e = StreamEntry(adm.stream_id, now, tracker, adm.worker_id, state_bytes)
         self.entries[e.sid] = e
         self._by_worker.setdefault(e.worker, set()).add(e.sid)
         return e
@@ -88,6 +89,17 @@ class StreamLedger:
 
     def _detach(self, e: StreamEntry) -> None:
         self._by_worker.get(e.worker, set()).discard(e.sid)
+
+    def forget(self, sid: int) -> None:
+        """Drop a stream that has left and has no chunk in flight: a live server that runs for days
+        must not keep every stream it ever served (the simulator keeps them for its report)."""
+        e = self.entries.get(sid)
+        if e is None:
+            return
+        if not e.left or e.inflight is not None:
+            raise ValueError(f"stream {sid} cannot be forgotten: left={e.left}, chunk in flight={e.inflight is not None}")
+        self._detach(e)
+        del self.entries[sid]
 
     def move(self, sid: int, dst: int, now: float, residual_s: float) -> None:
         """Re-home at a chunk boundary: the state follows, usable after the critical-path residual."""

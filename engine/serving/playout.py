@@ -19,6 +19,7 @@ A prompt switch discards buffered content (generated := cursor) and grants a fre
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,9 @@ class PlayoutTracker:
     first_chunk_t: float | None = None
     # Observation log (kind, t, chunk duration) so accounting can be re-derived independently.
     log: list[tuple[str, float, float]] = field(default_factory=list)
+    # Live servers run for days: keep at most this many log rows and stalls (None = all, the simulator).
+    max_log: int | None = None
+    stall_count: int = 0  # every stall, also those trimmed from ``stalls``
     _anchor_t: float = 0.0
     _anchor_cursor: float = 0.0
     _stall_carry: bool = False  # a stall was cut short by a pause/switch; the next chunk is late
@@ -101,13 +105,23 @@ class PlayoutTracker:
         start = self._anchor_t + (self.generated_s - self._anchor_cursor)
         stall = Stall(start, t)
         self.stalls.append(stall)
+        self.stall_count += 1
+        self._trim(self.stalls)
         self._anchor_t, self._anchor_cursor = t, self.generated_s
         return stall
+
+    def _note(self, kind: str, t: float, duration_s: float) -> None:
+        self.log.append((kind, t, duration_s))
+        self._trim(self.log)
+
+    def _trim(self, rows: list[Any]) -> None:
+        if self.max_log is not None and len(rows) > self.max_log:
+            del rows[: len(rows) - self.max_log // 2]  # down to half: trimming stays amortised O(1)
 
     def on_chunk_ready(self, t: float, duration_s: float) -> ChunkOutcome:
         if duration_s <= 0:
             raise ValueError(f"chunk duration must be positive, got {duration_s}")
-        self.log.append(("chunk", t, duration_s))
+        self._note("chunk", t, duration_s)
         stall = None if self.paused else self._close_stall(t)
         on_time = stall is None and not self._stall_carry
         self._stall_carry = False
@@ -123,7 +137,7 @@ class PlayoutTracker:
     def pause(self, t: float) -> None:
         if self.paused:
             return
-        self.log.append(("pause", t, 0.0))
+        self._note("pause", t, 0.0)
         if self._close_stall(t) is not None:
             self._stall_carry = True
         self._anchor_cursor = self.cursor(t)
@@ -133,7 +147,7 @@ class PlayoutTracker:
     def resume(self, t: float) -> None:
         if not self.paused:
             return
-        self.log.append(("resume", t, 0.0))
+        self._note("resume", t, 0.0)
         self._anchor_t = t
         self.paused = False
 
@@ -145,7 +159,7 @@ class PlayoutTracker:
 
     def reset_slack(self, t: float) -> None:
         """Prompt switch: buffered content is useless; the new prompt gets the initial slack again."""
-        self.log.append(("switch", t, 0.0))
+        self._note("switch", t, 0.0)
         if not self.paused:
             self._close_stall(t)
         self._stall_carry = False  # any stall ends with the switch; the new content has a fresh deadline

@@ -1,0 +1,48 @@
+"""Days of uptime: the live policy loop forgets streams that left and keeps a bounded history of
+each live one (found by the soak benchmark's review: the ledger used to keep every stream it ever
+served, each with a log row per chunk)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from app.server.scheduler import LIVE_PROFILE, PolicyScheduler
+from engine.serving.fidelity import bundled_profile
+from engine.serving.playout import PlayoutTracker
+
+
+def _feed(tracker: PlayoutTracker, chunks: int) -> None:
+    """Chunks that arrive late every third time (stalls), with pauses and prompt switches."""
+    t = 0.0
+    for i in range(chunks):
+        t += 0.5 if i % 3 == 0 else 0.05
+        tracker.on_chunk_ready(t, 0.125)
+        if i % 50 == 0:
+            tracker.pause(t)
+            tracker.resume(t + 0.01)
+        if i % 70 == 0:
+            tracker.reset_slack(t)
+
+
+def test_tracker_history_is_bounded_and_counts_every_stall() -> None:
+    bounded = PlayoutTracker(0.0, 0.5, 1e9, max_log=40)
+    unbounded = PlayoutTracker(0.0, 0.5, 1e9)
+    for tracker in (bounded, unbounded):
+        _feed(tracker, 3000)
+    assert len(unbounded.log) > 3000 and len(unbounded.stalls) > 500
+    assert len(bounded.log) <= 40 and len(bounded.stalls) <= 40
+    assert bounded.log == unbounded.log[-len(bounded.log):]  # the newest rows, unchanged
+    # Same accounting as the full history.
+    assert bounded.stall_count == unbounded.stall_count == len(unbounded.stalls)
+    assert (bounded.chunks_on_time, bounded.chunks_late) == (unbounded.chunks_on_time, unbounded.chunks_late)
+
+
+def test_policy_loop_forgets_streams_that_left() -> None:
+    with ThreadPoolExecutor(1) as executor:
+        scheduler = PolicyScheduler(bundled_profile(LIVE_PROFILE), executor, fps=8.0)
+        for _ in range(200):  # admitted streams that closed (or never opened)
+            sid = scheduler.admit()
+            scheduler.remove(sid)
+        assert scheduler.ledger.entries == {}
+        assert not any(scheduler.ledger._by_worker.values())
+        assert scheduler.admit() not in (None, 0)  # admission still works
