@@ -1,6 +1,7 @@
 """Live-service benchmark: 1, 2 and 4 concurrent streams through a real `diffcast serve` process.
 
-For each stream count it starts synthetic WebRTC clients (app.server.probe: moving frames with
+For each stream count it starts synthetic WebRTC clients (streams the server's admission control
+refuses are counted, the rest measured) (app.server.probe: moving frames with
 frame IDs drawn into the pixels), lets them run, and reports per stream, averaged over streams:
 output FPS (new frames per second at the client), TTFF (offer sent -> first stylized frame
 decoded), glass-to-glass latency p50/p95 (client capture -> client decode, via the server's trace
@@ -41,6 +42,7 @@ WARMUP_S = 3.0  # excluded from FPS and latency: the first chunk and the playout
 @dataclass
 class Result:
     streams: int
+    admitted: int
     fps: float
     ttff_s: float
     latency_p50_ms: float
@@ -60,6 +62,7 @@ def server_process(model: str, port: int, threads: int, max_streams: int) -> Ite
     command = [
         sys.executable, "-m", "app.cli", "serve", "--model", model, "--port", str(port),
         "--allow-loopback-candidates", "--trace-stamp", "--max-streams", str(max_streams),
+        "--max-streams-per-client", str(max_streams),  # every client here comes from 127.0.0.1
         "--threads", str(threads),
     ]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -87,7 +90,16 @@ async def run_streams(url: str, count: int, seconds: float, fps: float) -> Resul
     config = json.loads(http("GET", f"{url}/api/config")[2])
     size = (config["width"], config["height"])
     cameras = [CodedCamera(size, fps=fps, variant=i, id_offset=i * MAX_ID // count) for i in range(count)]
-    sessions = [await open_session(url, camera, prompt="oil painting") for camera in cameras]
+    sessions, refusals = [], []
+    for camera in cameras:
+        try:
+            sessions.append(await open_session(url, camera, prompt="oil painting"))
+        except RuntimeError as exc:  # admission control (capacity, serving policy) said no
+            refusals.append(str(exc))
+    if refusals:
+        logging.warning("%d of %d streams refused: %s", len(refusals), count, refusals[0])
+    if not sessions:
+        raise RuntimeError(f"every stream was refused: {refusals[0]}")
     for _ in tqdm(range(int(seconds)), desc=f"{count} stream(s)", unit="s", leave=False):
         await asyncio.sleep(1)
     stats = [json.loads((await asyncio.to_thread(http, "GET", f"{url}/api/streams/{s.stream_id}"))[2]) for s in sessions]
@@ -110,6 +122,7 @@ async def run_streams(url: str, count: int, seconds: float, fps: float) -> Resul
     lat = np.array(latencies) * 1000
     return Result(
         streams=count,
+        admitted=len(sessions),
         fps=float(np.mean(fps_values)),
         ttff_s=float(np.mean(ttffs)),
         latency_p50_ms=float(np.percentile(lat, 50)) if lat.size else float("nan"),
@@ -122,12 +135,12 @@ async def run_streams(url: str, count: int, seconds: float, fps: float) -> Resul
 def table(results: list[Result], model: str) -> str:
     lines = [
         f"model: {model}",
-        "streams | fps/stream | TTFF s | g2g p50 ms | g2g p95 ms | dropped | chunk ms",
-        "------- | ---------- | ------ | ---------- | ---------- | ------- | --------",
+        "streams | admitted | fps/stream | TTFF s | g2g p50 ms | g2g p95 ms | dropped | chunk ms",
+        "------- | -------- | ---------- | ------ | ---------- | ---------- | ------- | --------",
     ]
     for r in results:
         lines.append(
-            f"{r.streams:7d} | {r.fps:10.1f} | {r.ttff_s:6.2f} | {r.latency_p50_ms:10.0f} | "
+            f"{r.streams:7d} | {r.admitted:8d} | {r.fps:10.1f} | {r.ttff_s:6.2f} | {r.latency_p50_ms:10.0f} | "
             f"{r.latency_p95_ms:10.0f} | {r.dropped_ratio:7.1%} | {r.server_chunk_ms:8.0f}"
         )
     return "\n".join(lines)
