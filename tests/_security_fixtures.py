@@ -4,16 +4,18 @@ client's address), real aiortc offers, and stream creation that keeps the creato
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
+from conftest import running_server
 
 from app.server.probe import CodedCamera
+from app.server.session import SessionManager
 
 REMOTE = "203.0.113.7"  # TEST-NET-3: a client that is not on this machine
 
@@ -81,15 +83,38 @@ class Api:
         await self.app.state.manager.close_all()
 
 
+@pytest.fixture(scope="session")
+def tiny_factory() -> Any:
+    """The tiny random-weight model whatever conftest's ``engine_model`` picks: these tests are
+    about the service's edge, not the model, and must stay fast."""
+    import torch
+
+    from app.server.engine_bridge import PipelineFactory
+
+    torch.set_num_threads(1)
+    return PipelineFactory.load("tiny-random")
+
+
+@contextmanager
+def served(factory: Any, **overrides: Any) -> Iterator[tuple[str, SessionManager]]:
+    """The real app over uvicorn on loopback: (base URL, its session manager)."""
+    from app.server.app import create_app
+    from app.server.config import ServerConfig
+
+    app = create_app(ServerConfig(**{"allow_loopback_candidates": True, **overrides}), factory=factory)
+    with running_server(app) as url:
+        yield url, app.state.manager
+
+
 @pytest.fixture
-def asgi_api(engine_factory: Any) -> Callable[..., AbstractAsyncContextManager[Api]]:
+def asgi_api(tiny_factory: Any) -> Callable[..., AbstractAsyncContextManager[Api]]:
     """``async with asgi_api(max_streams=2, ...) as api:`` — the real app and engine, in-process."""
     from app.server.app import create_app
     from app.server.config import ServerConfig
 
     @asynccontextmanager
     async def start(**overrides: Any) -> AsyncIterator[Api]:
-        api = Api(create_app(ServerConfig(**{"allow_loopback_candidates": True, **overrides}), factory=engine_factory))
+        api = Api(create_app(ServerConfig(**{"allow_loopback_candidates": True, **overrides}), factory=tiny_factory))
         try:
             yield api
         finally:

@@ -16,8 +16,7 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +24,14 @@ import numpy as np
 import psutil
 import pytest
 import websockets
-from conftest import running_server
+from _security_fixtures import served, tiny_factory  # noqa: F401
 
-from app.server.app import create_app
-from app.server.config import ServerConfig
 from app.server.engine_bridge import BatchProcessor, DelayedProcessor, StreamSettings
 from app.server.frame_path import encode_jpeg
 from app.server.probe import CodedCamera, http, open_session, pattern_frame
 from app.server.session import SessionManager
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@contextmanager
-def served(factory: Any, **overrides: Any) -> Iterator[tuple[str, SessionManager]]:
-    app = create_app(ServerConfig(**{"allow_loopback_candidates": True, **overrides}), factory=factory)
-    with running_server(app) as url:
-        yield url, app.state.manager
 
 
 async def wait_until(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.01) -> float:
@@ -67,8 +57,8 @@ def freed(manager: SessionManager, processor: weakref.ref[Any]) -> bool:
     return not manager.sessions and not scheduler_streams and not ledger and processor() is None
 
 
-async def test_websocket_client_vanishing_mid_chunk_frees_everything(engine_factory: Any) -> None:
-    with served(engine_factory, max_streams=1, engine_delay_ms=400) as (url, manager):
+async def test_websocket_client_vanishing_mid_chunk_frees_everything(tiny_factory: Any) -> None:  # noqa: F811
+    with served(tiny_factory, max_streams=1, engine_delay_ms=400) as (url, manager):
         ws = await websockets.connect(url.replace("http", "ws") + "/ws")
         hello = json.loads(await ws.recv())
         size = (hello["width"], hello["height"])
@@ -94,11 +84,13 @@ async def test_websocket_client_vanishing_mid_chunk_frees_everything(engine_fact
         freed_s = time.monotonic() - t0
     print(f"vanished WebSocket client mid-chunk: session closed in {closed_s:.3f} s, its chunk in flight came "
           f"back at {chunk_back_s:.3f} s, engine state freed at {freed_s:.3f} s")
-    assert freed_s - chunk_back_s < 0.5  # nothing of the stream outlives its chunk in flight
+    # Nothing of the stream outlives its chunk in flight (the margin covers a starved event loop and
+    # the gc.collect() in every poll on this shared box; unloaded it is about 0.4 s).
+    assert freed_s - chunk_back_s < 1.5
 
 
-async def test_killed_webrtc_publisher_is_noticed_by_the_input_watchdog(engine_factory: Any) -> None:
-    with served(engine_factory, max_streams=2, input_timeout_s=2.0) as (url, manager):
+async def test_killed_webrtc_publisher_is_noticed_by_the_input_watchdog(tiny_factory: Any) -> None:  # noqa: F811
+    with served(tiny_factory, max_streams=2, input_timeout_s=2.0) as (url, manager):
         client = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_vanishing_client.py"), url],
                                   cwd=ROOT, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
         try:
@@ -163,8 +155,8 @@ class FailingFactory:
 
 
 @pytest.mark.parametrize("policy", ["slack", "fifo"])
-async def test_engine_exception_ends_only_its_stream(engine_factory: Any, policy: str) -> None:
-    with served(FailingFactory(engine_factory), max_streams=2, policy=policy, trace_stamp=True) as (url, manager):
+async def test_engine_exception_ends_only_its_stream(tiny_factory: Any, policy: str) -> None:  # noqa: F811
+    with served(FailingFactory(tiny_factory), max_streams=2, policy=policy, trace_stamp=True) as (url, manager):
         good = await open_session(url, CodedCamera((128, 128), fps=15, variant=0), prompt="oil painting")
         bad = await open_session(url, CodedCamera((128, 128), fps=15, variant=1), prompt="explode")
         await wait_until(lambda: bad.stream_id not in manager.sessions, 60, poll_s=0.1)
@@ -176,34 +168,38 @@ async def test_engine_exception_ends_only_its_stream(engine_factory: Any, policy
         await asyncio.gather(good.close(), bad.close())
 
 
-async def test_slow_websocket_client_keeps_memory_bounded(engine_factory: Any) -> None:
+async def test_slow_websocket_client_keeps_memory_bounded(tiny_factory: Any) -> None:  # noqa: F811
     """A client that never reads: the server's output path blocks on it (uvicorn's write flow
     control) instead of queueing, the playout buffer stays at its bound, and input keeps flowing."""
     process = psutil.Process()
-    with served(engine_factory, max_streams=1, jpeg_quality=95) as (url, manager):
+    with served(tiny_factory, max_streams=1, jpeg_quality=95) as (url, manager):
         # max_queue=1 and no recv(): the client's socket buffer fills, then TCP pushes back.
         async with websockets.connect(url.replace("http", "ws") + "/ws", max_queue=1) as ws:
             hello = json.loads(await ws.recv())
             session = manager.sessions[hello["stream_id"]]
             size = (hello["width"], hello["height"])
             await send_frames(ws, size, 40)
-            rss0 = process.memory_info().rss
-            peak_buffer = 0
+            peak_buffer, rss = 0, []
             shown0 = session.playout.frames_shown
-            for i in range(200):  # 10 s of a 20 fps camera, output never read
+            for i in range(240):  # 12 s of a 20 fps camera, output never read
                 await ws.send(encode_jpeg(pattern_frame(i, size), 80))
                 peak_buffer = max(peak_buffer, session.playout.buffered)
+                if i in (80, 239):  # after the socket buffers have filled (4 s), and at the end
+                    rss.append(process.memory_info().rss)
                 await asyncio.sleep(0.05)
-            growth_mb = (process.memory_info().rss - rss0) / 2**20
+            growth_mb = (rss[1] - rss[0]) / 2**20
             chunk = session.runner.processor.chunk_frames
             assert peak_buffer <= 3 * chunk
-            assert session.assembler.received >= 240 and session.playout.frames_shown > shown0
-    print(f"client not reading for 10 s: RSS growth {growth_mb:.1f} MiB, playout buffer peak {peak_buffer} frames")
-    assert growth_mb < 40
+            assert session.assembler.received >= 280 and session.playout.frames_shown > shown0
+    print(f"client not reading for 12 s: RSS growth over its last 8 s {growth_mb:.1f} MiB, playout buffer peak "
+          f"{peak_buffer} frames")
+    # A per-client queue of raw output frames (49 KB at up to 30 fps) would add ~11 MiB here; a queue of
+    # JPEGs (~0.3 MiB/s) would hide in the noise, and loopback's kernel buffers absorb part of it anyway.
+    assert growth_mb < 10
 
 
-async def test_shutdown_drains_and_closes_peers(engine_factory: Any) -> None:
-    with served(engine_factory, max_streams=2, trace_stamp=True) as (url, manager):
+async def test_shutdown_drains_and_closes_peers(tiny_factory: Any) -> None:  # noqa: F811
+    with served(tiny_factory, max_streams=2, trace_stamp=True) as (url, manager):
         rtc = await open_session(url, CodedCamera((128, 128), fps=15))
         ws = await websockets.connect(url.replace("http", "ws") + "/ws")
         json.loads(await ws.recv())

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import schemathesis
+from _security_fixtures import tiny_factory  # noqa: F401
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
@@ -26,11 +27,11 @@ MAX_RESPONSE_S = 5.0
 
 
 @pytest.fixture
-def api_schema(engine_factory: Any) -> Iterator[Any]:
+def api_schema(tiny_factory: Any) -> Iterator[Any]:  # noqa: F811
     from app.server.app import create_app
     from app.server.config import ServerConfig
 
-    app = create_app(ServerConfig(max_streams=2, api_token="fuzz-admin"), factory=engine_factory)
+    app = create_app(ServerConfig(max_streams=2, api_token="fuzz-admin"), factory=tiny_factory)
     yield schemathesis.openapi.from_asgi("/openapi.json", app)
     asyncio.run(app.state.manager.close_all())
 

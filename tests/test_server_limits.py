@@ -6,13 +6,14 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import cv2
 import numpy as np
 import pytest
 import websockets
-from _security_fixtures import REMOTE, Api, asgi_api, bearer, publisher_offer  # noqa: F401
+from _security_fixtures import REMOTE, Api, asgi_api, bearer, publisher_offer, served, tiny_factory  # noqa: F401
 
 from app.server.control import ControlError, parse_control
 from app.server.frame_path import encode_jpeg, fit_frame
@@ -162,8 +163,8 @@ async def test_streams_per_client_and_in_total(asgi_api: ApiFactory) -> None:  #
         await a.create()  # its slot is free again
 
 
-async def test_websocket_frame_limits(live_server: Callable[..., AbstractContextManager[str]]) -> None:
-    with live_server(max_streams=1, max_frame_bytes=50_000, max_frame_pixels=1_000_000) as url:
+async def test_websocket_frame_limits(tiny_factory: Any) -> None:  # noqa: F811
+    with served(tiny_factory, max_streams=1, max_frame_bytes=50_000, max_frame_pixels=1_000_000) as (url, _):
         async with websockets.connect(url.replace("http", "ws") + "/ws") as ws:
             hello = json.loads(await ws.recv())
             assert hello["type"] == "hello"

@@ -8,11 +8,21 @@ import asyncio
 import json
 import re
 from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import pytest
 import websockets
-from _security_fixtures import REMOTE, Api, asgi_api, bearer, publisher_offer, viewer_offer  # noqa: F401
+from _security_fixtures import (  # noqa: F401
+    REMOTE,
+    Api,
+    asgi_api,
+    bearer,
+    publisher_offer,
+    served,
+    tiny_factory,
+    viewer_offer,
+)
 
 from app.server.security import OWNER_HEADER, VIEWER_HEADER
 
@@ -143,8 +153,8 @@ async def test_origins(asgi_api: ApiFactory) -> None:  # noqa: F811
         assert preflight.headers.get("access-control-allow-origin") is None
 
 
-async def test_websocket_gates(live_server: Callable[..., AbstractContextManager[str]]) -> None:
-    with live_server(max_streams=2, api_token="adm1n", allowed_origins=("https://good.example",)) as url:
+async def test_websocket_gates(tiny_factory: Any) -> None:  # noqa: F811
+    with served(tiny_factory, max_streams=2, api_token="adm1n", allowed_origins=("https://good.example",)) as (url, _):
         ws_url = url.replace("http", "ws") + "/ws"
         for target, headers, reason in ((ws_url, {}, "API token"),
                                         (ws_url + "?access_token=adm1n", {"Origin": "https://evil.example"}, "origin")):
