@@ -240,6 +240,7 @@ class Stream:
         if "prompt" in changes or "prompt_weights" in changes or "blend_mode" in changes:
             runtime.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
                                transition_chunks=transition_chunks, refresh_sinks=refresh_sinks)
+        replace(runtime.config.noise, noise_scale=new.noise_scale)  # validates the noise strength
         runtime.set_fidelity(self.state, fidelity)
         self.state.noise_scale = new.noise_scale
         if seed is not None and seed != self.params.seed:

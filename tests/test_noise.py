@@ -68,3 +68,9 @@ def test_disabled_controller_keeps_the_user_noise() -> None:
 def test_invalid_configs_are_rejected(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         NoiseControllerConfig(**kwargs)
+
+
+def test_noise_too_low_for_a_positive_timestep_is_refused() -> None:
+    with pytest.raises(ValueError, match="first timestep could reach -50"):
+        NoiseControllerConfig(noise_scale=0.15)
+    assert MotionAwareNoiseController(NoiseControllerConfig(noise_scale=0.15, motion_range=0.04)).first_timestep(0.11) > 0

@@ -93,3 +93,10 @@ def test_text_to_video_stream_runs_on_the_same_runtime(pipe: Pipeline) -> None:
     v2v = pipe.open_stream(StreamParams(prompt="x", size=(64, 64)))
     with pytest.raises(ValueError, match="mode='t2v'"):
         v2v.generate()
+
+
+def test_noise_too_low_is_refused_on_update(pipe: Pipeline) -> None:
+    stream = pipe.open_stream(StreamParams(prompt="oil painting", size=(64, 64)))
+    with pytest.raises(ValueError, match="too low"):
+        stream.update(noise_scale=0.15)
+    assert stream.params.noise_scale == 0.8
