@@ -47,7 +47,7 @@ FORMAT = "diffcast-embedded/1"
 class SamplerSpec:
     # StreamDiffusionV2's schedule (shift 8), so engine/pipeline.py's V2V preset drives the model as trained.
     shift: float = 8.0
-    noise_scale: float = 0.3  # V2V s; first timestep = noise_scale_to_timestep(s) = 1000·s − 100
+    noise_scale: float = 0.2  # V2V s; first timestep = noise_scale_to_timestep(s) = 1000·s − 100
     # Optional later step, standard flow matching; t = 22 is σ ≈ 0.15 at shift 8 (a light refinement).
     refine_timesteps: tuple[float, ...] = (22.0,)
     default_num_steps: int = 1
@@ -86,7 +86,9 @@ class EmbeddedSpec:
             "sink_frames": self.stream.sink_frames,
             "cache_mode": "per-step",
             "sink_refresh": False,
-            "noise": {"noise_scale": sp.noise_scale},
+            # The motion-aware controller lowers s by up to motion_range on fast motion; keep it inside
+            # the trained range (s >= 0.15).
+            "noise": {"noise_scale": sp.noise_scale, "motion_range": 0.05},
         }
         data["size"] = [256, 256]
         return json.dumps(data, indent=1)

@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -34,10 +34,10 @@ from tqdm import tqdm
 
 from engine.embedded import clips as clipdata
 from engine.embedded.model import EmbeddedSpec, SamplerSpec, StreamSpec
-from engine.embedded.styles import STYLE_PROMPTS, pooled_embeddings, prototypes, style_phrasings
+from engine.embedded.styles import NOT_SHIPPED, STYLE_PROMPTS, pooled_embeddings, prototypes, style_phrasings
 from engine.embedded.teachers import TEACHERS, stylize_clip
 from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
-from engine.models.wan_dit import CausalWanDiT, WanDiTConfig
+from engine.models.wan_dit import CausalWanDiT, PromptCache, WanBlock, WanDiTConfig
 from engine.sampling import FlowMatchSchedule, noise_scale_to_timestep, renoise, v2v_input
 
 log = logging.getLogger(__name__)
@@ -49,11 +49,11 @@ CLIP_FRAMES = 9  # 1 + 2*4: the streaming layout (a first frame, then two 4-fram
 @dataclass
 class TrainConfig:
     workdir: Path
-    vae_steps: int = 1200
+    vae_steps: int = 600
     vae_batch: int = 4
     vae_crop: int = 64
     vae_lr: float = 5e-4
-    dit_steps: int = 1200
+    dit_steps: int = 2000
     dit_batch: int = 12
     dit_lr: float = 8e-4
     threads: int = 2
@@ -290,16 +290,26 @@ def _dit_batch(cfg: TrainConfig, step: int, lat: torch.Tensor, emb: torch.Tensor
     return torch.stack(xs), torch.stack(ts), torch.stack(sig), torch.stack(tgt), torch.stack(ctx)
 
 
-def _unwrapped(fn: Any) -> Any:
-    """The DiT's public methods run under no_grad (inference API); training calls the same code with grad."""
-    return getattr(fn, "__wrapped__", fn)
+def prompt_cache_with_grad(dit: CausalWanDiT, context: torch.Tensor) -> PromptCache:
+    """``dit.encode_prompt`` (an inference API, under no_grad) recomputed with gradients for training.
+
+    Same arithmetic: zero-pad/truncate the context to ``text_len`` rows, text MLP, per-block K/V. A test
+    checks it against ``encode_prompt`` so the two cannot drift apart.
+    """
+    cfg = dit.config
+    context = F.pad(context[:, : cfg.text_len], (0, 0, 0, max(0, cfg.text_len - context.shape[1])))
+    tokens = dit.text_embedding(context)
+    ks, vs = zip(*(cast(WanBlock, block).cross_attn.project_kv(tokens) for block in dit.blocks), strict=True)
+    return PromptCache(list(ks), list(vs))
 
 
 def dit_loss(dit: CausalWanDiT, x: torch.Tensor, t: torch.Tensor, sigma: torch.Tensor, target: torch.Tensor,
              context: torch.Tensor) -> torch.Tensor:
     """MSE of x̂₀ = x − σ·v against the style latent, under the block-causal mask (1 latent frame/chunk)."""
-    prompt = _unwrapped(CausalWanDiT.encode_prompt)(dit, context)
-    v = _unwrapped(CausalWanDiT.forward_masked)(dit, x, t, prompt, chunk_frames=1)
+    # forward_masked is the DiT's reference path and runs under no_grad; its undecorated function is
+    # the same code with gradients.
+    masked = getattr(CausalWanDiT.forward_masked, "__wrapped__", CausalWanDiT.forward_masked)
+    v = masked(dit, x, t, prompt_cache_with_grad(dit, context), chunk_frames=1)
     x0 = x - sigma[:, None, :, None, None] * v
     return F.mse_loss(x0, target)
 
@@ -345,9 +355,10 @@ def export(out_dir: Path, vae: TinyVAE, dit: CausalWanDiT, sampler: SamplerSpec,
     out_dir.mkdir(parents=True, exist_ok=True)
     names, _ = style_phrasings()
     protos = prototypes(emb.flatten(0, 1), names, emb.shape[1])
+    shipped = [i for i, n in enumerate(names) if n not in NOT_SHIPPED]
     spec = EmbeddedSpec(
-        vae=vae.config, dit=dit.config, styles={n: STYLE_PROMPTS[n] for n in names},
-        prototypes={n: [round(float(v), 6) for v in protos[i]] for i, n in enumerate(names)},
+        vae=vae.config, dit=dit.config, styles={names[i]: STYLE_PROMPTS[names[i]] for i in shipped},
+        prototypes={names[i]: [round(float(v), 6) for v in protos[i]] for i in shipped},
         sampler=sampler, stream=stream, metrics=metrics or {},
     )
     tensors = {f"vae.{k}": v.detach().float().contiguous() for k, v in vae.state_dict().items()}
