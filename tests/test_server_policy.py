@@ -22,6 +22,19 @@ from aiortc import RTCConfiguration, RTCPeerConnection
 
 from app.server.probe import CodedCamera, ProbeSession, http, open_session
 
+
+@pytest.fixture(scope="module")
+def engine_factory() -> Any:
+    """The tiny random-weight model whatever conftest picks: these tests need a model whose preset
+    has 4 steps and the bundled tiny-random profile, and they are about scheduling, not pictures."""
+    import torch
+
+    from app.server.engine_bridge import PipelineFactory
+
+    torch.set_num_threads(1)
+    return PipelineFactory.load("tiny-random")
+
+
 FPS = 4.0  # fixed playout rate = the content rate the policy plans for
 STEP_DELAY_MS = 150.0
 STREAMS = 2

@@ -20,6 +20,19 @@ from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
 from app.server.scheduler import LIVE_PROFILE, AdmissionError, PolicyScheduler, live_profile
 from engine.serving.fidelity import FidelityConfig, ProfilePoint, bundled_profile
 
+
+@pytest.fixture(scope="module")
+def engine_factory() -> Any:
+    """The tiny random-weight model whatever conftest picks: these tests need a model whose preset
+    has 4 steps and the bundled tiny-random profile, and they are about scheduling, not pictures."""
+    import torch
+
+    from app.server.engine_bridge import PipelineFactory
+
+    torch.set_num_threads(1)
+    return PipelineFactory.load("tiny-random")
+
+
 FPS = 8.0
 
 
