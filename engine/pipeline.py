@@ -83,6 +83,22 @@ class StreamParams:
         return replace(self, **changes)
 
 
+@dataclass(frozen=True)
+class StyleRegistry:
+    """The looks a small model was trained on: prompts far from all of them get a notice."""
+
+    names: tuple[str, ...]
+    prototypes: torch.Tensor  # [styles, dim], L2-normalised pooled text embeddings
+    too_far_below: float
+
+    def notice(self, prompts: PromptEncoder, prompt: str) -> str | None:
+        """A message naming the nearest styles when ``prompt`` is far from every trained style."""
+        from engine.embedded.styles import match_style
+
+        match = match_style(prompt, prompts.pooled([prompt])[0], list(self.names), self.prototypes, self.too_far_below)
+        return match.message() if match.too_far else None
+
+
 class Pipeline:
     """A loaded model (DiT + stream VAE + text encoder + sampler recipe) that serves streams."""
 
@@ -95,12 +111,13 @@ class Pipeline:
         runtime: RuntimeConfig,
         default_size: tuple[int, int],
         name: str,
-        styles: Any = None,
+        styles: StyleRegistry | None = None,
+        text_conditioning: str = "tokens",
     ) -> None:
         self.name = name
         self.default_size = default_size
         self.styles = styles
-        prompts = PromptEncoder(text_encoder)
+        prompts = PromptEncoder(text_encoder, text_conditioning)
         self.runtime = StreamRuntime(dit, vae, prompts, preset, runtime)
         # Text-to-video streams share the weights but follow the CausVid / Self-Forcing recipe:
         # 3-latent-frame chunks from pure noise, 4 warped steps, one KV cache written by a clean pass.
@@ -159,6 +176,13 @@ class Pipeline:
     def open_stream(self, params: StreamParams, stream_id: str | None = None) -> Stream:
         return Stream(self, params, stream_id or uuid.uuid4().hex)
 
+    def prompt_notice(self, prompts: tuple[str, ...]) -> str | None:
+        """For a model trained on a few styles: a message when no prompt is near any of them."""
+        if self.styles is None:
+            return None
+        notices = [self.styles.notice(self.runtime.prompts, p) for p in prompts]
+        return None if any(n is None for n in notices) else notices[0]
+
 
 class Stream:
     """One live stream: feed chunks of frames, get stylised chunks back."""
@@ -169,6 +193,13 @@ class Stream:
         self.params = params
         self.state = self._open(params)
         self.last: ChunkResult | None = None
+        self.notice = self._notice(params)
+
+    def _notice(self, params: StreamParams) -> str | None:
+        notice = self.pipe.prompt_notice(params.prompts)
+        if notice:
+            log.warning("stream %s: %s", self.id, notice)
+        return notice
 
     @property
     def runtime(self) -> StreamRuntime:
@@ -240,6 +271,7 @@ class Stream:
         if "prompt" in changes or "prompt_weights" in changes or "blend_mode" in changes:
             runtime.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
                                transition_chunks=transition_chunks, refresh_sinks=refresh_sinks)
+            self.notice = self._notice(new)
         replace(runtime.config.noise, noise_scale=new.noise_scale)  # validates the noise strength
         runtime.set_fidelity(self.state, fidelity)
         self.state.noise_scale = new.noise_scale
@@ -265,6 +297,7 @@ class Stream:
             "rope_resets": s.rope_resets,
             "steps": s.fidelity.steps,
             "fidelity": s.fidelity.label(),
+            "notice": self.notice,
         }
 
 
@@ -343,11 +376,19 @@ def _load_diffcast_file(path: Path, device: str, dtype: torch.dtype) -> Pipeline
     preset = STREAMDIFFUSION_V2
     if "steps" in sampler:
         steps = tuple(float(s) for s in sampler["steps"])
-        preset = replace(preset, steps=steps, default_num_steps=min(preset.default_num_steps or len(steps), len(steps)))
+        default_steps = int(sampler.get("default_num_steps", min(preset.default_num_steps or len(steps), len(steps))))
+        preset = SamplerPreset(path.stem, float(sampler.get("shift", preset.shift)), steps, warp=False,
+                               default_num_steps=default_steps)
+    styles = None
+    if config.get("prototypes"):
+        names = tuple(config["prototypes"])
+        protos = torch.nn.functional.normalize(torch.tensor([config["prototypes"][n] for n in names]), dim=-1)
+        styles = StyleRegistry(names, protos, float(config.get("too_far_below", 0.35)))
     runtime = _runtime_from_json(config.get("runtime", {}))
     text = load_text_encoder(config.get("text_encoder", "minilm"), device=device)
     size = tuple(config.get("size", (256, 256)))
-    return Pipeline(dit, vae, text, preset, runtime, (int(size[0]), int(size[1])), path.stem, config.get("styles"))
+    return Pipeline(dit, vae, text, preset, runtime, (int(size[0]), int(size[1])), path.stem, styles,
+                    text_conditioning=config.get("text_conditioning", "tokens"))
 
 
 @dataclass(frozen=True)

@@ -43,15 +43,30 @@ class RopeOverflowError(RuntimeError):
 
 
 class PromptEncoder:
-    """Text -> conditioning embeddings [1, L, text_dim], with prompt blending."""
+    """Text -> conditioning embeddings [1, L, text_dim], with prompt blending.
 
-    def __init__(self, text_encoder: object) -> None:
+    ``conditioning`` is how the model was trained to read text: "tokens" (Wan: the encoder's token
+    states) or "pooled" (the embedded model: one row, the L2-normalised sentence embedding).
+    """
+
+    def __init__(self, text_encoder: object, conditioning: str = "tokens") -> None:
+        if conditioning not in ("tokens", "pooled"):
+            raise ValueError(f"text conditioning must be 'tokens' or 'pooled', got {conditioning!r}")
         self._text = text_encoder
+        self.conditioning = conditioning
+
+    def pooled(self, prompts: Sequence[str]) -> torch.Tensor:
+        """L2-normalised sentence embeddings [N, dim]."""
+        pooled = self._text.pooled(list(prompts))  # type: ignore[attr-defined]
+        return torch.nn.functional.normalize(pooled.float(), dim=-1)
 
     def embed(self, prompts: Sequence[str], weights: Sequence[float] | None = None, mode: BlendMode = "linear") -> torch.Tensor:
         if not prompts:
             raise ValueError("at least one prompt is needed")
-        tokens = self._text.encode(list(prompts))  # type: ignore[attr-defined]
+        if self.conditioning == "pooled":
+            tokens = self.pooled(prompts)[:, None, :]
+        else:
+            tokens = self._text.encode(list(prompts))  # type: ignore[attr-defined]
         rows = [tokens[i : i + 1] for i in range(tokens.shape[0])]
         if len(rows) == 1:
             return rows[0]
