@@ -48,6 +48,33 @@ class ModelNotAvailableError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class ModelDefaults:
+    """The controls a model is meant to run with (a small trained model has a narrow sweet spot)."""
+
+    noise_scale: float = 0.8
+    steps: int = 2
+    styles: tuple[str, ...] = ()  # trained looks, for prompt presets; empty for open-vocabulary models
+
+
+def model_defaults(model: str | Path | None) -> ModelDefaults:
+    """Read a model's defaults from its config without loading weights."""
+    path: Path | None = None
+    if model is None or str(model) == "default":
+        path = DEFAULT_MODEL
+    elif str(model).endswith(".safetensors"):
+        path = Path(model)
+    config_file = path.with_suffix(".json") if path is not None else None
+    if config_file is None or not config_file.is_file():
+        return ModelDefaults()
+    config = json.loads(config_file.read_text())
+    sampler = config.get("sampler", {})
+    styles = tuple(name.replace("_", " ") for name in config.get("prototypes", {}))
+    return ModelDefaults(
+        noise_scale=float(sampler.get("noise_scale", 0.8)), steps=int(sampler.get("default_num_steps", 2)), styles=styles
+    )
+
+
+@dataclass(frozen=True)
 class StreamParams:
     prompt: str | tuple[str, ...]
     noise_scale: float = 0.8

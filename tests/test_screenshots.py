@@ -85,6 +85,10 @@ def test_screenshots(
         playground.wait_for_function(
             "window.diffcastPlayground.outputFrames > 20 && window.diffcastPlayground.stats", timeout=40_000
         )
+        # Placeholder frames count as output frames; wait until the model's own frames are playing.
+        playground.wait_for_function(
+            "window.diffcastPlayground.stats.frames_out > 10", timeout=40_000
+        )
         _live_video(playground, "[data-dc=output]")
         shots["playground"] = playground.screenshot(full_page=True)
 

@@ -179,6 +179,11 @@ async function init() {
   config = await (await fetch("/api/config")).json();
   $("prompt").value = config.defaultPrompt;
   $("prompt").maxLength = config.maxPromptChars;
+  // The model's own operating point (the embedded model is trained for low noise and one step).
+  if (config.defaultNoiseScale != null) $("noise").value = config.defaultNoiseScale;
+  if (config.defaultSteps != null) $("steps").value = config.defaultSteps;
+  $("noise-value").textContent = Number($("noise").value).toFixed(2);
+  $("steps-value").textContent = $("steps").value;
   buildPresets();
   countVideoFrames($("output"));
   $("prompt-form").addEventListener("submit", (event) => {

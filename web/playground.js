@@ -171,7 +171,7 @@ export async function mount(element) {
   root.classList.add("diffcast-live");
   root.innerHTML = markup();
   config = await (await fetch("/api/config")).json();
-  state.options = { prompt: config.defaultPrompt, prompt2: "", blend: 0, noise_scale: 0.8, steps: 2, seed: 0, ...state.options };
+  state.options = { prompt: config.defaultPrompt, prompt2: "", blend: 0, noise_scale: config.defaultNoiseScale ?? 0.8, steps: config.defaultSteps ?? 2, seed: 0, ...state.options };
   const output = q("output");
   const count = () => {
     state.outputFrames += 1;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,8 +46,26 @@ def _json_error(status: int, reason: str, headers: dict[str, str] | None = None)
     return JSONResponse({"detail": reason}, status_code=status, headers=headers)
 
 
+def with_model_defaults(config: ServerConfig) -> ServerConfig:
+    """Fill unset stream defaults (and, for a model trained on a few looks, the presets) from the model."""
+    from engine.pipeline import model_defaults
+
+    defaults = model_defaults(config.model)
+    changes: dict[str, Any] = {}
+    if config.default_noise_scale is None:
+        changes["default_noise_scale"] = defaults.noise_scale
+    if config.default_steps is None:
+        changes["default_steps"] = defaults.steps
+    if defaults.styles and config.presets == ServerConfig.presets:
+        changes["presets"] = defaults.styles
+        if config.default_prompt == ServerConfig.default_prompt and config.default_prompt not in defaults.styles:
+            changes["default_prompt"] = defaults.styles[0]
+    return replace(config, **changes) if changes else config
+
+
 def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) -> FastAPI:
     """Build the app. ``factory`` defaults to the real engine pipeline loaded from ``config.model``."""
+    config = with_model_defaults(config)
     if config.allow_loopback_candidates:
         allow_loopback_candidates()
     if factory is None:
@@ -104,6 +123,8 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             "iceServers": browser_ice_servers(config),
             "presets": list(config.presets),
             "defaultPrompt": config.default_prompt,
+            "defaultNoiseScale": config.default_noise_scale,
+            "defaultSteps": config.default_steps,
             "maxPromptChars": config.max_prompt_chars,
             "width": width,
             "height": height,
@@ -112,7 +133,9 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     @app.post("/api/offer")
     async def offer(body: OfferRequest) -> Response:
         try:
-            settings = body.to_settings(config.default_prompt, config.max_prompt_chars)
+            settings = body.to_settings(
+                config.default_prompt, config.max_prompt_chars, config.default_noise_scale or 0.8, config.default_steps or 2
+            )
             session, answer = await gateway.publish(body.sdp, settings, kind="webrtc", send_output=True)
         except ControlError as exc:
             return _json_error(422, str(exc))
@@ -173,7 +196,9 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     async def websocket(ws: WebSocket) -> None:
         try:
             options = options_from_query(ws.query_params)
-            settings = options.to_settings(config.default_prompt, config.max_prompt_chars)
+            settings = options.to_settings(
+                config.default_prompt, config.max_prompt_chars, config.default_noise_scale or 0.8, config.default_steps or 2
+            )
         except ControlError as exc:
             await ws.accept()
             await ws.send_json({"type": "error", "message": str(exc)})

@@ -111,14 +111,19 @@ class StreamOptions(_Message):
     """Options a client may give when it opens a stream (offer body, WHIP or /ws query)."""
 
     prompt: str | None = None
-    noise_scale: float = Field(default=0.8, ge=MIN_NOISE_SCALE, le=1.0)
-    steps: int = Field(default=2, ge=1, le=MAX_STEPS)
+    noise_scale: float | None = Field(default=None, ge=MIN_NOISE_SCALE, le=1.0)
+    steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     seed: int = Field(default=0, ge=0, lt=2**63)
 
-    def to_settings(self, default_prompt: str, max_prompt_chars: int) -> StreamSettings:
+    def to_settings(
+        self, default_prompt: str, max_prompt_chars: int, default_noise_scale: float = 0.8, default_steps: int = 2
+    ) -> StreamSettings:
         check_prompt(self.prompt, None, max_prompt_chars)
         return StreamSettings(
-            prompt=self.prompt or default_prompt, noise_scale=self.noise_scale, steps=self.steps, seed=self.seed
+            prompt=self.prompt or default_prompt,
+            noise_scale=self.noise_scale if self.noise_scale is not None else default_noise_scale,
+            steps=self.steps if self.steps is not None else default_steps,
+            seed=self.seed,
         )
 
 
