@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.pipeline import ModelNotAvailableError, Pipeline, StreamParams
+    from engine.pipeline import ModelNotAvailableError, Pipeline, StreamParams, model_defaults
     from engine.video_io import VideoInputError, stylize_file
 
     if not args.input.is_file():
@@ -50,11 +50,13 @@ def run(args: argparse.Namespace) -> int:
     except ModelNotAvailableError as exc:
         log.error("%s", exc)
         return 2
-    params = StreamParams(prompt=args.prompt, seed=args.seed)
-    if args.steps is not None:
-        params = params.with_(steps=args.steps)
-    if args.noise_scale is not None:
-        params = params.with_(noise_scale=args.noise_scale)
+    defaults = model_defaults(args.model)  # the model's own operating point unless overridden
+    params = StreamParams(
+        prompt=args.prompt,
+        seed=args.seed,
+        steps=args.steps if args.steps is not None else defaults.steps,
+        noise_scale=args.noise_scale if args.noise_scale is not None else defaults.noise_scale,
+    )
     try:
         frames = stylize_file(pipe, args.input, args.output, params, size=args.size, progress=True)
     except (VideoInputError, ValueError) as exc:
