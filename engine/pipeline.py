@@ -143,6 +143,7 @@ class Pipeline:
     ) -> None:
         self.name = name
         self.default_size = default_size
+        self.defaults = ModelDefaults()
         self.styles = styles
         prompts = PromptEncoder(text_encoder, text_conditioning)
         self.runtime = StreamRuntime(dit, vae, prompts, preset, runtime)
@@ -414,8 +415,10 @@ def _load_diffcast_file(path: Path, device: str, dtype: torch.dtype) -> Pipeline
     runtime = _runtime_from_json(config.get("runtime", {}))
     text = load_text_encoder(config.get("text_encoder", "minilm"), device=device)
     size = tuple(config.get("size", (256, 256)))
-    return Pipeline(dit, vae, text, preset, runtime, (int(size[0]), int(size[1])), path.stem, styles,
+    pipe = Pipeline(dit, vae, text, preset, runtime, (int(size[0]), int(size[1])), path.stem, styles,
                     text_conditioning=config.get("text_conditioning", "tokens"))
+    pipe.defaults = model_defaults(path)
+    return pipe
 
 
 @dataclass(frozen=True)

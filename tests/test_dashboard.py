@@ -94,7 +94,7 @@ def test_dashboard_computes_tiers_under_fifo(two_streams: tuple[str, list[str]])
         # No policy in the loop: the dashboard classifies by SlackServe's definition itself.
         assert row["credit_s"] == pytest.approx(row["slack_s"] - row["chunk_ms"] / 1000, abs=2e-3)
         assert row["tier"] == _expected_tier(row["slack_s"], row["chunk_ms"] / 1000)
-        assert row["fidelity_steps"] == row["steps"] == 2
+        assert row["fidelity_steps"] == row["steps"]  # FIFO runs the stream at its own steps
 
 
 def test_dashboard_shows_the_policy_decisions(two_streams: tuple[str, list[str]]) -> None:

@@ -46,11 +46,13 @@ def _json_error(status: int, reason: str, headers: dict[str, str] | None = None)
     return JSONResponse({"detail": reason}, status_code=status, headers=headers)
 
 
-def with_model_defaults(config: ServerConfig) -> ServerConfig:
-    """Fill unset stream defaults (and, for a model trained on a few looks, the presets) from the model."""
+def with_model_defaults(config: ServerConfig, factory: ProcessorFactory) -> ServerConfig:
+    """Fill unset stream defaults (and, for a model trained on a few looks, the presets) from the model
+    the factory serves (or, for factories that hold no pipeline here, from ``config.model``)."""
     from engine.pipeline import model_defaults
 
-    defaults = model_defaults(config.model)
+    pipe = getattr(factory, "pipeline", None)
+    defaults = getattr(pipe, "defaults", None) or model_defaults(config.model)
     changes: dict[str, Any] = {}
     if config.default_noise_scale is None:
         changes["default_noise_scale"] = defaults.noise_scale
@@ -65,11 +67,11 @@ def with_model_defaults(config: ServerConfig) -> ServerConfig:
 
 def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) -> FastAPI:
     """Build the app. ``factory`` defaults to the real engine pipeline loaded from ``config.model``."""
-    config = with_model_defaults(config)
     if config.allow_loopback_candidates:
         allow_loopback_candidates()
     if factory is None:
         factory = PipelineFactory.load(config.model, config.device)
+    config = with_model_defaults(config, factory)
     if config.engine_delay_ms > 0 or config.engine_step_delay_ms > 0:
         factory = DelayedFactory(factory, config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0)
     manager = SessionManager(factory, config)

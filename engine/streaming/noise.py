@@ -37,11 +37,11 @@ class NoiseControllerConfig:
         if not 0.0 < self.ema <= 1.0:
             raise ValueError(f"ema must be in (0, 1], got {self.ema}")
         lowest = 1000.0 * self.s_min - self.timestep_offset
-        if self.enabled and lowest <= 0.0:
+        if self.enabled and lowest < 0.0:
             raise ValueError(
                 f"noise_scale {self.noise_scale} is too low: with motion_range {self.motion_range} the first "
-                f"timestep could reach {lowest:g}; it must stay above 0 "
-                f"(noise_scale > {(self.timestep_offset / 1000.0 + self.motion_range):g})"
+                f"timestep could reach {lowest:g}; it must not go below 0 "
+                f"(noise_scale >= {(self.timestep_offset / 1000.0 + self.motion_range):g})"
             )
 
     @property
