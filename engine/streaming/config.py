@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.streaming.noise import NoiseControllerConfig
@@ -46,6 +46,3 @@ class RuntimeConfig:
             raise ValueError(f"cache_mode must be 'clean' or 'per-step', got {self.cache_mode!r}")
         if self.rope_reset_frame <= self.kv_window_frames:
             raise ValueError("rope_reset_frame must exceed the KV window")
-
-    def with_(self, **changes: object) -> RuntimeConfig:
-        return replace(self, **changes)  # type: ignore[arg-type]
