@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from engine.embedded import train
 from engine.embedded.model import SamplerSpec
+from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
 from engine.models.wan_dit import CausalWanDiT
 from engine.sampling import FlowMatchSchedule
 
@@ -27,18 +29,28 @@ def test_training_prompt_cache_equals_encode_prompt() -> None:
         torch.testing.assert_close(a, b)
 
 
-def test_dit_loss_trains_every_parameter_and_reaches_its_target() -> None:
+def test_dit_loss_trains_every_parameter_and_reaches_its_target(monkeypatch: pytest.MonkeyPatch) -> None:
     dit = _dit()
     x, target = torch.randn(2, 8, 2, 4, 4), torch.randn(2, 8, 2, 4, 4)
     t, sigma = torch.full((2, 2), 300.0), torch.full((2, 2), 0.7)
-    loss = train.dit_loss(dit, x, t, sigma, target, torch.randn(2, 1, 384))
+    vae = TinyVAE(TinyVAEConfig(latent_channels=8, enc_channels=8, dec_channels=8))
+    loss = train.dit_loss(dit, vae, x, t, sigma, target, torch.randn(2, 1, 384), temporal_weight=1.0)
     loss.backward()
     missing = [n for n, p in dit.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not missing, f"no gradient reaches {missing}"
-    # The loss is the x0 error of the network's velocity: with v = (x - target) / sigma it is zero.
-    v = (x - target) / sigma[:, None, :, None, None]
-    x0 = x - sigma[:, None, :, None, None] * v
-    assert torch.nn.functional.mse_loss(x0, target) < 1e-10
+    # The loss is the x0 error of the network's velocity: with v = (x - target) / sigma it is zero,
+    # temporal term included.
+    monkeypatch.setattr(CausalWanDiT, "forward_masked",
+                        lambda self, x_, *a, **k: (x_ - target) / sigma[:, None, :, None, None])
+    assert float(train.dit_loss(dit, vae, x, t, sigma, target, torch.randn(2, 1, 384), 1.0)) < 1e-10
+
+
+def test_temporal_error_ignores_errors_that_stay_put() -> None:
+    target = torch.randn(2, 6, 4)
+    steady = target + torch.randn(2, 1, 4)  # the same error on every frame
+    flicker = target + torch.randn(2, 6, 4)
+    assert train.temporal_error(steady, target, dim=1).abs().max() < 1e-6
+    assert train.temporal_error(flicker, target, dim=1).abs().mean() > 0.5
 
 
 def test_batches_are_a_pure_function_of_seed_and_step(tmp_path: Path) -> None:
@@ -71,3 +83,20 @@ def test_resume_restores_model_optimizer_and_step(tmp_path: Path) -> None:
     for p, q in zip(dit.parameters(), other.parameters(), strict=True):
         torch.testing.assert_close(p, q)
     assert np.isclose(train._lr(0, 100, 1e-3), 1e-3 / 50)
+
+
+def test_decoder_batches_pair_each_latent_window_with_its_own_teacher_pixels(tmp_path: Path) -> None:
+    """Stage 5 crops latents and teacher frames separately; decoding must land exactly on the target."""
+    rng = np.random.default_rng(0)
+    # 8x8-block-constant frames: 3 numbers per patch, so a 4-channel linear autoencoder is lossless.
+    blocks = rng.integers(0, 256, (2, 3, train.CLIP_FRAMES, 32, 32, 3), dtype=np.uint8)
+    frames = blocks.repeat(8, axis=3).repeat(8, axis=4)
+    vae = TinyVAE(TinyVAEConfig(latent_channels=16, enc_channels=8, dec_channels=8))
+    vae.init_linear_from_pca(train.to_unit(frames[:, :, 1:5]).flatten(0, 1).transpose(1, 2).flatten(0, 1))
+    cfg = train.TrainConfig(workdir=tmp_path, vae_batch=4)
+    lat, vae = train.encode_latents(cfg, frames, vae)
+    z, x = train._decoder_batch(cfg, 3, frames, lat, lat[:, 1:])
+    with torch.no_grad():
+        y, _ = vae.decode_groups(vae.denormalize(z), None)
+    assert x.shape == (4, 3, 12, 64, 64)
+    torch.testing.assert_close(y, x, rtol=0, atol=2e-3)

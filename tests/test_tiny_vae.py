@@ -8,7 +8,7 @@ import torch
 from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
 from engine.vae import StreamVAE
 
-CFG = TinyVAEConfig(latent_channels=8, enc_channels=(8, 12), dec_channels=(12, 8))
+CFG = TinyVAEConfig(latent_channels=8, enc_channels=8, dec_channels=12)
 
 
 def _vae(seed: int = 0) -> TinyVAE:
@@ -86,15 +86,30 @@ def test_bad_chunk_sizes_are_rejected_with_a_clear_message() -> None:
 
 @torch.no_grad()
 def test_pca_init_reconstructs_data_of_low_rank_exactly() -> None:
-    """Patches spanned by fewer directions than latent channels pass the linear paths losslessly."""
+    """Patches spanned by fewer directions than per-frame latent channels pass the linear paths losslessly."""
     torch.manual_seed(3)
     vae = TinyVAE(CFG)  # conv branches start at zero output: the autoencoder is the linear path
-    basis = torch.randn(5, 3, 4, 8, 8)
-    coeffs = torch.randn(64, 5)
-    patches = torch.einsum("nk,kctij->nctij", coeffs, basis) + 0.3
-    groups = patches.reshape(4, 16, 3, 4, 8, 8).permute(0, 2, 3, 1, 4, 5).reshape(4, 3, 4, 4, 4, 8, 8)
-    groups = groups.permute(0, 1, 2, 3, 5, 4, 6).reshape(4, 3, 4, 32, 32)
-    vae.init_linear_from_pca(groups)
-    z, _ = vae.encode_groups(groups, None)
+    basis = torch.randn(CFG.frame_channels, 3, 8, 8)
+    coeffs = torch.randn(64, CFG.frame_channels)
+    patches = torch.einsum("nk,kcij->ncij", coeffs, basis) + 0.3  # 64 patches [3, 8, 8]
+    frames = patches.reshape(4, 4, 4, 3, 8, 8).permute(0, 3, 1, 4, 2, 5).reshape(4, 3, 32, 32)
+    vae.init_linear_from_pca(frames)
+    clip = frames.reshape(1, 4, 3, 32, 32).transpose(1, 2)  # 4 frames = 1 latent frame
+    z, _ = vae.encode_groups(clip, None)
     recon, _ = vae.decode_groups(z, None)
-    torch.testing.assert_close(recon, groups, rtol=0, atol=1e-4)
+    torch.testing.assert_close(recon, clip, rtol=0, atol=1e-4)
+
+
+@torch.no_grad()
+def test_each_pixel_frame_owns_a_channel_slot_and_memory_reaches_only_the_next_frame() -> None:
+    vae = _vae(4)
+    clip = torch.rand(1, 3, 12, 16, 16) * 2 - 1
+    changed = clip.clone()
+    changed[:, :, 5] = -changed[:, :, 5]  # frame 5 = slot 1 of latent frame 1
+    z, _ = vae.encode_groups(clip, None)
+    z_changed, _ = vae.encode_groups(changed, None)
+    fc = CFG.frame_channels
+    moved = [(k, slot) for k in range(3) for slot in range(4)
+             if not torch.allclose(z[:, slot * fc : (slot + 1) * fc, k], z_changed[:, slot * fc : (slot + 1) * fc, k])]
+    assert moved == [(1, 1), (1, 2)]  # its own slot, and the next frame's through one frame of memory
+    torch.testing.assert_close(vae.pack(vae.unpack(z)), z, rtol=0, atol=0)

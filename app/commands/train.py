@@ -1,7 +1,7 @@
 """`diffcast train-default`: reproduce the embedded default model from scratch on a CPU.
 
 One command runs every stage of engine.embedded.train (synthetic clips + teachers, tiny VAE, latents,
-tiny causal DiT, export). Each stage checkpoints into ``--workdir``; rerunning the command resumes
+tiny causal DiT, decoder fine-tune, export). Each stage checkpoints into ``--workdir``; rerunning the command resumes
 where an interrupted run stopped.
 """
 
@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="data cache and resumable checkpoints (~4.5 GB of frames)")
     parser.add_argument("--vae-steps", type=_positive, default=None)
     parser.add_argument("--dit-steps", type=_positive, default=None)
+    parser.add_argument("--decoder-steps", type=_positive, default=None,
+                        help="steps of the decoder fine-tune on the DiT's outputs")
     parser.add_argument("--threads", type=_positive, default=1,
                         help="torch threads (1 on a shared machine: more threads contend badly)")
     parser.add_argument("--seed", type=int, default=0)
@@ -46,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         cfg.vae_steps = args.vae_steps
     if args.dit_steps is not None:
         cfg.dit_steps = args.dit_steps
+    if args.decoder_steps is not None:
+        cfg.decoder_steps = args.decoder_steps
     path = train_default(cfg, args.out)
     log.info("wrote %s and %s", path, path.with_suffix(".safetensors"))
     return 0

@@ -43,12 +43,12 @@ def to_u8(pixels: torch.Tensor) -> np.ndarray:
     return ((pixels[0].permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5).round().byte().numpy()
 
 
-def stylize_stream(model: EmbeddedModel, frames: np.ndarray, prompt: str, seed: int = 0,
-                   num_steps: int | None = None) -> tuple[np.ndarray, list[tuple[float, float, float]]]:
+def stylize_stream(model: EmbeddedModel, frames: np.ndarray, prompt: str, seed: int = 0, num_steps: int | None = None,
+                   noise_scale: float | None = None) -> tuple[np.ndarray, list[tuple[float, float, float]]]:
     """Run a clip (1 + 4k frames) through a stream chunk by chunk: 1 + 4 frames first, then 4 at a time."""
     if frames.shape[0] % 4 != 1:
         raise ValueError(f"clip needs 1 + 4k frames, got {frames.shape[0]}")
-    stream = model.open_stream(prompt, seed=seed, num_steps=num_steps)
+    stream = model.open_stream(prompt, seed=seed, num_steps=num_steps, noise_scale=noise_scale)
     outs, timings = [], []
     bounds = [0, min(5, frames.shape[0])] + list(range(9, frames.shape[0] + 1, 4))
     for a, b in zip(bounds[:-1], bounds[1:], strict=False):
@@ -89,7 +89,7 @@ def warp_error(output: np.ndarray, flows: list[np.ndarray]) -> float:
 
 
 def evaluate(model: EmbeddedModel, clips: int | None = None, grid_path: Path | None = None,
-             num_steps: int | None = None) -> dict[str, Any]:
+             num_steps: int | None = None, noise_scale: float | None = None) -> dict[str, Any]:
     specs = heldout_specs()[:clips]
     styles = list(model.spec.styles)
     per: dict[str, dict[str, list[float]]] = {s: {"psnr": [], "ssim": [], "warp_model": [], "warp_teacher": []} for s in styles}
@@ -100,7 +100,8 @@ def evaluate(model: EmbeddedModel, clips: int | None = None, grid_path: Path | N
         flows = input_flows(frames)
         for style in styles:
             teacher = stylize_clip(frames, style)
-            out, timings = stylize_stream(model, frames, model.spec.styles[style][0], seed=ci, num_steps=num_steps)
+            out, timings = stylize_stream(model, frames, model.spec.styles[style][0], seed=ci, num_steps=num_steps,
+                                          noise_scale=noise_scale)
             all_timings += timings[1:]  # steady-state chunks (the first holds the 1-frame warm-up group)
             per[style]["psnr"].append(psnr(out, teacher))
             per[style]["ssim"].append(ssim(out, teacher))
@@ -166,6 +167,7 @@ def main() -> None:
     parser.add_argument("--grid", type=Path, default=None, help="write the input|teacher|model grid PNG here")
     parser.add_argument("--clips", type=int, default=None, help="evaluate only the first N held-out clips")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the config's)")
+    parser.add_argument("--noise-scale", type=float, default=None, help="V2V noise scale s (default: the config's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the fidelity pass")
     parser.add_argument("--bench-threads", type=int, nargs="*", default=[1, 2])
     args = parser.parse_args()
@@ -173,7 +175,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = EmbeddedModel.load(args.config)
     started = time.time()
-    result = evaluate(model, args.clips, args.grid, args.steps)
+    result = evaluate(model, args.clips, args.grid, args.steps, args.noise_scale)
     result["speed"] = [benchmark(model, t) for t in args.bench_threads]
     result["eval_seconds"] = time.time() - started
     args.out.mkdir(parents=True, exist_ok=True)

@@ -178,11 +178,22 @@ class EmbeddedStream:
 
     @torch.no_grad()
     def process(self, frames: torch.Tensor) -> torch.Tensor:
-        """Pixel frames [1, 3, T, H, W] in [-1, 1] (T = 1 + 4k first, then 4k) -> stylised frames."""
+        """Pixel frames [B, 3, T, H, W] in [-1, 1] (T = 1 + 4k first, then 4k) -> stylised frames."""
         m = self.model
         t0 = time.perf_counter()
         z = m.vae.encode_chunk(frames, self.enc)
         t1 = time.perf_counter()
+        x0 = self.denoise(z)
+        t2 = time.perf_counter()
+        pixels = m.vae.decode_chunk(x0, self.dec)
+        t3 = time.perf_counter()
+        self.last_timings = ChunkTimings(t1 - t0, t2 - t1, t3 - t2)
+        return pixels
+
+    @torch.no_grad()
+    def denoise(self, z: torch.Tensor) -> torch.Tensor:
+        """Input latents [B, C, K, h, w] -> stylised latents x̂₀, one latent frame at a time through the KV cache."""
+        m = self.model
         if self.kv is None:
             ph, pw = m.spec.dit.patch_size[1:]
             st = m.spec.stream
@@ -201,8 +212,4 @@ class EmbeddedStream:
                 x0 = x0_from_velocity(x, v, m.schedule.sigma(t))
             out.append(x0)
             self.frame += 1
-        t2 = time.perf_counter()
-        pixels = m.vae.decode_chunk(torch.cat(out, dim=2), self.dec)
-        t3 = time.perf_counter()
-        self.last_timings = ChunkTimings(t1 - t0, t2 - t1, t3 - t2)
-        return pixels
+        return torch.cat(out, dim=2)

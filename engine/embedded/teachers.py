@@ -97,14 +97,12 @@ _SEPIA = np.array([[0.393, 0.769, 0.189], [0.349, 0.686, 0.168], [0.272, 0.534, 
 
 
 def sepia_film(frame: np.ndarray) -> np.ndarray:
-    """Sepia tone, faded contrast curve and a vignette (no grain: grain would be per-frame noise)."""
+    """Sepia tone and a faded contrast curve (no grain: grain would be per-frame noise; no vignette:
+    an overlay fixed to the frame edges is not a property of the content, and a model that sees only
+    relative positions cannot place it)."""
     f = frame.astype(np.float32) / 255.0
     s = np.clip(f @ _SEPIA.T, 0.0, 1.0)
-    s = 0.08 + 0.84 * (s * s * (3.0 - 2.0 * s))
-    h, w = s.shape[:2]
-    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
-    r2 = ((xx - w / 2) / (w / 2)) ** 2 + ((yy - h / 2) / (h / 2)) ** 2
-    return _to_u8(s * (1.0 - 0.35 * np.clip(r2 - 0.3, 0.0, 1.0))[..., None])
+    return _to_u8(0.08 + 0.84 * (s * s * (3.0 - 2.0 * s)))
 
 
 def pixel_art(frame: np.ndarray) -> np.ndarray:
@@ -116,15 +114,11 @@ def pixel_art(frame: np.ndarray) -> np.ndarray:
 
 
 def night_vision(frame: np.ndarray) -> np.ndarray:
-    """Green phosphor monochrome with gain, a soft bloom and a dark circular mask."""
+    """Green phosphor monochrome with gain and a soft bloom (no goggle mask, for the vignette's reason)."""
     g = cv2.GaussianBlur(_gray(frame), (0, 0), 1.0)
     g = np.clip(1.4 * g + 0.35 * cv2.GaussianBlur(g, (0, 0), 6.0) - 0.05, 0.0, 1.0)
-    h, w = g.shape
-    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
-    r = np.sqrt(((xx - w / 2) / (w / 2)) ** 2 + ((yy - h / 2) / (h / 2)) ** 2)
-    mask = np.clip((1.15 - r) / 0.25, 0.0, 1.0)
     tint = np.array([0.25, 1.0, 0.35], np.float32)
-    return _to_u8((g * mask)[..., None] * tint[None, None])
+    return _to_u8(g[..., None] * tint[None, None])
 
 
 def pop_art(frame: np.ndarray) -> np.ndarray:
@@ -133,8 +127,9 @@ def pop_art(frame: np.ndarray) -> np.ndarray:
     palette = np.array([[0.10, 0.05, 0.35], [0.90, 0.10, 0.45], [1.0, 0.80, 0.10], [0.55, 0.95, 0.95]], np.float32)
     x = np.clip(g * 3.0, 0.0, 3.0)
     i = np.minimum(np.floor(x), 2).astype(np.int64)
-    # A narrow smooth step between bands instead of a hard cut keeps the look stable under motion.
-    a = np.clip((x - i - 0.85) / 0.15, 0.0, 1.0)[..., None]
+    # A smooth step between bands instead of a hard cut keeps the look stable under motion.
+    a = np.clip((x - i - 0.65) / 0.35, 0.0, 1.0)[..., None]
+    a = a * a * (3.0 - 2.0 * a)
     return _to_u8(palette[i] * (1 - a) + palette[i + 1] * a)
 
 

@@ -4,14 +4,22 @@ Stages, each resumable (checkpoints every ``checkpoint_every`` steps in the work
 
 1. data: render the training clips (``clips.train_specs``) and every teacher's output into one uint8
    memmap ``frames.npy`` [clips, 1 + styles, 9, 256, 256, 3] (index 0 = the raw clip).
-2. vae: train ``TinyVAE`` on random 128x128 crops of raw and stylised clips in the streaming layout
-   (frame 0 as a static group, then two 4-frame groups), L1 + gradient L1; then measure the
-   per-channel latent statistics that normalise latents.
-3. latents: encode every training clip and its stylisations with the frozen VAE (3 latent frames each).
+2. vae: train ``TinyVAE`` on random crops of raw and stylised clips in the streaming layout
+   (frame 0 as a static group, then 4-frame groups), L1 + gradient L1 + temporal-difference L1 (so
+   reconstruction errors stay put from frame to frame instead of flickering); then measure the
+   latent statistics that normalise latents.
+3. latents: encode a 192x192 crop of every training clip and its stylisations with the frozen VAE
+   (3 latent frames each).
 4. dit: train ``CausalWanDiT`` on pairs (noised input latent, style latent, style prompt) with the
    block-causal mask over 2 latent frames, so that the V2V first step (and the optional refinement
-   step) predicts the teacher's latent: x̂₀ = x − σ·v ≈ z_style.
-5. export: ``default.safetensors`` (keys ``vae.*``, ``dit.*``) + ``default.json``.
+   step) predicts the teacher's latent: x̂₀ = x − σ·v ≈ z_style, plus the same temporal-difference
+   term on the per-frame latents.
+5. decoder: fine-tune the VAE decoder on what it will really decode, the frozen DiT's stylised
+   latents of every training clip (run through the streaming recipe, KV cache and noise included),
+   against the teacher's frames, with the same losses as stage 2. The decoder's frame memory learns
+   to hold the DiT's chunk-to-chunk wobble still; a quarter of the batches keep the encoder's own
+   latents so plain reconstruction is not forgotten.
+6. export: ``default.safetensors`` (keys ``vae.*``, ``dit.*``) + ``default.json``.
 
 Sample order is a pure function of (seed, step), so a resumed run draws the same batches.
 """
@@ -33,7 +41,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.embedded import clips as clipdata
-from engine.embedded.model import EmbeddedSpec, SamplerSpec, StreamSpec
+from engine.embedded.model import EmbeddedModel, EmbeddedSpec, EmbeddedStream, SamplerSpec, StreamSpec
 from engine.embedded.styles import NOT_SHIPPED, STYLE_PROMPTS, pooled_embeddings, prototypes, style_phrasings
 from engine.embedded.teachers import TEACHERS, stylize_clip
 from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
@@ -49,13 +57,16 @@ CLIP_FRAMES = 9  # 1 + 2*4: the streaming layout (a first frame, then two 4-fram
 @dataclass
 class TrainConfig:
     workdir: Path
-    vae_steps: int = 600
-    vae_batch: int = 4
+    vae_steps: int = 2000
+    vae_batch: int = 8
     vae_crop: int = 64
-    vae_lr: float = 5e-4
-    dit_steps: int = 2000
-    dit_batch: int = 12
-    dit_lr: float = 8e-4
+    vae_lr: float = 1e-3
+    dit_steps: int = 3000
+    dit_batch: int = 16
+    dit_lr: float = 6e-4
+    decoder_steps: int = 1500
+    decoder_lr: float = 3e-4
+    temporal_weight: float = 1.0  # weight of the temporal-difference terms (VAE and DiT)
     threads: int = 2
     seed: int = 0
     checkpoint_every: int = 100
@@ -148,10 +159,24 @@ def _vae_batch(frames: np.ndarray, cfg: TrainConfig, step: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+def _reconstruction_loss(y: torch.Tensor, x: torch.Tensor, temporal_weight: float) -> torch.Tensor:
+    """Pixels [B, 3, T, H, W]: L1 + 0.5 x gradient L1 + ``temporal_weight`` x temporal-difference L1."""
+    return (y - x).abs().mean() + 0.5 * _grad_l1(y, x) + temporal_weight * temporal_error(y, x, dim=2).abs().mean()
+
+
 def _grad_l1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     dx = (a[..., :, 1:] - a[..., :, :-1]) - (b[..., :, 1:] - b[..., :, :-1])
     dy = (a[..., 1:, :] - a[..., :-1, :]) - (b[..., 1:, :] - b[..., :-1, :])
     return dx.abs().mean() + dy.abs().mean()
+
+
+def temporal_error(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """Difference between the frame-to-frame changes of ``a`` and of ``b`` along ``dim``.
+
+    Zero for an error that stays the same from one frame to the next, so a loss on it penalises
+    exactly what shows up as flicker (warp error) and leaves static errors to the per-frame loss.
+    """
+    return a.diff(dim=dim) - b.diff(dim=dim)
 
 
 def train_vae(cfg: TrainConfig, frames: np.ndarray, vae_config: TinyVAEConfig) -> TinyVAE:
@@ -164,7 +189,8 @@ def train_vae(cfg: TrainConfig, frames: np.ndarray, vae_config: TinyVAEConfig) -
         return vae.eval()
     torch.manual_seed(cfg.seed)
     vae = TinyVAE(vae_config)
-    vae.init_linear_from_pca(torch.cat([_vae_batch(frames, cfg, 10**9 + i)[:, :, 4:] for i in range(32)]))
+    vae.init_linear_from_pca(torch.cat([_vae_batch(frames, cfg, 10**9 + i)[:, :, 4:].transpose(1, 2).flatten(0, 1)
+                                        for i in range(16)]))
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
     start = _resume(ckpt_path, vae, opt)
     bar = tqdm(range(start, cfg.vae_steps), desc="vae", initial=start, total=cfg.vae_steps)
@@ -176,7 +202,7 @@ def train_vae(cfg: TrainConfig, frames: np.ndarray, vae_config: TinyVAEConfig) -
         z, _ = vae.encode_groups(x, None)
         y, _ = vae.decode_groups(z, None)
         l1 = (y - x).abs().mean()
-        loss = l1 + 0.5 * _grad_l1(y, x) + 1e-4 * z.pow(2).mean()
+        loss = _reconstruction_loss(y, x, cfg.temporal_weight) + 1e-4 * z.pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -192,14 +218,21 @@ def train_vae(cfg: TrainConfig, frames: np.ndarray, vae_config: TinyVAEConfig) -
 
 # -- stage 3: latents ---------------------------------------------------------------------------------
 
-# DiT training sees 16x16-latent windows, so each clip is encoded as one 128x128 crop (at a position
-# fixed by the clip index): 4x less encoding than full frames, which dominates this stage on a CPU.
-LATENT_CROP = 128
+# DiT training sees 16x16-latent windows, so each clip is encoded as one 192x192 crop (at a position
+# fixed by the clip index): 1.8x less encoding than full frames, which dominates this stage on a CPU,
+# while random 16x16 windows of the 24x24 latents still vary the content the DiT sees.
+LATENT_CROP = 192
+
+
+def _latent_crop_origin(cfg: TrainConfig, clip: int) -> tuple[int, int]:
+    """Pixel (y, x) of the crop of ``clip`` that stage 3 encodes (on the 8-pixel latent grid)."""
+    y, x = np.random.default_rng([cfg.seed, 3, clip]).integers(0, (clipdata.SIZE - LATENT_CROP) // 8 + 1, 2)
+    return 8 * int(y), 8 * int(x)
 
 
 @torch.no_grad()
 def encode_latents(cfg: TrainConfig, frames: np.ndarray, vae: TinyVAE) -> tuple[torch.Tensor, TinyVAE]:
-    """Latents of every clip crop and variant, float16 [clips, 1 + styles, C, 3, 16, 16], normalised.
+    """Latents of every clip crop and variant, float16 [clips, 1 + styles, C, 3, 24, 24], normalised.
 
     Also sets the VAE's per-channel latent statistics (measured on these raw latents). Cached in the
     work directory together with the final VAE.
@@ -210,20 +243,19 @@ def encode_latents(cfg: TrainConfig, frames: np.ndarray, vae: TinyVAE) -> tuple[
         return torch.load(lat_path, map_location="cpu"), vae.eval()
     raw = []
     for i in tqdm(range(frames.shape[0]), desc="latents"):
-        y, x = (8 * int(v) for v in np.random.default_rng([cfg.seed, 3, i]).integers(0, (clipdata.SIZE - LATENT_CROP) // 8 + 1, 2))
+        y, x = _latent_crop_origin(cfg, i)
         crop = frames[i, :, :, y : y + LATENT_CROP, x : x + LATENT_CROP]
         z, _ = vae.encode_groups(stream_groups(to_unit(crop)), None)
         raw.append(z)
     allz = torch.stack(raw)  # [clips, variants, C, 3, h, w]
     flat = allz.transpose(0, 2).flatten(1)
     vae.latent_mean.copy_(flat.mean(dim=1))
-    # One shared scale for all channels, not a per-channel std: the channels are PCA-ordered, so
-    # per-channel scaling would blow the fine-detail channels up to the coarse ones' size and V2V noise
-    # would destroy coarse structure as fast as fine detail. With a shared scale the noise is white in
-    # pixel space (it removes fine detail first, like pixel diffusion) and the DiT's latent MSE tracks
-    # pixel MSE. The latent tensor as a whole is zero-mean, unit-variance.
-    centred = flat - flat.mean(dim=1, keepdim=True)
-    vae.latent_std.fill_(float(centred.pow(2).mean().sqrt().clamp_min(1e-4)))
+    # A per-channel std, so every channel reaches the DiT with the same signal-to-noise ratio under V2V
+    # noise. The teachers keep the input's fine detail, so the model must too: with one shared scale
+    # the PCA-ordered fine-detail channels (10x smaller than the colour channels) drowned in s = 0.2
+    # noise, and the DiT could only guess them anew each chunk, which came out as blur and flicker.
+    # ``dit_loss`` weights channels by their variance so its MSE still tracks pixel MSE.
+    vae.latent_std.copy_(flat.std(dim=1).clamp_min(1e-4))
     lat = vae.normalize(allz.flatten(0, 1)).unflatten(0, allz.shape[:2]).half()
     torch.save(lat, lat_path)
     _save(final_path, model=vae.state_dict())
@@ -234,22 +266,22 @@ def encode_latents(cfg: TrainConfig, frames: np.ndarray, vae: TinyVAE) -> tuple[
 
 
 def tiny_dit_config(latent_channels: int) -> WanDiTConfig:
-    """The embedded DiT: 4 blocks of width 192 over 2x2 latent patches (256 tokens per 256x256 frame)."""
+    """The embedded DiT: 4 blocks of width 256 over 2x2 latent patches (256 tokens per 256x256 latent frame)."""
     return WanDiTConfig(
-        dim=192, ffn_dim=768, num_heads=3, num_layers=4,
+        dim=256, ffn_dim=1024, num_heads=4, num_layers=4,
         in_channels=latent_channels, out_channels=latent_channels, patch_size=(1, 2, 2),
         text_dim=384, text_len=1, freq_dim=128,
     )
 
 
 # The noise scales the DiT sees at its first step: around the default, down to what the motion-aware
-# controller uses on fast motion (it lowers s by up to 0.1), with margin on both sides. Not below
+# controller uses on fast motion (it lowers s by up to 0.05), with margin above. Not below
 # 0.15: s = 0.1 maps to t = 0, where σ ≈ 0.008 leaves the model nothing to learn.
-NOISE_SCALE_RANGE = (0.15, 0.45)
-REFINE_PROBABILITY = 0.3  # share of frames trained as a refinement step (standard flow matching)
+NOISE_SCALE_RANGE = (0.15, 0.3)
+REFINE_PROBABILITY = 0.15  # share of frames trained as a refinement step (standard flow matching)
 # Latent crops for DiT training (16x16 latents = 128x128 pixels, 64 tokens a frame): 4x cheaper than
 # full frames; attention is over relative (RoPE) positions, so the model runs on full 32x32 latents.
-DIT_CROP = LATENT_CROP // 8
+DIT_CROP = 16
 
 
 def _dit_batch(cfg: TrainConfig, step: int, lat: torch.Tensor, emb: torch.Tensor, sampler: SamplerSpec,
@@ -303,18 +335,26 @@ def prompt_cache_with_grad(dit: CausalWanDiT, context: torch.Tensor) -> PromptCa
     return PromptCache(list(ks), list(vs))
 
 
-def dit_loss(dit: CausalWanDiT, x: torch.Tensor, t: torch.Tensor, sigma: torch.Tensor, target: torch.Tensor,
-             context: torch.Tensor) -> torch.Tensor:
-    """MSE of x̂₀ = x − σ·v against the style latent, under the block-causal mask (1 latent frame/chunk)."""
+def dit_loss(dit: CausalWanDiT, vae: TinyVAE, x: torch.Tensor, t: torch.Tensor, sigma: torch.Tensor,
+             target: torch.Tensor, context: torch.Tensor, temporal_weight: float) -> torch.Tensor:
+    """MSE of x̂₀ = x − σ·v against the style latent, under the block-causal mask (1 latent frame/chunk),
+    plus ``temporal_weight`` x the MSE of its frame-to-frame changes (per pixel frame, across chunks too).
+
+    Channels are weighted by their raw variance (normalised to mean 1), so the loss is the MSE of the
+    unnormalised latents, which the linear decoder path maps to pixels isometrically.
+    """
     # forward_masked is the DiT's reference path and runs under no_grad; its undecorated function is
     # the same code with gradients.
     masked = getattr(CausalWanDiT.forward_masked, "__wrapped__", CausalWanDiT.forward_masked)
     v = masked(dit, x, t, prompt_cache_with_grad(dit, context), chunk_frames=1)
     x0 = x - sigma[:, None, :, None, None] * v
-    return F.mse_loss(x0, target)
+    scale = (vae.latent_std / vae.latent_std.pow(2).mean().sqrt()).view(1, -1, 1, 1, 1)
+    x0, target = x0 * scale, target * scale
+    temporal = temporal_error(vae.unpack(x0), vae.unpack(target), dim=1).pow(2).mean()
+    return F.mse_loss(x0, target) + temporal_weight * temporal
 
 
-def train_dit(cfg: TrainConfig, lat: torch.Tensor, emb: torch.Tensor, dit_config: WanDiTConfig,
+def train_dit(cfg: TrainConfig, vae: TinyVAE, lat: torch.Tensor, emb: torch.Tensor, dit_config: WanDiTConfig,
               sampler: SamplerSpec) -> CausalWanDiT:
     ckpt_path, final_path = cfg.workdir / "dit_ckpt.pt", cfg.workdir / "dit_final.pt"
     final = _load(final_path)
@@ -333,7 +373,7 @@ def train_dit(cfg: TrainConfig, lat: torch.Tensor, emb: torch.Tensor, dit_config
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = _lr(step, cfg.dit_steps, cfg.dit_lr)
-        loss = dit_loss(dit, *_dit_batch(cfg, step, lat, emb, sampler, schedule))
+        loss = dit_loss(dit, vae, *_dit_batch(cfg, step, lat, emb, sampler, schedule), cfg.temporal_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
@@ -346,21 +386,104 @@ def train_dit(cfg: TrainConfig, lat: torch.Tensor, emb: torch.Tensor, dit_config
     return dit.eval()
 
 
-# -- stage 5: export ----------------------------------------------------------------------------------
+# -- stage 5: decoder fine-tune ------------------------------------------------------------------------
 
 
-def export(out_dir: Path, vae: TinyVAE, dit: CausalWanDiT, sampler: SamplerSpec, stream: StreamSpec,
-           emb: torch.Tensor, metrics: dict[str, Any] | None = None) -> Path:
-    """Write ``default.safetensors`` (float16 DiT, float32 VAE) and ``default.json``; returns the json path."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+@torch.no_grad()
+def dit_predictions(cfg: TrainConfig, lat: torch.Tensor, emb: torch.Tensor, model: EmbeddedModel) -> torch.Tensor:
+    """The frozen DiT's stylised latents of every clip crop, float16 [clips, styles, C, 3, h, w].
+
+    Each clip is streamed exactly as at inference (one latent frame at a time, KV cache, V2V noise at
+    the default noise scale), all styles at once as a batch, each under its first phrasing.
+    """
+    path = cfg.workdir / "predictions.pt"
+    if path.exists():
+        return cast(torch.Tensor, torch.load(path, map_location="cpu"))
+    n_clips, n_variants = lat.shape[:2]
+    styles = n_variants - 1
+    prompt = model.dit.encode_prompt(emb[:, 0][:, None, :])
+    sampler = model.spec.sampler
+    out = torch.empty(n_clips, styles, *lat.shape[2:], dtype=torch.float16)
+    for i in tqdm(range(n_clips), desc="decoder data: DiT predictions"):
+        stream = EmbeddedStream(model, prompt, cfg.seed * 100_003 + i, sampler.noise_scale, sampler.default_num_steps)
+        out[i] = stream.denoise(lat[i, 0].float()[None].expand(styles, -1, -1, -1, -1)).half()
+    torch.save(out, path)
+    return out
+
+
+def _decoder_batch(cfg: TrainConfig, step: int, frames: np.ndarray, lat: torch.Tensor,
+                   pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normalised latents [B, C, 3, w, w], teacher pixels [B, 3, 12, 8w, 8w]) in the stream layout."""
+    rng = np.random.default_rng([cfg.seed, 4, step])
+    n_clips, styles = pred.shape[:2]
+    w = 8  # latent window: 64x64 pixels, like the VAE's crops
+    zs, xs = [], []
+    for _ in range(cfg.vae_batch):
+        i, j = int(rng.integers(n_clips)), int(rng.integers(styles))
+        ly, lx = (int(v) for v in rng.integers(0, lat.shape[-1] - w + 1, 2))
+        source = lat[i, 1 + j] if rng.random() < 0.25 else pred[i, j]
+        zs.append(source[:, :, ly : ly + w, lx : lx + w].float())
+        oy, ox = _latent_crop_origin(cfg, i)
+        y, x = oy + 8 * ly, ox + 8 * lx
+        xs.append(stream_groups(to_unit(frames[i, 1 + j, :, y : y + 8 * w, x : x + 8 * w])[None])[0])
+    return torch.stack(zs), torch.stack(xs)
+
+
+def finetune_decoder(cfg: TrainConfig, frames: np.ndarray, lat: torch.Tensor, emb: torch.Tensor,
+                     model: EmbeddedModel) -> TinyVAE:
+    """Fine-tune the decoder (only) on the DiT's stylised latents against the teachers' frames."""
+    ckpt_path, final_path = cfg.workdir / "decoder_ckpt.pt", cfg.workdir / "decoder_final.pt"
+    vae = model.vae
+    final = _load(final_path)
+    if final is not None:
+        vae.load_state_dict(final["model"])
+        return vae.eval()
+    pred = dit_predictions(cfg, lat, emb, model)
+    decoder = [vae.dec_in, vae.dec_memory, vae.dec_body, vae.dec_lin]
+    params = [p for m in decoder for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.decoder_lr, weight_decay=0.0)
+    start = _resume(ckpt_path, vae, opt)
+    vae.train()
+    bar = tqdm(range(start, cfg.decoder_steps), desc="decoder", initial=start, total=cfg.decoder_steps)
+    ema = None
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, cfg.decoder_steps, cfg.decoder_lr)
+        z, x = _decoder_batch(cfg, step, frames, lat, pred)
+        y, _ = vae.decode_groups(vae.denormalize(z), None)
+        loss = _reconstruction_loss(y, x, cfg.temporal_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        psnr = float(10 * torch.log10(4.0 / (y.detach() - x).pow(2).mean()))
+        ema = psnr if ema is None else 0.95 * ema + 0.05 * psnr
+        bar.set_postfix(psnr=f"{ema:.2f}")
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.decoder_steps:
+            _save(ckpt_path, model=vae.state_dict(), opt=opt.state_dict(), step=step + 1)
+    _save(final_path, model=vae.state_dict())
+    return vae.eval()
+
+
+# -- stage 6: export ----------------------------------------------------------------------------------
+
+
+def build_spec(vae: TinyVAE, dit: CausalWanDiT, sampler: SamplerSpec, stream: StreamSpec, emb: torch.Tensor,
+               metrics: dict[str, Any] | None = None) -> EmbeddedSpec:
+    """The checkpoint's config: architecture, shipped styles with their prototypes, sampler, stream."""
     names, _ = style_phrasings()
     protos = prototypes(emb.flatten(0, 1), names, emb.shape[1])
     shipped = [i for i, n in enumerate(names) if n not in NOT_SHIPPED]
-    spec = EmbeddedSpec(
+    return EmbeddedSpec(
         vae=vae.config, dit=dit.config, styles={names[i]: STYLE_PROMPTS[names[i]] for i in shipped},
         prototypes={names[i]: [round(float(v), 6) for v in protos[i]] for i in shipped},
         sampler=sampler, stream=stream, metrics=metrics or {},
     )
+
+
+def export(out_dir: Path, spec: EmbeddedSpec, vae: TinyVAE, dit: CausalWanDiT) -> Path:
+    """Write ``default.safetensors`` (float16 DiT, float32 VAE) and ``default.json``; returns the json path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {f"vae.{k}": v.detach().float().contiguous() for k, v in vae.state_dict().items()}
     # float16 halves the file; the evaluation numbers are measured on these rounded weights.
     tensors.update({f"dit.{k}": v.detach().half().contiguous() for k, v in dit.state_dict().items()})
@@ -380,8 +503,9 @@ def train_default(cfg: TrainConfig, out_dir: Path) -> Path:
         raise ValueError(f"style registry {names} and teachers {STYLE_NAMES} disagree")
     emb = pooled_embeddings(phrasings).reshape(len(names), -1, 384)
     sampler, stream = SamplerSpec(), StreamSpec()
-    dit = train_dit(cfg, lat, emb, tiny_dit_config(vae.latent_channels), sampler)
+    dit = train_dit(cfg, vae, lat, emb, tiny_dit_config(vae.latent_channels), sampler)
+    vae = finetune_decoder(cfg, frames, lat, emb, EmbeddedModel(build_spec(vae, dit, sampler, stream, emb), vae, dit))
     elapsed = time.time() - started
     log.info("trained in %.1f min (this run; resumed stages not counted)", elapsed / 60)
-    return export(out_dir, vae, dit, sampler, stream, emb,
-                  {"train_config": {k: str(v) for k, v in asdict(cfg).items()}, "train_minutes_this_run": elapsed / 60})
+    metrics = {"train_config": {k: str(v) for k, v in asdict(cfg).items()}, "train_minutes_this_run": elapsed / 60}
+    return export(out_dir, build_spec(vae, dit, sampler, stream, emb, metrics), vae, dit)

@@ -1,17 +1,23 @@
-"""Tiny streaming video VAE (TAEHV-style): 2D convs per frame, 4x temporal and 8x spatial compression.
+"""Tiny streaming video VAE: per-frame latents with causal memory, packed 4 frames to a latent frame.
 
-Encoder: each pixel frame goes through a small 2D conv stack to 1/8 resolution; every 4 consecutive
-frames are fused (channel concat + 1x1 conv) into one latent frame; a memory block mixes in the
-previous latent frame's features (one latent frame of memory, kept in an explicit cache). The decoder
-mirrors it: memory block over the previous latent's features, 1x1 conv expands one latent frame into
-4 per-frame feature maps, then a 2D upsampling stack per frame. Causality is by construction: latent
-frame k depends on pixel frames [4k-3, 4k] and, through memory, only on earlier ones; so encoding or
-decoding chunk by chunk equals doing the whole clip at once.
+Every pixel frame gets its own latent (8x spatial compression, ``latent_channels / 4`` channels):
+pixel-unshuffle to 1/8 resolution, a small conv stack, and a memory block that mixes in the previous
+frame's features (one frame of memory, kept in an explicit cache). The latents of 4 consecutive
+frames are then stacked along channels into one latent frame, so the stream layout is Wan's (4 pixel
+frames per latent frame, first chunk 1 + 4k frames) and the DiT's tokens each cover a 4-frame tube.
+The decoder mirrors it per frame, ending in a pixel shuffle back to full resolution.
+
+Why per-frame latents rather than true temporal compression: a tiny VAE that squeezes 4 frames of
+motion into one latent reconstructs each frame differently from its neighbours, which shows up as
+flicker (warp error) no model downstream can remove; per-frame latents keep reconstruction errors
+attached to the content, and the memory blocks (trained with a temporal-difference loss) keep them
+steady from frame to frame. Causality is by construction: frame t's latent depends on frames ≤ t
+only, so encoding or decoding chunk by chunk equals doing the whole clip at once.
 
 Stream convention (engine.vae.StreamVAE): the first pixel frame of a stream is encoded alone, as a
-group of four copies of itself (Wan's 1 + 4k layout); decoding the first latent returns that one
-frame. Latents are normalised per channel with statistics stored in the module (``latent_mean`` /
-``latent_std``, measured on training data after the autoencoder is trained).
+group of four copies of itself; decoding the first latent returns that one frame. Latents are
+normalised with statistics stored in the module (``latent_mean`` / ``latent_std``), measured on
+training data after the autoencoder is trained.
 """
 
 from __future__ import annotations
@@ -25,10 +31,19 @@ from torch import Tensor, nn
 
 @dataclass(frozen=True)
 class TinyVAEConfig:
-    latent_channels: int = 32
-    enc_channels: tuple[int, int] = (64, 96)  # at 1/4 and 1/8 resolution
-    dec_channels: tuple[int, int] = (96, 64)  # at 1/8 and 1/4 resolution
+    latent_channels: int = 64  # per latent frame = temporal_compression x channels per pixel frame
+    enc_channels: int = 64  # conv width of the encoder (at 1/8 resolution)
+    dec_channels: int = 96  # conv width of the decoder (at 1/8 resolution)
     temporal_compression: int = 4
+
+    def __post_init__(self) -> None:
+        if self.latent_channels % self.temporal_compression:
+            raise ValueError(f"latent_channels {self.latent_channels} must be a multiple of "
+                             f"temporal_compression {self.temporal_compression}")
+
+    @property
+    def frame_channels(self) -> int:
+        return self.latent_channels // self.temporal_compression
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -38,11 +53,11 @@ class TinyVAEConfig:
         unknown = set(data) - {f for f in cls.__dataclass_fields__}
         if unknown:
             raise ValueError(f"unknown TinyVAEConfig fields: {sorted(unknown)}")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})  # type: ignore[arg-type]
+        return cls(**data)  # type: ignore[arg-type]
 
 
-def _conv(cin: int, cout: int, stride: int = 1, k: int = 3) -> nn.Conv2d:
-    return nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2)
+def _conv(cin: int, cout: int, k: int = 3) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, k, padding=k // 2)
 
 
 class _ResBlock(nn.Module):
@@ -55,19 +70,25 @@ class _ResBlock(nn.Module):
 
 
 class _Memory(nn.Module):
-    """h_k = x_k + conv(relu(conv([x_k, x_{k-1}]))): one step of temporal memory, zeros before the start."""
+    """h_t = x_t + conv3(relu(conv1([x_t, x_{t-1}]))): one frame of temporal memory, zeros before the start."""
 
     def __init__(self, ch: int) -> None:
         super().__init__()
-        self.conv1, self.conv2 = _conv(2 * ch, ch), _conv(ch, ch)
+        self.conv1, self.conv2 = _conv(2 * ch, ch, k=1), _conv(ch, ch)
 
     def forward(self, x: Tensor, prev: Tensor) -> Tensor:
         return x + self.conv2(F.relu(self.conv1(torch.cat([x, prev], dim=1))))
 
 
+def _previous_frames(feats: Tensor, prev: Tensor | None) -> Tensor:
+    """[B, T, C, h, w] -> the same frames shifted one step later in time, ``prev`` (or zeros) first."""
+    first = torch.zeros_like(feats[:, :1]) if prev is None else prev[:, None]
+    return torch.cat([first, feats[:, :-1]], dim=1)
+
+
 @dataclass
 class TinyVAECache:
-    """Causal state of one stream: features of the previous latent frame (None before the first)."""
+    """Causal state of one stream: features of the previous pixel frame (None before the first)."""
 
     prev: Tensor | None = None
     frames_seen: int = 0
@@ -84,41 +105,29 @@ class TinyVAE(nn.Module):
         self.config = config
         self.latent_channels = config.latent_channels
         self.temporal_compression = config.temporal_compression
-        e2, e3 = config.enc_channels
-        d3, d2 = config.dec_channels
-        tc = config.temporal_compression
-        # Full and half resolution are reached by pixel (un)shuffle only: convolutions start at 1/4
-        # resolution, which is what keeps training and 256x256 streaming cheap on a CPU.
-        self.enc_frame = nn.Sequential(
-            nn.PixelUnshuffle(4), _conv(48, e2), nn.ReLU(),
-            _conv(e2, e3, stride=2), nn.ReLU(),
-            _ResBlock(e3),
-        )
-        # Linear paths: a group of tc frames (channels stacked) <-> latent, one 8x8 patch per latent cell.
-        # Initialised by PCA (``init_linear_from_pca``) they give a usable autoencoder from step 0; the
-        # convolutional branches (output convs zero-initialised) learn the nonlinear remainder.
-        self.enc_lin = nn.Conv2d(3 * tc, config.latent_channels, 8, stride=8)
-        self.dec_lin = nn.ConvTranspose2d(config.latent_channels, 3 * tc, 8, stride=8)
-        self.enc_fuse = nn.Conv2d(tc * e3, e3, 1)
-        self.enc_memory = _Memory(e3)
-        self.enc_out = _conv(e3, config.latent_channels)
-        self.dec_in = _conv(config.latent_channels, d3)
-        self.dec_memory = _Memory(d3)
-        self.dec_split = nn.Conv2d(d3, tc * d3, 1)
-        self.dec_frame = nn.Sequential(
-            nn.ReLU(), _ResBlock(d3),
-            nn.Upsample(scale_factor=2, mode="nearest"), _conv(d3, d2), nn.ReLU(),
-            _ResBlock(d2), nn.ReLU(),
-            _conv(d2, 48), nn.PixelShuffle(4),
-        )
+        fc, ce, cd = config.frame_channels, config.enc_channels, config.dec_channels
+        patch = 3 * 8 * 8  # one 8x8 RGB patch per latent cell after pixel-unshuffle
+        # Every convolution runs at 1/8 resolution (pixel (un)shuffle reaches full resolution), which is
+        # what keeps 256x256 streaming at tens of frames per second on two CPU cores.
+        self.enc_in = nn.Sequential(nn.PixelUnshuffle(8), _conv(patch, ce), nn.ReLU(), _ResBlock(ce))
+        self.enc_memory = _Memory(ce)
+        self.enc_out = _conv(ce, fc)
+        # Linear paths: one 8x8 patch <-> one latent cell. Initialised by PCA (``init_linear_from_pca``)
+        # they give a usable autoencoder from step 0; the conv branches (output convs zero-initialised)
+        # learn the nonlinear remainder.
+        self.enc_lin = nn.Conv2d(patch, fc, 1)
+        self.dec_lin = nn.Conv2d(fc, patch, 1)
+        self.dec_in = _conv(fc, cd)
+        self.dec_memory = _Memory(cd)
+        self.dec_body = nn.Sequential(nn.ReLU(), _ResBlock(cd), _ResBlock(cd), nn.ReLU(), _conv(cd, patch))
         self._init_weights()
         self.register_buffer("latent_mean", torch.zeros(config.latent_channels))
         self.register_buffer("latent_std", torch.ones(config.latent_channels))
 
     def _init_weights(self) -> None:
-        # PyTorch's default conv init shrinks the signal layer after layer in a norm-free ReLU stack
-        # (the untrained decoder outputs ~0.03 std), which stalls training for hundreds of steps.
-        # He init keeps activations at unit scale; residual branches start as the identity.
+        # PyTorch's default conv init shrinks the signal layer after layer in a norm-free ReLU stack,
+        # which stalls training for hundreds of steps. He init keeps activations at unit scale;
+        # residual branches start as the identity and the nonlinear outputs start at zero.
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
@@ -127,66 +136,70 @@ class TinyVAE(nn.Module):
             if isinstance(m, _ResBlock | _Memory):
                 nn.init.zeros_(m.conv2.weight)
         nn.init.zeros_(self.enc_out.weight)
-        dec_out = self.dec_frame[-2]
+        dec_out = self.dec_body[-1]
         assert isinstance(dec_out, nn.Conv2d)
         nn.init.zeros_(dec_out.weight)
 
     @torch.no_grad()
-    def init_linear_from_pca(self, groups: Tensor) -> None:
-        """Set the linear paths to the top principal components of 8x8 patches of pixel groups [N, 3, tc, H, W]."""
-        tc, c = self.temporal_compression, self.latent_channels
-        stacked = groups.flatten(1, 2)  # [N, 3*tc, H, W], channel index = colour*tc + frame
-        mean = stacked.mean(dim=(0, 2, 3))
-        patches = F.unfold(stacked - mean.view(1, -1, 1, 1), 8, stride=8)  # [N, 3*tc*64, L]
-        data = patches.transpose(1, 2).reshape(-1, patches.shape[1]).double()
-        _, _, v = torch.linalg.svd(data[: min(len(data), 20000)], full_matrices=False)
-        comps = v[:c].float()  # [C, 3*tc*64], rows orthonormal
-        weight = comps.reshape(c, 3 * tc, 8, 8)
+    def init_linear_from_pca(self, frames: Tensor) -> None:
+        """Set the linear paths to the top principal components of 8x8 patches of frames [N, 3, H, W]."""
+        fc = self.config.frame_channels
+        patches = F.pixel_unshuffle(frames, 8)  # [N, 192, H/8, W/8]
+        data = patches.permute(0, 2, 3, 1).reshape(-1, patches.shape[1]).double()
+        mean = data.mean(dim=0)
+        _, _, v = torch.linalg.svd(data[: min(len(data), 20000)] - mean, full_matrices=False)
+        comps = v[:fc].float()  # [fc, 192], rows orthonormal
         assert self.enc_lin.bias is not None and self.dec_lin.bias is not None
-        self.enc_lin.weight.copy_(weight)
-        self.enc_lin.bias.copy_(-(weight.sum(dim=(2, 3)) * mean.view(1, -1)).sum(dim=1))
-        self.dec_lin.weight.copy_(weight)
-        self.dec_lin.bias.copy_(mean)
+        self.enc_lin.weight.copy_(comps[:, :, None, None])
+        self.enc_lin.bias.copy_(-(comps @ mean.float()))
+        self.dec_lin.weight.copy_(comps.t()[:, :, None, None])
+        self.dec_lin.bias.copy_(mean.float())
 
-    # -- raw (unnormalised) group-wise autoencoder, used by training ---------------------------------
+    # -- raw (unnormalised) autoencoder, used by training ---------------------------------------------
 
-    def encode_groups(self, groups: Tensor, prev: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Pixel groups [B, 3, K*tc, H, W] -> raw latents [B, C, K, H/8, W/8] and the last group's features."""
-        b, _, t, h, w = groups.shape
-        tc = self.temporal_compression
-        if t % tc:
-            raise ValueError(f"encode_groups needs a multiple of {tc} frames, got {t}")
+    def encode_frames(self, frames: Tensor, prev: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Pixel frames [B, 3, T, H, W] -> raw per-frame latents [B, T, fc, H/8, W/8] and the last frame's features."""
+        b, _, t, h, w = frames.shape
         if h % 8 or w % 8:
             raise ValueError(f"frame size {h}x{w} must be divisible by 8")
-        k = t // tc
-        lin = self.enc_lin(groups.reshape(b, 3, k, tc, h, w).transpose(1, 2).reshape(b * k, 3 * tc, h, w))
-        lin = lin.unflatten(0, (b, k))
-        feats = self.enc_frame(groups.transpose(1, 2).reshape(b * t, 3, h, w))
-        feats = feats.reshape(b, k, tc * feats.shape[1], h // 8, w // 8)
-        fused = self.enc_fuse(feats.flatten(0, 1)).unflatten(0, (b, k))
-        out = []
-        for i in range(k):
-            cur = fused[:, i]
-            mem = self.enc_memory(cur, torch.zeros_like(cur) if prev is None else prev)
-            out.append(lin[:, i] + self.enc_out(F.relu(mem)))
-            prev = cur
-        assert prev is not None
-        return torch.stack(out, dim=2), prev
+        flat = frames.transpose(1, 2).reshape(b * t, 3, h, w)
+        feats = self.enc_in(flat).unflatten(0, (b, t))
+        mem = self.enc_memory(feats.flatten(0, 1), _previous_frames(feats, prev).flatten(0, 1))
+        lin = self.enc_lin(F.pixel_unshuffle(flat, 8))
+        return (lin + self.enc_out(F.relu(mem))).unflatten(0, (b, t)), feats[:, -1]
+
+    def decode_frames(self, latents: Tensor, prev: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Raw per-frame latents [B, T, fc, h, w] -> pixels [B, 3, T, 8h, 8w] and the last frame's features."""
+        b, t = latents.shape[:2]
+        flat = latents.flatten(0, 1)
+        feats = self.dec_in(flat).unflatten(0, (b, t))
+        mem = self.dec_memory(feats.flatten(0, 1), _previous_frames(feats, prev).flatten(0, 1))
+        pixels = F.pixel_shuffle(self.dec_lin(flat) + self.dec_body(mem), 8)
+        return pixels.unflatten(0, (b, t)).transpose(1, 2), feats[:, -1]
+
+    def pack(self, per_frame: Tensor) -> Tensor:
+        """[B, K*tc, fc, h, w] per-frame latents -> [B, tc*fc, K, h, w] latent frames (frame-major channels)."""
+        b, t, fc, h, w = per_frame.shape
+        tc = self.temporal_compression
+        if t % tc:
+            raise ValueError(f"packing needs a multiple of {tc} frames, got {t}")
+        return per_frame.reshape(b, t // tc, tc * fc, h, w).transpose(1, 2)
+
+    def unpack(self, latents: Tensor) -> Tensor:
+        """[B, tc*fc, K, h, w] latent frames -> [B, K*tc, fc, h, w] per-frame latents."""
+        b, _, k, h, w = latents.shape
+        return latents.transpose(1, 2).reshape(b, k * self.temporal_compression, self.config.frame_channels, h, w)
+
+    def encode_groups(self, groups: Tensor, prev: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Pixel groups [B, 3, K*tc, H, W] -> raw latents [B, C, K, H/8, W/8] and the last frame's features."""
+        if groups.shape[2] % self.temporal_compression:
+            raise ValueError(f"encode_groups needs a multiple of {self.temporal_compression} frames, got {groups.shape[2]}")
+        per_frame, last = self.encode_frames(groups, prev)
+        return self.pack(per_frame), last
 
     def decode_groups(self, latents: Tensor, prev: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Raw latents [B, C, K, h, w] -> pixels [B, 3, K*tc, 8h, 8w] and the last latent's features."""
-        b, _, k, h, w = latents.shape
-        tc = self.temporal_compression
-        frames = []
-        for i in range(k):
-            cur = self.dec_in(latents[:, :, i])
-            mem = self.dec_memory(cur, torch.zeros_like(cur) if prev is None else prev)
-            prev = cur
-            split = self.dec_split(F.relu(mem)).unflatten(1, (tc, -1)).flatten(0, 1)
-            lin = self.dec_lin(latents[:, :, i]).unflatten(1, (3, tc)).transpose(1, 2)  # [B, tc, 3, H, W]
-            frames.append(lin + self.dec_frame(split).unflatten(0, (b, tc)))
-        assert prev is not None
-        return torch.cat(frames, dim=1).transpose(1, 2), prev
+        """Raw latents [B, C, K, h, w] -> pixels [B, 3, K*tc, 8h, 8w] and the last frame's features."""
+        return self.decode_frames(self.unpack(latents), prev)
 
     # -- StreamVAE protocol ---------------------------------------------------------------------------
 
