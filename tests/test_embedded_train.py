@@ -100,3 +100,16 @@ def test_decoder_batches_pair_each_latent_window_with_its_own_teacher_pixels(tmp
         y, _ = vae.decode_groups(vae.denormalize(z), None)
     assert x.shape == (4, 3, 12, 64, 64)
     torch.testing.assert_close(y, x, rtol=0, atol=2e-3)
+
+
+def test_style_probabilities_steer_which_styles_a_batch_holds(tmp_path: Path) -> None:
+    cfg = train.TrainConfig(workdir=tmp_path, dit_batch=8)
+    lat = torch.arange(4.0).view(1, 4, 1, 1, 1, 1).expand(3, 4, 8, 3, 16, 16).half()  # variant v holds v
+    emb = torch.nn.functional.normalize(torch.randn(3, 4, 384), dim=-1)
+    schedule = FlowMatchSchedule(8.0)
+    for style in range(3):
+        probs = np.eye(3)[style]
+        target = train._dit_batch(cfg, 5, lat, emb, SamplerSpec(), schedule, probs)[3]
+        assert torch.all(target == 1 + style)
+    uniform = torch.cat([train._dit_batch(cfg, s, lat, emb, SamplerSpec(), schedule)[3] for s in range(6)])
+    assert set(uniform.unique().tolist()) == {1.0, 2.0, 3.0}

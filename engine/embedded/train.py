@@ -64,6 +64,8 @@ class TrainConfig:
     dit_steps: int = 3000
     dit_batch: int = 16
     dit_lr: float = 6e-4
+    dit_tune_steps: int = 1500
+    dit_tune_lr: float = 2e-4
     decoder_steps: int = 1500
     decoder_lr: float = 3e-4
     temporal_weight: float = 1.0  # weight of the temporal-difference terms (VAE and DiT)
@@ -285,15 +287,20 @@ DIT_CROP = 16
 
 
 def _dit_batch(cfg: TrainConfig, step: int, lat: torch.Tensor, emb: torch.Tensor, sampler: SamplerSpec,
-               schedule: FlowMatchSchedule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x [B,C,2,h,w], timesteps [B,2], σ [B,2], target z_style [B,C,2,h,w], context [B,1,384])."""
+               schedule: FlowMatchSchedule, style_probs: np.ndarray | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [B,C,2,h,w], timesteps [B,2], σ [B,2], target z_style [B,C,2,h,w], context [B,1,384]).
+
+    Styles are drawn uniformly, or with ``style_probs`` (one probability per style) when given.
+    """
     rng = np.random.default_rng([cfg.seed, 2, step])
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 62)))
     n_clips, n_variants = lat.shape[:2]
     crop = DIT_CROP
     xs, ts, sig, tgt, ctx = [], [], [], [], []
     for _ in range(cfg.dit_batch):
-        i, j = int(rng.integers(n_clips)), int(rng.integers(1, n_variants))
+        i = int(rng.integers(n_clips))
+        j = 1 + int(rng.integers(n_variants - 1) if style_probs is None else rng.choice(n_variants - 1, p=style_probs))
         f0 = int(rng.integers(lat.shape[3] - 1))
         y, x = (int(v) for v in rng.integers(0, lat.shape[-1] - crop + 1, 2))
         window = (slice(None), slice(f0, f0 + 2), slice(y, y + crop), slice(x, x + crop))
@@ -356,34 +363,64 @@ def dit_loss(dit: CausalWanDiT, vae: TinyVAE, x: torch.Tensor, t: torch.Tensor, 
 
 def train_dit(cfg: TrainConfig, vae: TinyVAE, lat: torch.Tensor, emb: torch.Tensor, dit_config: WanDiTConfig,
               sampler: SamplerSpec) -> CausalWanDiT:
-    ckpt_path, final_path = cfg.workdir / "dit_ckpt.pt", cfg.workdir / "dit_final.pt"
-    final = _load(final_path)
-    if final is not None:
-        dit = CausalWanDiT(dit_config)
-        dit.load_state_dict(final["model"])
-        return dit.eval()
+    """Phase 1: every style equally often. Phase 2 (``dit_tune_steps``, lower LR): the shipped styles in
+    proportion to their loss after phase 1, so the steps go where the fidelity is lowest."""
     torch.manual_seed(cfg.seed + 1)
     dit = CausalWanDiT(dit_config)
+    _dit_phase(cfg, dit, vae, lat, emb, sampler, "dit", cfg.dit_steps, cfg.dit_lr, None)
+    probs = _hard_style_probs(cfg, dit, vae, lat, emb, sampler)
+    log.info("tune phase style probabilities: %s", dict(zip(STYLE_NAMES, probs.round(3).tolist(), strict=True)))
+    _dit_phase(cfg, dit, vae, lat, emb, sampler, "dit_tune", cfg.dit_tune_steps, cfg.dit_tune_lr, probs)
+    return dit.eval()
+
+
+@torch.no_grad()
+def _hard_style_probs(cfg: TrainConfig, dit: CausalWanDiT, vae: TinyVAE, lat: torch.Tensor, emb: torch.Tensor,
+                      sampler: SamplerSpec, batches: int = 3) -> np.ndarray:
+    """Per-style loss of ``dit`` on fixed batches, normalised to probabilities; 0 for styles not shipped."""
     schedule = FlowMatchSchedule(sampler.shift)
-    opt = torch.optim.AdamW(dit.parameters(), lr=cfg.dit_lr, weight_decay=0.01)
+    dit.eval()
+    losses = np.zeros(len(STYLE_NAMES))
+    for k, name in enumerate(STYLE_NAMES):
+        if name in NOT_SHIPPED:
+            continue
+        onehot = np.eye(len(STYLE_NAMES))[k]
+        losses[k] = np.mean([float(dit_loss(dit, vae, *_dit_batch(cfg, 10**9 + b, lat, emb, sampler, schedule, onehot),
+                                            cfg.temporal_weight)) for b in range(batches)])
+    return losses / losses.sum()
+
+
+def _dit_phase(cfg: TrainConfig, dit: CausalWanDiT, vae: TinyVAE, lat: torch.Tensor, emb: torch.Tensor,
+               sampler: SamplerSpec, name: str, steps: int, peak_lr: float, style_probs: np.ndarray | None) -> None:
+    """One resumable DiT training phase (checkpoints ``<name>_ckpt.pt``, result ``<name>_final.pt``)."""
+    ckpt_path, final_path = cfg.workdir / f"{name}_ckpt.pt", cfg.workdir / f"{name}_final.pt"
+    final = _load(final_path)
+    if final is not None:
+        dit.load_state_dict(final["model"])
+        return
+    schedule = FlowMatchSchedule(sampler.shift)
+    opt = torch.optim.AdamW(dit.parameters(), lr=peak_lr, weight_decay=0.01)
     start = _resume(ckpt_path, dit, opt)
+    # Phase 2 draws batches the first phase never drew: its steps continue the sample order.
+    offset = 0 if style_probs is None else cfg.dit_steps
     dit.train()
-    bar = tqdm(range(start, cfg.dit_steps), desc="dit", initial=start, total=cfg.dit_steps)
+    bar = tqdm(range(start, steps), desc=name, initial=start, total=steps)
     ema = None
     for step in bar:
         for g in opt.param_groups:
-            g["lr"] = _lr(step, cfg.dit_steps, cfg.dit_lr)
-        loss = dit_loss(dit, vae, *_dit_batch(cfg, step, lat, emb, sampler, schedule), cfg.temporal_weight)
+            g["lr"] = _lr(step, steps, peak_lr)
+        batch = _dit_batch(cfg, offset + step, lat, emb, sampler, schedule, style_probs)
+        loss = dit_loss(dit, vae, *batch, cfg.temporal_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
         opt.step()
         ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
         bar.set_postfix(loss=f"{ema:.4f}")
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.dit_steps:
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps:
             _save(ckpt_path, model=dit.state_dict(), opt=opt.state_dict(), step=step + 1)
     _save(final_path, model=dit.state_dict())
-    return dit.eval()
+    dit.eval()
 
 
 # -- stage 5: decoder fine-tune ------------------------------------------------------------------------
