@@ -64,7 +64,8 @@ class TrainConfig:
     dit_steps: int = 3000
     dit_batch: int = 16
     dit_lr: float = 6e-4
-    dit_tune_steps: int = 1500
+    dit_tune_steps: int = 1500  # per tune round
+    dit_tune_rounds: int = 2
     dit_tune_lr: float = 2e-4
     decoder_steps: int = 1500
     decoder_lr: float = 3e-4
@@ -363,14 +364,18 @@ def dit_loss(dit: CausalWanDiT, vae: TinyVAE, x: torch.Tensor, t: torch.Tensor, 
 
 def train_dit(cfg: TrainConfig, vae: TinyVAE, lat: torch.Tensor, emb: torch.Tensor, dit_config: WanDiTConfig,
               sampler: SamplerSpec) -> CausalWanDiT:
-    """Phase 1: every style equally often. Phase 2 (``dit_tune_steps``, lower LR): the shipped styles in
-    proportion to their loss after phase 1, so the steps go where the fidelity is lowest."""
+    """Phase 1: every style equally often. Then ``dit_tune_rounds`` tune rounds (``dit_tune_steps`` each,
+    lower LR), each drawing the shipped styles in proportion to their loss at the start of the round,
+    so the steps go where the fidelity is lowest."""
     torch.manual_seed(cfg.seed + 1)
     dit = CausalWanDiT(dit_config)
-    _dit_phase(cfg, dit, vae, lat, emb, sampler, "dit", cfg.dit_steps, cfg.dit_lr, None)
-    probs = _hard_style_probs(cfg, dit, vae, lat, emb, sampler)
-    log.info("tune phase style probabilities: %s", dict(zip(STYLE_NAMES, probs.round(3).tolist(), strict=True)))
-    _dit_phase(cfg, dit, vae, lat, emb, sampler, "dit_tune", cfg.dit_tune_steps, cfg.dit_tune_lr, probs)
+    _dit_phase(cfg, dit, vae, lat, emb, sampler, "dit", cfg.dit_steps, cfg.dit_lr, None, 0)
+    for r in range(cfg.dit_tune_rounds):
+        probs = _hard_style_probs(cfg, dit, vae, lat, emb, sampler)
+        log.info("tune round %d style probabilities: %s", r + 1, dict(zip(STYLE_NAMES, probs.round(3).tolist(), strict=True)))
+        name = "dit_tune" if r == 0 else f"dit_tune{r + 1}"
+        _dit_phase(cfg, dit, vae, lat, emb, sampler, name, cfg.dit_tune_steps, cfg.dit_tune_lr, probs,
+                   cfg.dit_steps + r * cfg.dit_tune_steps)
     return dit.eval()
 
 
@@ -391,8 +396,10 @@ def _hard_style_probs(cfg: TrainConfig, dit: CausalWanDiT, vae: TinyVAE, lat: to
 
 
 def _dit_phase(cfg: TrainConfig, dit: CausalWanDiT, vae: TinyVAE, lat: torch.Tensor, emb: torch.Tensor,
-               sampler: SamplerSpec, name: str, steps: int, peak_lr: float, style_probs: np.ndarray | None) -> None:
-    """One resumable DiT training phase (checkpoints ``<name>_ckpt.pt``, result ``<name>_final.pt``)."""
+               sampler: SamplerSpec, name: str, steps: int, peak_lr: float, style_probs: np.ndarray | None,
+               offset: int) -> None:
+    """One resumable DiT training phase (checkpoints ``<name>_ckpt.pt``, result ``<name>_final.pt``);
+    its batches are the sample order's steps ``offset ..``, so no phase redraws another's batches."""
     ckpt_path, final_path = cfg.workdir / f"{name}_ckpt.pt", cfg.workdir / f"{name}_final.pt"
     final = _load(final_path)
     if final is not None:
@@ -401,8 +408,6 @@ def _dit_phase(cfg: TrainConfig, dit: CausalWanDiT, vae: TinyVAE, lat: torch.Ten
     schedule = FlowMatchSchedule(sampler.shift)
     opt = torch.optim.AdamW(dit.parameters(), lr=peak_lr, weight_decay=0.01)
     start = _resume(ckpt_path, dit, opt)
-    # Phase 2 draws batches the first phase never drew: its steps continue the sample order.
-    offset = 0 if style_probs is None else cfg.dit_steps
     dit.train()
     bar = tqdm(range(start, steps), desc=name, initial=start, total=steps)
     ema = None
