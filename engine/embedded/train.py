@@ -1,4 +1,4 @@
-"""Training recipe of the embedded default model (CPU, minutes): data -> VAE -> latents -> DiT -> export.
+"""Training recipe of the embedded default model (CPU, about an hour): data -> VAE -> latents -> DiT -> decoder -> export.
 
 Stages, each resumable (checkpoints every ``checkpoint_every`` steps in the work directory):
 
@@ -13,7 +13,8 @@ Stages, each resumable (checkpoints every ``checkpoint_every`` steps in the work
 4. dit: train ``CausalWanDiT`` on pairs (noised input latent, style latent, style prompt) with the
    block-causal mask over 2 latent frames, so that the V2V first step (and the optional refinement
    step) predicts the teacher's latent: x̂₀ = x − σ·v ≈ z_style, plus the same temporal-difference
-   term on the per-frame latents.
+   term on the per-frame latents; then tune rounds at a lower learning rate that draw the shipped
+   styles in proportion to their loss.
 5. decoder: fine-tune the VAE decoder on what it will really decode, the frozen DiT's stylised
    latents of every training clip (run through the streaming recipe, KV cache and noise included),
    against the teacher's frames, with the same losses as stage 2. The decoder's frame memory learns
