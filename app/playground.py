@@ -241,9 +241,9 @@ def build_blocks(config: ServerConfig, playground: Playground) -> gr.Blocks:
                 prompt2 = gr.Textbox("", label="Blend with (optional second prompt)", elem_id="dc-prompt2")
                 blend = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label="Blend weight of the second prompt", elem_id="dc-blend")
                 blend_mode = gr.Radio(["linear", "slerp"], value="linear", label="Blend mode (file / text tabs)")
-                noise = gr.Slider(MIN_NOISE_SCALE, 1.0, value=config.default_noise_scale or 0.8, step=0.05, label="Noise",
-                                  elem_id="dc-noise")
-                steps = gr.Slider(1, MAX_STEPS, value=config.default_steps or 2, step=1, label="Steps", elem_id="dc-steps")
+                noise_default, steps_default = config.stream_defaults()
+                noise = gr.Slider(MIN_NOISE_SCALE, 1.0, value=noise_default, step=0.05, label="Noise", elem_id="dc-noise")
+                steps = gr.Slider(1, MAX_STEPS, value=steps_default, step=1, label="Steps", elem_id="dc-steps")
                 seed = gr.Number(0, precision=0, minimum=0, label="Seed")
                 apply = gr.Button("Apply to live stream", variant="primary", elem_id="dc-apply")
             controls = [prompt, prompt2, blend, blend_mode, noise, steps, seed]

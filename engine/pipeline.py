@@ -66,7 +66,10 @@ def model_defaults(model: str | Path | None) -> ModelDefaults:
     config_file = path.with_suffix(".json") if path is not None else None
     if config_file is None or not config_file.is_file():
         return ModelDefaults()
-    config = json.loads(config_file.read_text())
+    return _defaults_from_config(json.loads(config_file.read_text()))
+
+
+def _defaults_from_config(config: dict[str, Any]) -> ModelDefaults:
     sampler = config.get("sampler", {})
     styles = tuple(name.replace("_", " ") for name in config.get("prototypes", {}))
     return ModelDefaults(
@@ -417,7 +420,7 @@ def _load_diffcast_file(path: Path, device: str, dtype: torch.dtype) -> Pipeline
     size = tuple(config.get("size", (256, 256)))
     pipe = Pipeline(dit, vae, text, preset, runtime, (int(size[0]), int(size[1])), path.stem, styles,
                     text_conditioning=config.get("text_conditioning", "tokens"))
-    pipe.defaults = model_defaults(path)
+    pipe.defaults = _defaults_from_config(config)
     return pipe
 
 

@@ -136,7 +136,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     async def offer(body: OfferRequest) -> Response:
         try:
             settings = body.to_settings(
-                config.default_prompt, config.max_prompt_chars, config.default_noise_scale or 0.8, config.default_steps or 2
+                config.default_prompt, config.max_prompt_chars, *config.stream_defaults()
             )
             session, answer = await gateway.publish(body.sdp, settings, kind="webrtc", send_output=True)
         except ControlError as exc:
@@ -199,7 +199,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         try:
             options = options_from_query(ws.query_params)
             settings = options.to_settings(
-                config.default_prompt, config.max_prompt_chars, config.default_noise_scale or 0.8, config.default_steps or 2
+                config.default_prompt, config.max_prompt_chars, *config.stream_defaults()
             )
         except ControlError as exc:
             await ws.accept()

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The generic (StreamDiffusionV2-style) operating point: stream defaults for a model that names none.
+GENERIC_NOISE_SCALE = 0.8
+GENERIC_STEPS = 2
+
 POLICIES = ("slack", "fifo")
 
 
@@ -80,6 +84,12 @@ class ServerConfig:
         "charcoal drawing",
         "claymation",
     )
+
+    def stream_defaults(self) -> tuple[float, int]:
+        """(noise scale, steps) for a stream whose client gives none: the configured (or, after
+        ``create_app``, the served model's) values, else the generic operating point."""
+        noise = GENERIC_NOISE_SCALE if self.default_noise_scale is None else self.default_noise_scale
+        return noise, GENERIC_STEPS if self.default_steps is None else self.default_steps
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from app.server.config import GENERIC_NOISE_SCALE, GENERIC_STEPS
 from app.server.engine_bridge import StreamSettings
 
 MAX_STEPS = 4  # StreamDiffusionV2's V2V schedule has at most 4 denoising steps
@@ -116,7 +117,8 @@ class StreamOptions(_Message):
     seed: int = Field(default=0, ge=0, lt=2**63)
 
     def to_settings(
-        self, default_prompt: str, max_prompt_chars: int, default_noise_scale: float = 0.8, default_steps: int = 2
+        self, default_prompt: str, max_prompt_chars: int, default_noise_scale: float = GENERIC_NOISE_SCALE,
+        default_steps: int = GENERIC_STEPS,
     ) -> StreamSettings:
         check_prompt(self.prompt, None, max_prompt_chars)
         return StreamSettings(

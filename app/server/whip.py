@@ -80,7 +80,7 @@ def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig)
     async def whip_publish(request: Request) -> Response:
         async def handle() -> Response:
             settings = options_from_query(request.query_params).to_settings(
-                config.default_prompt, config.max_prompt_chars, config.default_noise_scale or 0.8, config.default_steps or 2
+                config.default_prompt, config.max_prompt_chars, *config.stream_defaults()
             )
             manager.check_capacity()  # before reading a large body or touching the engine
             offer = await read_offer(request)
