@@ -33,6 +33,7 @@ from engine.streaming.config import RuntimeConfig
 from engine.streaming.noise import NoiseControllerConfig
 from engine.streaming.prompts import BlendMode
 from engine.streaming.runtime import ChunkResult, PromptEncoder, StreamRuntime
+from engine.streaming.stabilizer import StabilizerConfig
 from engine.streaming.state import StreamState
 from engine.vae import StreamVAE
 
@@ -90,6 +91,7 @@ class StreamParams:
     kv_window_frames: int | None = None
     resolution_scale: float = 1.0
     precision: str = "fp32"
+    stabilize: bool = True  # the temporal stabilizer, where the model's runtime config has one
 
     def __post_init__(self) -> None:
         prompts = (self.prompt,) if isinstance(self.prompt, str) else self.prompt
@@ -246,6 +248,7 @@ class Stream:
             weights=params.prompt_weights,
             blend_mode=params.blend_mode,
             noise_scale=params.noise_scale,
+            stabilize=params.stabilize,
         )
 
     @property
@@ -279,6 +282,7 @@ class Stream:
         seed: int | None = None,
         kv_window_frames: int | None = None,
         precision: str | None = None,
+        stabilize: bool | None = None,
     ) -> None:
         """Change controls; everything takes effect at the next chunk boundary, without a restart."""
         changes: dict[str, Any] = {}
@@ -290,7 +294,8 @@ class Stream:
         if blend_mode is not None:
             changes["blend_mode"] = blend_mode
         for key, value in (("noise_scale", noise_scale), ("steps", steps), ("seed", seed),
-                           ("kv_window_frames", kv_window_frames), ("precision", precision)):
+                           ("kv_window_frames", kv_window_frames), ("precision", precision),
+                           ("stabilize", stabilize)):
             if value is not None:
                 changes[key] = value
         new = self.params.with_(**changes)  # validates
@@ -306,6 +311,7 @@ class Stream:
         replace(runtime.config.noise, noise_scale=new.noise_scale)  # validates the noise strength
         runtime.set_fidelity(self.state, fidelity)
         self.state.noise_scale = new.noise_scale
+        self.state.stabilize = new.stabilize
         if seed is not None and seed != self.params.seed:
             from engine.sampling import NoiseSource
 
@@ -328,6 +334,7 @@ class Stream:
             "rope_resets": s.rope_resets,
             "steps": s.fidelity.steps,
             "fidelity": s.fidelity.label(),
+            "stabilizer": s.stabilize and self.runtime.stabilizer is not None,
             "notice": self.notice,
         }
 
@@ -372,7 +379,8 @@ def _tiny_random(device: str, dtype: torch.dtype) -> Pipeline:
 def _runtime_from_json(data: dict[str, Any]) -> RuntimeConfig:
     data = dict(data)
     noise = NoiseControllerConfig(**data.pop("noise", {}))
-    return RuntimeConfig(noise=noise, **data)
+    stabilizer = data.pop("stabilizer", None)
+    return RuntimeConfig(noise=noise, stabilizer=StabilizerConfig(**stabilizer) if stabilizer is not None else None, **data)
 
 
 def _load_diffcast_file(path: Path, device: str, dtype: torch.dtype) -> Pipeline:

@@ -22,6 +22,7 @@ from engine.parallel.service import ParallelFactory
 from engine.pipeline import Pipeline, StreamParams, tensor_to_frames
 from engine.sampling import STREAMDIFFUSION_V2
 from engine.streaming.config import RuntimeConfig
+from engine.streaming.stabilizer import StabilizerConfig
 from engine.streaming.runtime import PromptEncoder, StreamRuntime
 
 
@@ -39,12 +40,14 @@ class TinyFactory:
     layers: int = 4
     sink_refresh: bool = True
     sink_tau: float = 0.2
+    stabilize: bool = False  # the temporal stabilizer stage (applied on rank 0)
 
     def __call__(self, device: torch.device | str = "cpu") -> StreamRuntime:
         torch.manual_seed(0)
         dit = CausalWanDiT(replace(CONFIGS["tiny"], num_layers=self.layers)).to(device).eval()
         vae = WanVAE(WanVAEConfig.tiny()).to(device).eval()
-        config = RuntimeConfig(sink_refresh=self.sink_refresh, sink_tau=self.sink_tau)
+        config = RuntimeConfig(sink_refresh=self.sink_refresh, sink_tau=self.sink_tau,
+                               stabilizer=StabilizerConfig() if self.stabilize else None)
         return StreamRuntime(dit, vae, PromptEncoder(HashTextEncoder()), STREAMDIFFUSION_V2, config)
 
 

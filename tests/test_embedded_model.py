@@ -41,7 +41,7 @@ def test_every_style_output_is_closest_to_its_own_teacher(model: EmbeddedModel) 
     teachers = {s: stylize_clip(frames, s).astype(np.float32) for s in TEACHERS}
     wrong = []
     for style, prompts in model.spec.styles.items():
-        out, _ = stylize_stream(model, frames, prompts[0])
+        out, _, _ = stylize_stream(model, frames, prompts[0])
         dist = {s: float(np.mean((out.astype(np.float32) - t) ** 2)) for s, t in teachers.items()}
         nearest = min(dist, key=dist.__getitem__)
         if nearest != style:
@@ -62,7 +62,7 @@ def test_streaming_with_kv_cache_equals_one_masked_forward(model: EmbeddedModel)
     """Chunk-by-chunk stylisation (KV cache, 2-frame window) equals the whole clip under the block-causal mask."""
     frames = render_clip(heldout_specs()[0])[:13]
     prompt = model.spec.styles["thermal"][0]
-    streamed, _ = stylize_stream(model, frames, prompt, seed=5, num_steps=1)
+    _, streamed, _ = stylize_stream(model, frames, prompt, seed=5, num_steps=1)
 
     pixels = torch.from_numpy(frames).float().div(127.5).sub(1.0).permute(3, 0, 1, 2)[None]
     z = model.vae.encode_chunk(pixels, model.vae.new_encoder_cache())

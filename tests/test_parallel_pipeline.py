@@ -60,8 +60,9 @@ def test_stage_helpers_compose_to_forward() -> None:
 
 def test_two_ranks_match_single_process_with_switch_and_rebalance() -> None:
     """Adaptive sink refresh on (decisions combine both ranks' blocks), prompt switch, forced rebalance
-    after chunk 5, ranks holding only their own blocks' weights (weights move with the blocks)."""
-    factory = TinyFactory(layers=4, sink_refresh=True, sink_tau=0.5)
+    after chunk 5, ranks holding only their own blocks' weights (weights move with the blocks), the
+    temporal stabilizer on the finished chunks."""
+    factory = TinyFactory(layers=4, sink_refresh=True, sink_tau=0.5, stabilize=True)
     scenario = Scenario(chunks=9, steps=2, switch_at=4, rebalance_at=6, rebalance_to=((0, 1), (1, 4)))
     expected, refreshes = scenario.reference(factory())
     assert refreshes["s0"] > 0  # the sink decisions matter in this run

@@ -1,4 +1,5 @@
-"""Live stream runtime: stream batch, multi-stream batching, bounded long streams, controls, state moves."""
+"""Live stream runtime: stream batch, multi-stream batching, bounded long streams, controls, state moves,
+the temporal stabilizer stage."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from _runtime_fixtures import clip, fidelity, tiny_runtime
 
 from engine.models.wan_dit import KVCache
 from engine.streaming.runtime import RopeOverflowError, refresh_sinks
+from engine.streaming.stabilizer import StabilizerConfig, StabilizerState, TemporalStabilizer
 from engine.streaming.state import StreamState
 from engine.streaming.stream_batch import StreamBatch
 
@@ -29,9 +31,9 @@ def one_thread():  # type: ignore[no-untyped-def]
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("steps", [2, 3])
-def test_stream_batch_equals_sequential_denoising(steps: int) -> None:
-    rt = tiny_runtime(sink_tau=0.5)
+@pytest.mark.parametrize(("steps", "stabilizer"), [(2, None), (3, None), (2, StabilizerConfig())])
+def test_stream_batch_equals_sequential_denoising(steps: int, stabilizer: StabilizerConfig | None) -> None:
+    rt = tiny_runtime(sink_tau=0.5, stabilizer=stabilizer)
     chunks = clip(9)
     seq_state = rt.open("s", "oil painting", (32, 32), fidelity(steps=steps, window=5), seed=3)
     expected = _run(rt, seq_state, chunks)
@@ -161,3 +163,43 @@ def test_state_to_host_and_serialised_round_trip_is_bit_identical() -> None:
         torch.testing.assert_close(rt.step(restored, c).frames, expected, rtol=0, atol=0)
         torch.testing.assert_close(rt.step(twin, c).frames, expected, rtol=0, atol=0)
     assert restored.nbytes() > 0
+
+
+def test_stabilizer_in_the_runtime_is_the_filter_applied_to_the_raw_output() -> None:
+    config = StabilizerConfig()
+    raw_rt, stab_rt = tiny_runtime(), tiny_runtime(stabilizer=config)
+    raw = raw_rt.open("a", "thermal", (32, 32), fidelity(), seed=3)
+    stab = stab_rt.open("b", "thermal", (32, 32), fidelity(), seed=3)
+    off = stab_rt.open("c", "thermal", (32, 32), fidelity(), seed=3, stabilize=False)
+    reference, history = TemporalStabilizer(config), StabilizerState()
+    moved = 0.0
+    for c in clip(4):
+        r = raw_rt.step(raw, c).frames
+        s = stab_rt.step(stab, c).frames
+        torch.testing.assert_close(stab_rt.step(off, c).frames, r, rtol=0, atol=0)
+        torch.testing.assert_close(s, reference(history, c, r), rtol=0, atol=1e-6)
+        moved = max(moved, float((s - r).abs().max()))
+    assert moved > 1e-3, "the stabilizer changed nothing"
+    assert stab_rt.last_timings.stabilize_s > 0
+
+
+def test_hard_prompt_switch_drops_the_stabilizer_history_and_state_moves_with_it() -> None:
+    raw_rt, rt = tiny_runtime(), tiny_runtime(stabilizer=StabilizerConfig())
+    chunks = clip(6)
+    raw = raw_rt.open("r", "oil painting", (32, 32), fidelity(), seed=0)
+    a = rt.open("a", "oil painting", (32, 32), fidelity(), seed=0)
+    for c in chunks[:3]:
+        raw_rt.step(raw, c)
+        rt.step(a, c)
+    restored = StreamState.from_bytes(a.to_bytes())
+    torch.testing.assert_close(rt.step(restored, chunks[3]).frames, rt.step(a, chunks[3]).frames, rtol=0, atol=0)
+    raw_rt.step(raw, chunks[3])
+    for runtime, state in ((raw_rt, raw), (rt, a)):
+        runtime.set_prompt(state, "pencil sketch", transition_chunks=2)
+    assert not a.restart_stabilizer, "a gradual transition keeps the history"
+    for runtime, state in ((raw_rt, raw), (rt, a)):
+        runtime.set_prompt(state, "pencil sketch")
+    expected, got = raw_rt.step(raw, chunks[4]).frames, rt.step(a, chunks[4]).frames
+    # The first frame after a hard switch is the model's own; the history restarts from it.
+    torch.testing.assert_close(got[:, 0], expected[:, 0], rtol=0, atol=1e-6)
+    assert (got[:, 1:] - expected[:, 1:]).abs().max() > 1e-4

@@ -50,5 +50,8 @@ def test_stream_options_from_query() -> None:
     settings = options_from_query({"prompt": "ink", "steps": "1", "unrelated": "x"}).to_settings("oil", 100)
     assert (settings.prompt, settings.steps, settings.noise_scale) == ("ink", 1, 0.8)
     assert StreamOptions().to_settings("oil", 100).prompt == "oil"
+    assert StreamOptions().to_settings("oil", 100).stabilize is True
+    assert options_from_query({"stabilize": "false"}).to_settings("oil", 100).stabilize is False
+    assert parse_control('{"type": "update", "stabilize": false}', 50).changes() == {"stabilize": False}  # type: ignore[union-attr]
     with pytest.raises(ControlError, match="seed"):
         options_from_query({"seed": "-1"})

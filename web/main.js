@@ -41,6 +41,7 @@ function options() {
     noise_scale: Number($("noise").value),
     steps: Number($("steps").value),
     seed: Number($("seed").value) || 0,
+    stabilize: $("stabilize").checked,
   };
 }
 
@@ -198,6 +199,7 @@ async function init() {
   $("noise").addEventListener("change", () => sendUpdate({ noise_scale: options().noise_scale }));
   $("steps").addEventListener("change", () => sendUpdate({ steps: options().steps }));
   $("seed").addEventListener("change", () => sendUpdate({ seed: options().seed }));
+  $("stabilize").addEventListener("change", () => sendUpdate({ stabilize: options().stabilize }));
   $("start").addEventListener("click", start);
   $("stop").addEventListener("click", stop);
   $("pause").addEventListener("click", () => {

@@ -99,6 +99,7 @@ def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks:
         row["encode_ms"] = round(statistics.median(s.encode_s for s in stages) * 1000, 2)
         row["dit_ms"] = round(statistics.median(s.dit_s for s in stages) * 1000, 2)
         row["decode_ms"] = round(statistics.median(s.decode_s for s in stages) * 1000, 2)
+        row["stabilize_ms"] = round(statistics.median(s.stabilize_s for s in stages) * 1000, 2)
     return row
 
 
@@ -138,10 +139,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     table = Table(title=f"diffcast engine bench: {pipe.name} on {args.device} ({report['threads']} threads)")
-    for col in ("size", "steps", "streams", "mode", "chunk ms", "p90 ms", "FPS/stream", "FPS total", "enc/DiT/dec ms"):
+    for col in ("size", "steps", "streams", "mode", "chunk ms", "p90 ms", "FPS/stream", "FPS total", "enc/DiT/dec/stab ms"):
         table.add_column(col)
     for r in rows:
-        stage = f"{r.get('encode_ms', '-')}/{r.get('dit_ms', '-')}/{r.get('decode_ms', '-')}"
+        stage = "/".join(str(r.get(k, "-")) for k in ("encode_ms", "dit_ms", "decode_ms", "stabilize_ms"))
         table.add_row(f"{r['size'][0]}x{r['size'][1]}", str(r["steps"]), str(r["streams"]), r["mode"],
                       str(r["chunk_ms"]), str(r["chunk_ms_p90"]), str(r["fps_per_stream"]), str(r["fps_total"]), stage)
     Console().print(table)

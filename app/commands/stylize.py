@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--noise-scale", type=float, default=None, help="noise strength in (0, 1]")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", type=parse_size, default=None, help="WxH processing size, e.g. 256x256")
+    parser.add_argument("--no-stabilize", dest="stabilize", action="store_false",
+                        help="turn off the temporal stabilizer (where the model's config enables it)")
     parser.add_argument("--device", default="cpu")
 
 
@@ -56,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         steps=args.steps if args.steps is not None else defaults.steps,
         noise_scale=args.noise_scale if args.noise_scale is not None else defaults.noise_scale,
+        stabilize=args.stabilize,
     )
     try:
         frames = stylize_file(pipe, args.input, args.output, params, size=args.size, progress=True)

@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="data cache and resumable checkpoints (~4.5 GB of frames)")
     parser.add_argument("--vae-steps", type=_positive, default=None)
     parser.add_argument("--dit-steps", type=_positive, default=None)
+    parser.add_argument("--tune-rounds", type=int, default=None,
+                        help="DiT tune rounds after the main phase (each draws styles in proportion to their loss)")
     parser.add_argument("--decoder-steps", type=_positive, default=None,
                         help="steps of the decoder fine-tune on the DiT's outputs")
     parser.add_argument("--threads", type=_positive, default=1,
@@ -48,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
         cfg.vae_steps = args.vae_steps
     if args.dit_steps is not None:
         cfg.dit_steps = args.dit_steps
+    if args.tune_rounds is not None:
+        if args.tune_rounds < 0:
+            raise SystemExit(f"--tune-rounds must be >= 0, got {args.tune_rounds}")
+        cfg.dit_tune_rounds = args.tune_rounds
     if args.decoder_steps is not None:
         cfg.decoder_steps = args.decoder_steps
     path = train_default(cfg, args.out)

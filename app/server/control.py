@@ -43,6 +43,7 @@ class UpdateMessage(_Message):
     noise_scale: float | None = Field(default=None, ge=MIN_NOISE_SCALE, le=1.0)
     steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stabilize: bool | None = None
 
     def changes(self) -> dict[str, Any]:
         return self.model_dump(exclude={"type"}, exclude_none=True)
@@ -115,6 +116,7 @@ class StreamOptions(_Message):
     noise_scale: float | None = Field(default=None, ge=MIN_NOISE_SCALE, le=1.0)
     steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     seed: int = Field(default=0, ge=0, lt=2**63)
+    stabilize: bool = True
 
     def to_settings(
         self, default_prompt: str, max_prompt_chars: int, default_noise_scale: float = GENERIC_NOISE_SCALE,
@@ -126,6 +128,7 @@ class StreamOptions(_Message):
             noise_scale=self.noise_scale if self.noise_scale is not None else default_noise_scale,
             steps=self.steps if self.steps is not None else default_steps,
             seed=self.seed,
+            stabilize=self.stabilize,
         )
 
 

@@ -30,6 +30,7 @@ class StreamSettings:
     noise_scale: float = 0.8
     steps: int = 2
     seed: int = 0
+    stabilize: bool = True  # the temporal stabilizer, where the model's config has one
 
 
 class StreamProcessor(Protocol):

@@ -88,7 +88,7 @@ class Session:
         if isinstance(message, UpdateMessage):
             changes = message.changes()
             await self.runner.update(**changes)
-            shown: dict[str, Any] = {k: changes[k] for k in ("noise_scale", "steps", "seed") if k in changes}
+            shown: dict[str, Any] = {k: changes[k] for k in ("noise_scale", "steps", "seed", "stabilize") if k in changes}
             if isinstance(message.prompt, str):
                 shown["prompt"] = message.prompt
             elif message.prompt is not None:
@@ -137,6 +137,7 @@ class Session:
             "noise_scale": self.settings.noise_scale,
             "steps": self.settings.steps,
             "seed": self.settings.seed,
+            "stabilize": self.settings.stabilize,
             "chunk_ms": round(1000 * self.runner.chunk_seconds, 1),
             "paused": self.runner.paused,
             "frames_in": self.assembler.received,

@@ -5,7 +5,11 @@
 * fidelity: PSNR / SSIM of the model's output against the teacher's, per style;
 * temporal stability: warp error (DESIGN.md §2): output frame t−1 warped to t with DIS optical flow
   estimated on the *input* frames, mean absolute error in [0, 1] units; model vs teacher ratio;
-* speed: per-chunk encode / DiT / decode times of one 256x256 stream (4 pixel frames per chunk).
+* speed: per-chunk encode / DiT / decode / stabilizer times of one 256x256 stream (4 pixel frames per chunk).
+
+The shipped output is the model's decoded frames through the temporal stabilizer the checkpoint's
+config enables (engine/streaming/stabilizer.py), as ``serve`` and ``stylize`` run it; the model's own
+frames before the stabilizer are scored too ("raw"), from the same run.
 
 Prints a table and writes ``metrics.json`` (and the picture grid) so the model card can quote them.
 """
@@ -29,6 +33,7 @@ from tqdm import tqdm
 from engine.embedded.clips import ClipSpec, heldout_specs, render_clip
 from engine.embedded.model import DEFAULT_CONFIG, EmbeddedModel
 from engine.embedded.teachers import stylize_clip
+from engine.streaming.stabilizer import StabilizerState, TemporalStabilizer
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +48,31 @@ def to_u8(pixels: torch.Tensor) -> np.ndarray:
     return ((pixels[0].permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5).round().byte().numpy()
 
 
+Timings = tuple[float, float, float, float]  # encode, DiT, decode, stabilizer (seconds per chunk)
+
+
 def stylize_stream(model: EmbeddedModel, frames: np.ndarray, prompt: str, seed: int = 0, num_steps: int | None = None,
-                   noise_scale: float | None = None) -> tuple[np.ndarray, list[tuple[float, float, float]]]:
-    """Run a clip (1 + 4k frames) through a stream chunk by chunk: 1 + 4 frames first, then 4 at a time."""
+                   noise_scale: float | None = None) -> tuple[np.ndarray, np.ndarray, list[Timings]]:
+    """Run a clip (1 + 4k frames) through a stream chunk by chunk: 1 + 4 frames first, then 4 at a time.
+
+    Returns (shipped output = stabilised, the model's raw output, per-chunk timings).
+    """
     if frames.shape[0] % 4 != 1:
         raise ValueError(f"clip needs 1 + 4k frames, got {frames.shape[0]}")
-    stream = model.open_stream(prompt, seed=seed, num_steps=num_steps, noise_scale=noise_scale)
-    outs, timings = [], []
+    stream = model.open_stream(prompt, seed=seed, num_steps=num_steps, noise_scale=noise_scale, stabilize=False)
+    stabilizer, state = TemporalStabilizer(model.spec.stabilizer), StabilizerState()
+    outs, raws, timings = [], [], []
     bounds = [0, min(5, frames.shape[0])] + list(range(9, frames.shape[0] + 1, 4))
     for a, b in zip(bounds[:-1], bounds[1:], strict=False):
-        outs.append(to_u8(stream.process(to_pixels(frames[a:b]))))
+        pixels = to_pixels(frames[a:b])
+        raw = stream.process(pixels).clamp(-1, 1)
+        started = time.perf_counter()
+        out = stabilizer(state, pixels[0], raw[0])[None]
         t = stream.last_timings
-        timings.append((t.encode_s, t.dit_s, t.decode_s))
-    return np.concatenate(outs), timings
+        timings.append((t.encode_s, t.dit_s, t.decode_s, time.perf_counter() - started))
+        outs.append(to_u8(out))
+        raws.append(to_u8(raw))
+    return np.concatenate(outs), np.concatenate(raws), timings
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -92,43 +109,47 @@ def evaluate(model: EmbeddedModel, clips: int | None = None, grid_path: Path | N
              num_steps: int | None = None, noise_scale: float | None = None) -> dict[str, Any]:
     specs = heldout_specs()[:clips]
     styles = list(model.spec.styles)
-    per: dict[str, dict[str, list[float]]] = {s: {"psnr": [], "ssim": [], "warp_model": [], "warp_teacher": []} for s in styles}
-    all_timings: list[tuple[float, float, float]] = []
+    keys = ("psnr", "ssim", "warp_model", "warp_teacher", "psnr_raw", "warp_raw")
+    per: dict[str, dict[str, list[float]]] = {s: {k: [] for k in keys} for s in styles}
+    all_timings: list[Timings] = []
     grid_rows = []
     for ci, spec in enumerate(tqdm(specs, desc="eval clips")):
         frames = render_clip(spec)
         flows = input_flows(frames)
         for style in styles:
             teacher = stylize_clip(frames, style)
-            out, timings = stylize_stream(model, frames, model.spec.styles[style][0], seed=ci, num_steps=num_steps,
-                                          noise_scale=noise_scale)
+            out, raw, timings = stylize_stream(model, frames, model.spec.styles[style][0], seed=ci,
+                                               num_steps=num_steps, noise_scale=noise_scale)
             all_timings += timings[1:]  # steady-state chunks (the first holds the 1-frame warm-up group)
             per[style]["psnr"].append(psnr(out, teacher))
             per[style]["ssim"].append(ssim(out, teacher))
             per[style]["warp_model"].append(warp_error(out, flows))
             per[style]["warp_teacher"].append(warp_error(teacher, flows))
+            per[style]["psnr_raw"].append(psnr(raw, teacher))
+            per[style]["warp_raw"].append(warp_error(raw, flows))
             if ci == 0 and grid_path is not None:
                 k = len(frames) // 2
                 grid_rows.append(np.concatenate([frames[k], teacher[k], out[k]], axis=1))
     result: dict[str, Any] = {"clips": len(specs), "frames_per_clip": int(specs[0].frames), "styles": {}}
     for style, m in per.items():
-        wm, wt = float(np.mean(m["warp_model"])), float(np.mean(m["warp_teacher"]))
+        wm, wt, wr = (float(np.mean(m[k])) for k in ("warp_model", "warp_teacher", "warp_raw"))
         result["styles"][style] = {
             "psnr": float(np.mean(m["psnr"])), "ssim": float(np.mean(m["ssim"])),
             "warp_model": wm, "warp_teacher": wt, "warp_ratio": wm / wt,
+            "psnr_raw": float(np.mean(m["psnr_raw"])), "warp_raw": wr, "warp_ratio_raw": wr / wt,
         }
-    wm_all = float(np.mean([v["warp_model"] for v in result["styles"].values()]))
     wt_all = float(np.mean([v["warp_teacher"] for v in result["styles"].values()]))
-    result["warp_ratio_overall"] = wm_all / wt_all
+    for key, suffix in (("warp_model", ""), ("warp_raw", "_raw")):
+        result[f"warp_ratio_overall{suffix}"] = float(np.mean([v[key] for v in result["styles"].values()])) / wt_all
     result["timing_ms_eval_threads"] = _timing_summary(all_timings)
     if grid_path is not None:
         _save_grid(grid_rows, styles, grid_path)
     return result
 
 
-def _timing_summary(timings: list[tuple[float, float, float]]) -> dict[str, float]:
-    enc, dit, dec = (statistics.median(t[i] for t in timings) * 1000 for i in range(3))
-    return {"encode": enc, "dit": dit, "decode": dec, "total": enc + dit + dec}
+def _timing_summary(timings: list[Timings]) -> dict[str, float]:
+    enc, dit, dec, stab = (statistics.median(t[i] for t in timings) * 1000 for i in range(4))
+    return {"encode": enc, "dit": dit, "decode": dec, "stabilize": stab, "total": enc + dit + dec + stab}
 
 
 def benchmark(model: EmbeddedModel, threads: int, chunks: int = 30) -> dict[str, float]:
@@ -137,7 +158,7 @@ def benchmark(model: EmbeddedModel, threads: int, chunks: int = 30) -> dict[str,
     torch.set_num_threads(threads)
     try:
         frames = render_clip(ClipSpec(heldout_specs()[0].source, heldout_specs()[0].motion, 1 + 4 * (chunks + 1)))
-        _, timings = stylize_stream(model, frames, model.spec.styles[next(iter(model.spec.styles))][0])
+        _, _, timings = stylize_stream(model, frames, model.spec.styles[next(iter(model.spec.styles))][0])
     finally:
         torch.set_num_threads(prev)
     out = _timing_summary(timings[1:])
@@ -181,17 +202,20 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "metrics.json").write_text(json.dumps(result, indent=1))
     # Markdown, so the model card can quote the run verbatim.
-    print("| style | PSNR (dB) | SSIM | warp error model | warp error teacher | ratio |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| style | PSNR (dB) | SSIM | warp error model | warp error teacher | ratio | raw PSNR | raw ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for style, m in result["styles"].items():
-        print(f"| {style} | {m['psnr']:.2f} | {m['ssim']:.3f} | {m['warp_model']:.4f} | {m['warp_teacher']:.4f} | {m['warp_ratio']:.2f} |")
-    psnrs = [m["psnr"] for m in result["styles"].values()]
-    print(f"| **mean** | {np.mean(psnrs):.2f} | | | | overall {result['warp_ratio_overall']:.2f} |")
+        print(f"| {style} | {m['psnr']:.2f} | {m['ssim']:.3f} | {m['warp_model']:.4f} | {m['warp_teacher']:.4f} "
+              f"| {m['warp_ratio']:.2f} | {m['psnr_raw']:.2f} | {m['warp_ratio_raw']:.2f} |")
+    styles = result["styles"].values()
+    print(f"| **mean** | {np.mean([m['psnr'] for m in styles]):.2f} | | | | overall {result['warp_ratio_overall']:.2f} "
+          f"| {np.mean([m['psnr_raw'] for m in styles]):.2f} | overall {result['warp_ratio_overall_raw']:.2f} |")
     print()
-    print("| threads | encode | DiT | decode | total | FPS |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| threads | encode | DiT | decode | stabilizer | total | FPS |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for s in result["speed"]:
-        print(f"| {s['threads']} | {s['encode']:.1f} ms | {s['dit']:.1f} ms | {s['decode']:.1f} ms | {s['total']:.1f} ms | {s['fps']:.1f} |")
+        print(f"| {s['threads']} | {s['encode']:.1f} ms | {s['dit']:.1f} ms | {s['decode']:.1f} ms "
+              f"| {s['stabilize']:.1f} ms | {s['total']:.1f} ms | {s['fps']:.1f} |")
     print(f"metrics written to {args.out / 'metrics.json'}")
 
 

@@ -87,6 +87,8 @@ class _Slot:
     rope: int
     noise_rate: float
     tau: float | None  # sink-refresh threshold for this chunk (None: no refresh)
+    inputs: Tensor  # the chunk as sent, for the temporal stabilizer (applied on rank 0)
+    restart: bool  # a hard prompt switch came before this chunk (fresh stabilizer history)
     step: int = 0
     refreshed: bool = False  # a sink of one of its step caches was replaced
 
@@ -165,6 +167,7 @@ class PipelineRuntime:
             state.transition = PromptTransition(state.embedding, target, transition_chunks, mode="slerp")
         else:
             state.transition, state.embedding = None, target
+            state.restart_stabilizer = True
         state.force_sink_refresh = refresh_sinks
 
     def set_fidelity(self, state: StreamState, fidelity: FidelityConfig) -> None:
@@ -252,7 +255,7 @@ class PipelineRuntime:
         if state.rope_frame + f > rt.dit.config.rope_max_positions:
             raise RopeOverflowError(f"stream {state.stream_id}: RoPE position {state.rope_frame + f} is out of range")
         version = self._prompt_version(state)
-        chunk = rt._resize(chunk, rt.engine_size(state.size, state.fidelity))
+        inputs, chunk = chunk, rt._resize(chunk, rt.engine_size(state.size, state.fidelity))
         controller = MotionAwareNoiseController(rt._noise_config(state))
         rate = controller.step(chunk, state.noise_controller)
         z = rt.vae.encode_chunk(chunk.unsqueeze(0).to(rt.device, rt.dit.dtype), state.vae_encoder)
@@ -265,7 +268,8 @@ class PipelineRuntime:
             tau, state.force_sink_refresh = float("inf"), False
         elif rt.config.sink_refresh:
             tau = rt.config.sink_tau
-        slot = _Slot(state, x, timesteps, noises, version, state.frame, state.rope_frame, rate, tau)
+        slot = _Slot(state, x, timesteps, noises, version, state.frame, state.rope_frame, rate, tau, inputs,
+                     state.take_stabilizer_restart())
         state.frame += z.shape[2]
         state.rope_frame += z.shape[2]
         return slot
@@ -379,7 +383,7 @@ class PipelineRuntime:
             state.last_noise_rate = slot.noise_rate
             state.last_first_timestep = slot.timesteps[0]
             result = ChunkResult(ts[f"frames.{key}"], slot.noise_rate, slot.timesteps[0], slot.refreshed)
-            self._done.append((state, result))
+            self._done.append((state, self.rt.stabilize(state, slot.inputs, result, slot.restart)))
         self.scheduler.observe([StageTiming(rank, blocks, other) for rank, blocks, other in meta["timings"]])
 
     def _take_done(self) -> list[tuple[StreamState, ChunkResult]]:

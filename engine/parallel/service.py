@@ -120,7 +120,8 @@ class ParallelFactory:
         from engine.pipeline import StreamParams
 
         processor = ParallelProcessor(self, StreamParams(prompt=settings.prompt, noise_scale=settings.noise_scale,
-                                                         steps=settings.steps, seed=settings.seed))
+                                                         steps=settings.steps, seed=settings.seed,
+                                                         stabilize=settings.stabilize))
         # The processor protocol has no close: a dropped session's stream leaves the ranks at the next
         # chunk of any stream (on the engine thread, never from the garbage collector's thread).
         weakref.finalize(processor, self._drop, processor.id)

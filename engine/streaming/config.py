@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.streaming.noise import NoiseControllerConfig
+from engine.streaming.stabilizer import StabilizerConfig
 
 CacheMode = Literal["clean", "per-step"]
 
@@ -32,6 +33,9 @@ class RuntimeConfig:
     rope_refresh: bool = True
     rope_reset_frame: int = 50  # once the RoPE frame position passes this, wrap it back into the window
     noise: NoiseControllerConfig = field(default_factory=NoiseControllerConfig)
+    # Motion-compensated filter on the decoded frames (engine/streaming/stabilizer.py); None = off.
+    # Off by default: the reference recipe is StreamDiffusionV2's; a model config turns it on.
+    stabilizer: StabilizerConfig | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_latent_frames < 1:

@@ -10,7 +10,7 @@ The core loop of a V2V chunk (StreamDiffusionV2 recipe), top to bottom:
         x  = (1 - sigma(t_{i+1})) * x0 + sigma(t_{i+1}) * eps_i     (fresh noise, not on the last step)
     [clean mode: DiT(x0, t=0) once more, to write clean K/V]
     adaptive sink refresh, RoPE refresh, counters
-    x0 --VAE decode--> frames
+    x0 --VAE decode--> frames --temporal stabilizer (if configured)--> out
 
 Rows of one forward are streams that share a fidelity configuration and a cache fill level; each
 row keeps its own KV cache, RoPE position, prompt and noise, so batching never mixes streams.
@@ -32,6 +32,7 @@ from engine.serving.fidelity import FidelityConfig
 from engine.streaming.config import RuntimeConfig
 from engine.streaming.noise import MotionAwareNoiseController, NoiseControllerConfig
 from engine.streaming.prompts import BlendMode, PromptTransition, blend
+from engine.streaming.stabilizer import TemporalStabilizer
 from engine.streaming.state import StreamState
 from engine.vae import StreamVAE
 
@@ -80,10 +81,11 @@ class StageTimings:
     encode_s: float = 0.0
     dit_s: float = 0.0
     decode_s: float = 0.0
+    stabilize_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.encode_s + self.dit_s + self.decode_s
+        return self.encode_s + self.dit_s + self.decode_s + self.stabilize_s
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class StreamRuntime:
         self.schedule = preset.schedule
         self.config = config
         self.device = dit.device
+        self.stabilizer = TemporalStabilizer(config.stabilizer) if config.stabilizer is not None else None
         self.last_timings = StageTimings()
 
     # -- stream lifecycle ---------------------------------------------------------------------------
@@ -124,6 +127,7 @@ class StreamRuntime:
         weights: Sequence[float] | None = None,
         blend_mode: BlendMode = "linear",
         noise_scale: float = 0.8,
+        stabilize: bool = True,
     ) -> StreamState:
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         self.check_fidelity(fidelity)
@@ -140,6 +144,7 @@ class StreamRuntime:
             noise=NoiseSource(seed),
             vae_encoder=self.vae.new_encoder_cache(),
             vae_decoder=self.vae.new_decoder_cache(),
+            stabilize=stabilize,
         )
 
     def set_prompt(
@@ -164,6 +169,8 @@ class StreamRuntime:
             state.transition = None
             state.embedding = target
             state.prompt = self.dit.encode_prompt(target)
+            # A hard cut to a new look: the stabilizer's history is of the old one.
+            state.restart_stabilizer = True
         state.force_sink_refresh = refresh_sinks
 
     def set_fidelity(self, state: StreamState, fidelity: FidelityConfig) -> None:
@@ -212,6 +219,7 @@ class StreamRuntime:
             raise ValueError("step_batch needs one frame chunk per stream")
         t0 = time.perf_counter()
         latents, rates = [], []
+        restarts = [state.take_stabilizer_restart() for state in states]
         for state, chunk in zip(states, frames, strict=True):
             chunk = self._resize(chunk, self.engine_size(state.size, state.fidelity))
             controller = MotionAwareNoiseController(self._noise_config(state))
@@ -221,7 +229,11 @@ class StreamRuntime:
         x0 = self.denoise_latents(states, latents, rates)
         t2 = time.perf_counter()
         results = self._decode(states, x0, rates)
-        self.last_timings = StageTimings(encode_s=t1 - t0, dit_s=t2 - t1, decode_s=time.perf_counter() - t2)
+        t3 = time.perf_counter()
+        results = [self.stabilize(state, chunk, result, restart)
+                   for state, chunk, result, restart in zip(states, frames, results, restarts, strict=True)]
+        self.last_timings = StageTimings(encode_s=t1 - t0, dit_s=t2 - t1, decode_s=t3 - t2,
+                                         stabilize_s=time.perf_counter() - t3)
         return results
 
     def denoise_latents(
@@ -362,6 +374,17 @@ class StreamRuntime:
             frames = self._resize(frames, state.size)
             results.append(ChunkResult(frames, rates[row], state.last_first_timestep, state.last_sink_refresh))
         return results
+
+    def stabilize(self, state: StreamState, inputs: torch.Tensor, result: ChunkResult, restart: bool) -> ChunkResult:
+        """The temporal stabilizer stage on a finished chunk (``inputs``: the chunk as the stream sent it;
+        ``restart``: the chunk began after a hard prompt switch, so the old look's history is dropped)."""
+        if restart:
+            state.stabilizer.reset()
+        if self.stabilizer is None or not state.stabilize:
+            state.stabilizer.reset()  # so switching it back on starts from the current frame
+            return result
+        inputs = self._resize(inputs, state.size)
+        return replace(result, frames=self.stabilizer(state.stabilizer, inputs, result.frames))
 
     @staticmethod
     def _resize(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

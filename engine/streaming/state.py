@@ -20,6 +20,7 @@ from engine.sampling import NoiseSource
 from engine.serving.fidelity import FidelityConfig
 from engine.streaming.noise import NoiseControllerState
 from engine.streaming.prompts import PromptTransition
+from engine.streaming.stabilizer import StabilizerState
 
 
 @dataclass
@@ -45,6 +46,14 @@ class StreamState:
     last_noise_rate: float = 0.0
     last_first_timestep: float = 0.0
     last_sink_refresh: bool = False
+    stabilize: bool = True  # the user's switch; the runtime stabilises only if its config has a stabilizer
+    stabilizer: StabilizerState = field(default_factory=StabilizerState)
+    restart_stabilizer: bool = False  # set by a hard prompt switch: the next chunk starts a fresh history
+
+    def take_stabilizer_restart(self) -> bool:
+        """Whether the chunk entering now starts a fresh stabilizer history (a hard prompt switch before it)."""
+        restart, self.restart_stabilizer = self.restart_stabilizer, False
+        return restart
 
     def to(self, device: torch.device | str) -> StreamState:
         """A copy with every tensor on ``device`` (e.g. "cpu" to offload to host memory)."""

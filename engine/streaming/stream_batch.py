@@ -36,6 +36,8 @@ class _Slot:
     frame: int
     rope: int
     noise_rate: float
+    inputs: torch.Tensor  # the chunk as sent, for the temporal stabilizer
+    restart: bool  # a hard prompt switch came before this chunk (fresh stabilizer history)
     step: int = 0
 
 
@@ -76,7 +78,7 @@ class StreamBatch:
         if state.fidelity.steps != self.depth:
             raise ValueError("a step-count change needs drain() and a new StreamBatch")
         rt._begin_chunk(state)
-        chunk = rt._resize(chunk, rt.engine_size(state.size, state.fidelity))
+        inputs, chunk = chunk, rt._resize(chunk, rt.engine_size(state.size, state.fidelity))
         controller = MotionAwareNoiseController(rt._noise_config(state))
         rate = controller.step(chunk, state.noise_controller)
         z = rt.vae.encode_chunk(chunk.unsqueeze(0).to(rt.device, rt.dit.dtype), state.vae_encoder)
@@ -84,7 +86,8 @@ class StreamBatch:
         timesteps = [first, *rt.preset.timesteps(self.depth)[1:]]
         x = v2v_input(z, state.noise.randn(z.shape, dtype=z.dtype, device=rt.device), rate)
         noises = [state.noise.randn(z.shape, dtype=z.dtype, device=rt.device) for _ in range(self.depth - 1)]
-        slot = _Slot(state, x, timesteps, noises, state.prompt, state.frame, state.rope_frame, rate)
+        slot = _Slot(state, x, timesteps, noises, state.prompt, state.frame, state.rope_frame, rate, inputs,
+                     state.take_stabilizer_restart())
         f = z.shape[2]
         state.frame += f
         state.rope_frame += f
@@ -114,7 +117,8 @@ class StreamBatch:
             state.last_noise_rate = slot.noise_rate
             frames = rt.vae.decode_chunk(slot.x, state.vae_decoder)[0].float().clamp(-1, 1)
             frames = rt._resize(frames, state.size)
-            finished[id(state)] = ChunkResult(frames, slot.noise_rate, slot.timesteps[0], False)
+            finished[id(state)] = rt.stabilize(state, slot.inputs, ChunkResult(frames, slot.noise_rate, slot.timesteps[0], False),
+                                           slot.restart)
         self.in_flight = still
         return [finished.get(id(s)) for s in self.states]
 

@@ -1,0 +1,143 @@
+"""Temporal stabilizer: a motion-compensated recursive filter on the decoded output frames.
+
+A causal video diffusion model flickers where its input does not change: fresh V2V noise every
+chunk, a jump at every chunk boundary, and the VAE's own wobble all add frame-to-frame changes the
+camera never saw. A per-frame filter would show none of them. The stabilizer removes what the input
+does not explain, frame by frame, using only the past (so it adds no latency):
+
+    flow      = optical flow from input frame t to t−1          (DIS, on grey, at most 320 px a side)
+    residual  = max over RGB |in_t − warp(in_{t−1}, flow)|, blurred   (where the flow fails: occlusion, light)
+    change    = max over RGB |out_t − warp(y_{t−1}, flow)|, blurred   (what the model changed there)
+    m         = strength · exp(−(residual / motion_tolerance)²) · exp(−(change / change_tolerance)²)
+    m         = 0 everywhere if mean(residual) > cut_residual          (a scene cut: no usable history)
+    y_t       = out_t + m · (warp(y_{t−1}, flow) − out_t)              (y = stabilised output)
+
+Where the flow explains the input and the model's change is small (flicker), y follows the
+motion-compensated history; where the input really changed (occlusion, a cut, a light switch) or the
+output changed a lot (a new prompt, a new object), the model's frame passes through. In a static
+region ``strength`` = 0.85 averages over ~12 frames, cutting white flicker about 3.5x.
+
+The state (previous input frame, previous stabilised output) lives in the stream's state as tensors, so
+it moves with the stream between workers like the KV cache does.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import cv2
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class StabilizerConfig:
+    strength: float = 0.85  # weight of the motion-compensated history where nothing contradicts it
+    motion_tolerance: float = 0.07  # input residual (0–1 units) at which the history's weight falls to 1/e
+    change_tolerance: float = 0.2  # output change (0–1 units) at which the history's weight falls to 1/e
+    cut_residual: float = 0.04  # mean input residual above which a frame is a scene cut (history dropped)
+    flow_max_side: int = 320  # optical flow is estimated on frames scaled down to at most this side
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.strength < 1.0:
+            raise ValueError(f"stabilizer strength must be in [0, 1), got {self.strength}")
+        if self.motion_tolerance <= 0 or self.change_tolerance <= 0 or self.cut_residual <= 0:
+            raise ValueError("stabilizer tolerances must be positive")
+        if self.flow_max_side < 16:
+            raise ValueError(f"flow_max_side must be >= 16, got {self.flow_max_side}")
+
+
+@dataclass
+class StabilizerState:
+    """The last input frame (uint8 [H, W, 3]) and the last stabilised output (float32 [H, W, 3], 0–255)."""
+
+    prev_in: torch.Tensor | None = None
+    prev_out: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.prev_in = None
+        self.prev_out = None
+
+
+_local = threading.local()
+
+
+def _flow_estimator() -> Any:  # cv2.DISOpticalFlow; its stubs do not allow calc(..., None)
+    # One DIS instance per thread: calc() keeps scratch buffers, so threads must not share one.
+    dis = getattr(_local, "dis", None)
+    if dis is None:
+        dis = cv2.DISOpticalFlow_create(cv2.DISOPTICAL_FLOW_PRESET_ULTRAFAST)  # type: ignore[attr-defined]
+        _local.dis = dis
+    return dis
+
+
+class TemporalStabilizer:
+    """Stateless operator; the per-stream history is a :class:`StabilizerState`."""
+
+    def __init__(self, config: StabilizerConfig) -> None:
+        self.config = config
+        self._grids: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def __call__(self, state: StabilizerState, inputs: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+        """Input and output chunks [3, T, H, W] in [-1, 1] (same size) -> the stabilised output chunk."""
+        if inputs.shape != outputs.shape:
+            raise ValueError(f"stabilizer needs input and output chunks of one shape, got {tuple(inputs.shape)} "
+                             f"and {tuple(outputs.shape)}")
+        inp = _to_u8(inputs)
+        out = ((outputs.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).permute(1, 2, 3, 0).numpy()
+        if state.prev_in is not None and tuple(state.prev_in.shape) != inp.shape[1:]:
+            state.reset()
+        result = np.empty_like(out)
+        for t in range(inp.shape[0]):
+            if state.prev_in is None or state.prev_out is None:
+                result[t] = out[t]
+            else:
+                result[t] = self._frame(state.prev_in.numpy(), state.prev_out.numpy(), inp[t], out[t])
+            state.prev_in = torch.from_numpy(inp[t].copy())
+            state.prev_out = torch.from_numpy(result[t].copy())
+        return torch.from_numpy(result).permute(3, 0, 1, 2).div(127.5).sub(1.0).to(outputs.device, outputs.dtype)
+
+    def _frame(self, prev_in: np.ndarray, prev_out: np.ndarray, inp: np.ndarray, out: np.ndarray) -> np.ndarray:
+        cfg = self.config
+        h, w = inp.shape[:2]
+        mx, my = self._sample_grid(cv2.cvtColor(inp, cv2.COLOR_RGB2GRAY), cv2.cvtColor(prev_in, cv2.COLOR_RGB2GRAY))
+        warped_in = cv2.remap(prev_in, mx, my, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
+        residual = cv2.absdiff(inp, warped_in).max(axis=2).astype(np.float32) / 255.0
+        if float(residual.mean()) > cfg.cut_residual:
+            return out
+        warped_out = cv2.remap(prev_out, mx, my, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
+        change = np.abs(out - warped_out).max(axis=2) / 255.0
+        residual = cv2.GaussianBlur(residual, (5, 5), 0)
+        change = cv2.GaussianBlur(change, (5, 5), 0)
+        inside = (mx >= 0) & (mx <= w - 1) & (my >= 0) & (my <= h - 1)
+        weight = cfg.strength * np.exp(-np.square(residual / cfg.motion_tolerance) - np.square(change / cfg.change_tolerance))
+        weight *= inside
+        return out + weight[..., None] * (warped_out - out)
+
+    def _sample_grid(self, gray: np.ndarray, prev_gray: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where each pixel of frame t came from in frame t−1 (absolute coordinates, float32 maps)."""
+        h, w = gray.shape
+        scale = min(1.0, self.config.flow_max_side / max(h, w))
+        if scale < 1.0:
+            size = (max(8, round(w * scale)), max(8, round(h * scale)))
+            small = cv2.resize(gray, size, interpolation=cv2.INTER_AREA)
+            small_prev = cv2.resize(prev_gray, size, interpolation=cv2.INTER_AREA)
+            flow = _flow_estimator().calc(small, small_prev, None)
+            flow = cv2.resize(flow, (w, h), interpolation=cv2.INTER_LINEAR)
+            flow[..., 0] *= w / size[0]
+            flow[..., 1] *= h / size[1]
+        else:
+            flow = _flow_estimator().calc(gray, prev_gray, None)
+        if (h, w) not in self._grids:
+            gy, gx = np.mgrid[0:h, 0:w].astype(np.float32)
+            self._grids[(h, w)] = (gx, gy)
+        gx, gy = self._grids[(h, w)]
+        return gx + flow[..., 0], gy + flow[..., 1]
+
+
+def _to_u8(frames: torch.Tensor) -> np.ndarray:
+    """[3, T, H, W] in [-1, 1] -> contiguous uint8 [T, H, W, 3]."""
+    pixels = ((frames.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return np.ascontiguousarray(pixels.permute(1, 2, 3, 0).numpy())

@@ -1,0 +1,119 @@
+"""The temporal stabilizer against independent references: the clean signal it should recover, the
+closed-form noise reduction of a recursive average, and the raw output it must pass through on cuts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.streaming.stabilizer import StabilizerConfig, StabilizerState, TemporalStabilizer
+
+SIZE = 64
+
+
+def texture(seed: int, size: int = SIZE) -> np.ndarray:
+    """A smooth random texture (blurred noise, values 40–215) that optical flow can lock onto."""
+    import cv2
+
+    rng = np.random.default_rng(seed)
+    img = cv2.GaussianBlur(rng.uniform(0, 255, (size, size, 3)).astype(np.float32), (0, 0), 2.0)
+    img = (img - img.min()) / (img.max() - img.min())
+    return (40 + 175 * img).astype(np.float32)
+
+
+def style(frames: np.ndarray) -> np.ndarray:
+    """A per-pixel 'style' (colour inversion): what a flicker-free model would output."""
+    return 255.0 - frames
+
+
+def as_chunk(frames: np.ndarray) -> torch.Tensor:
+    """[T, H, W, 3] in 0–255 -> [3, T, H, W] in [-1, 1]."""
+    return torch.from_numpy(np.ascontiguousarray(frames)).float().div(127.5).sub(1.0).permute(3, 0, 1, 2)
+
+
+def as_frames(chunk: torch.Tensor) -> np.ndarray:
+    return ((chunk.permute(1, 2, 3, 0) + 1) * 127.5).numpy()
+
+
+def run(config: StabilizerConfig, inputs: np.ndarray, outputs: np.ndarray, chunk: int = 4) -> np.ndarray:
+    """Feed a clip through in chunks like the runtime does; returns the stabilised frames (0–255)."""
+    stab, state = TemporalStabilizer(config), StabilizerState()
+    out = [as_frames(stab(state, as_chunk(inputs[a : a + chunk]), as_chunk(outputs[a : a + chunk])))
+           for a in range(0, len(inputs), chunk)]
+    return np.concatenate(out)
+
+
+def test_static_scene_flicker_falls_as_a_recursive_average_predicts() -> None:
+    frames = np.repeat(texture(0)[None], 48, axis=0)
+    rng = np.random.default_rng(1)
+    sigma = 6.0
+    raw = style(frames) + rng.normal(0, sigma, frames.shape)
+    strength = 0.8
+    # Gates wide open: with flow 0 and no change, y_t = α·y_{t−1} + (1 − α)·out_t exactly.
+    y = run(StabilizerConfig(strength=strength, motion_tolerance=10.0, change_tolerance=10.0), frames, raw)
+    steady = y[16:] - style(frames[16:])
+    expected = sigma * np.sqrt((1 - strength) / (1 + strength))  # stationary std of an AR(1) average
+    assert steady.std() == pytest.approx(expected, rel=0.1)
+    assert np.abs(np.diff(y[16:], axis=0)).mean() < 0.5 * np.abs(np.diff(raw[16:], axis=0)).mean()
+
+
+def test_moving_camera_output_moves_with_the_scene_and_loses_its_noise() -> None:
+    big = texture(2, size=SIZE + 64)
+    # A pan of 2 px per frame: every frame is a window of one larger image.
+    frames = np.stack([big[8 : 8 + SIZE, 2 * t : 2 * t + SIZE] for t in range(24)])
+    rng = np.random.default_rng(3)
+    clean = style(frames)
+    raw = clean + rng.normal(0, 6.0, frames.shape)
+    y = run(StabilizerConfig(), frames, raw)
+    inner = (slice(8, None), slice(8, SIZE - 8), slice(8, SIZE - 8))  # frames past warm-up, away from borders
+    err_raw = np.abs(raw - clean)[inner].mean()
+    err_stab = np.abs(y - clean)[inner].mean()
+    assert err_stab < 0.6 * err_raw, f"stabilised error {err_stab:.2f} vs raw {err_raw:.2f}"
+
+
+def test_scene_cut_passes_the_model_frame_through() -> None:
+    a, b = texture(4), texture(5)
+    frames = np.stack([a] * 8 + [b] * 8)
+    raw = style(frames)
+    y = run(StabilizerConfig(), frames, raw)
+    # Frame 8 is the cut: the history shows a different scene and must not leak into it.
+    assert np.abs(y[8] - raw[8]).mean() < 0.02 * np.abs(raw[8] - raw[7]).mean()
+
+
+def test_new_look_on_a_static_scene_passes_through() -> None:
+    frames = np.repeat(texture(6)[None], 12, axis=0)
+    raw = np.concatenate([style(frames[:8]), frames[8:] * 0.3])  # the prompt changed at frame 8
+    y = run(StabilizerConfig(), frames, raw)
+    assert np.abs(y[8] - raw[8]).mean() < 0.02 * np.abs(raw[8] - raw[7]).mean()
+
+
+def test_first_frame_and_size_change_start_a_fresh_history() -> None:
+    stab, state = TemporalStabilizer(StabilizerConfig()), StabilizerState()
+    small = np.repeat(texture(7, 32)[None], 4, axis=0)
+    out = stab(state, as_chunk(small), as_chunk(style(small)))
+    torch.testing.assert_close(out[:, 0], as_chunk(style(small))[:, 0], rtol=0, atol=1e-5)
+    big = np.repeat(texture(8)[None], 4, axis=0)
+    out = stab(state, as_chunk(big), as_chunk(style(big)))
+    assert out.shape == (3, 4, SIZE, SIZE)
+    torch.testing.assert_close(out[:, 0], as_chunk(style(big))[:, 0], rtol=0, atol=1e-5)
+
+
+def test_large_frames_use_downscaled_flow_and_still_track_motion() -> None:
+    big = texture(9, size=480)
+    frames = np.stack([big[8:408, 4 * t : 4 * t + 400] for t in range(12)])
+    rng = np.random.default_rng(10)
+    raw = style(frames) + rng.normal(0, 6.0, frames.shape)
+    y = run(StabilizerConfig(flow_max_side=160), frames, raw)
+    inner = (slice(6, None), slice(16, -16), slice(16, -16))
+    assert np.abs(y - style(frames))[inner].mean() < 0.7 * np.abs(raw - style(frames))[inner].mean()
+
+
+def test_bad_shapes_and_config_are_refused() -> None:
+    stab = TemporalStabilizer(StabilizerConfig())
+    with pytest.raises(ValueError, match="one shape"):
+        stab(StabilizerState(), torch.zeros(3, 4, 32, 32), torch.zeros(3, 4, 32, 48))
+    with pytest.raises(ValueError, match="strength"):
+        StabilizerConfig(strength=1.0)
+    with pytest.raises(ValueError, match="tolerances"):
+        StabilizerConfig(motion_tolerance=0.0)
