@@ -4,7 +4,7 @@ For one model at one frame size, each candidate ``FidelityConfig`` (denoising st
 sampler preset, KV window, resolution scale, attention precision) runs the same synthetic camera
 clip with the same seed:
 
-* latency: wall time of one V2V chunk (encode + DiT + decode, ``Stream.process``), the median over
+* latency: wall time of one V2V chunk (encode + DiT + decode + the stabilizer where the model enables it, ``Stream.process``), the median over
   ``chunks`` chunks after ``warmup`` chunks (enough to fill the largest KV window, so the attention
   cost is the steady-state one); the first-chunk latency is the median of ``first_repeats`` fresh
   first chunks. Configs are run *interleaved* chunk by chunk, so load from other processes on a
@@ -202,7 +202,7 @@ def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = N
         notes=(
             f"quality = PSNR (dB, cap {PSNR_CAP:g}) of each config's output against the reference config "
             f"{configs[0].label()} on the same synthetic clip and seed; 'ssim' per point is the mean SSIM",
-            "latency = median wall time of one V2V chunk (encode + DiT + decode), configs interleaved",
+            "latency = median wall time of one V2V chunk (encode + DiT + decode + stabilizer where enabled), configs interleaved",
             f"measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         ),
     )

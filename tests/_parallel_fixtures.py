@@ -22,8 +22,8 @@ from engine.parallel.service import ParallelFactory
 from engine.pipeline import Pipeline, StreamParams, tensor_to_frames
 from engine.sampling import STREAMDIFFUSION_V2
 from engine.streaming.config import RuntimeConfig
-from engine.streaming.stabilizer import StabilizerConfig
 from engine.streaming.runtime import PromptEncoder, StreamRuntime
+from engine.streaming.stabilizer import StabilizerConfig
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ does not explain, frame by frame, using only the past (so it adds no latency):
 Where the flow explains the input and the model's change is small (flicker), y follows the
 motion-compensated history; where the input really changed (occlusion, a cut, a light switch) or the
 output changed a lot (a new prompt, a new object), the model's frame passes through. In a static
-region ``strength`` = 0.85 averages over ~12 frames, cutting white flicker about 3.5x.
+region ``strength`` = 0.9 averages over ~19 frames, cutting white flicker about 4.4x.
 
 The state (previous input frame, previous stabilised output) lives in the stream's state as tensors, so
 it moves with the stream between workers like the KV cache does.
@@ -34,9 +34,9 @@ import torch
 
 @dataclass(frozen=True)
 class StabilizerConfig:
-    strength: float = 0.85  # weight of the motion-compensated history where nothing contradicts it
-    motion_tolerance: float = 0.07  # input residual (0–1 units) at which the history's weight falls to 1/e
-    change_tolerance: float = 0.2  # output change (0–1 units) at which the history's weight falls to 1/e
+    strength: float = 0.9  # weight of the motion-compensated history where nothing contradicts it
+    motion_tolerance: float = 0.1  # input residual (0–1 units) at which the history's weight falls to 1/e
+    change_tolerance: float = 0.3  # output change (0–1 units) at which the history's weight falls to 1/e
     cut_residual: float = 0.04  # mean input residual above which a frame is a scene cut (history dropped)
     flow_max_side: int = 320  # optical flow is estimated on frames scaled down to at most this side
 
@@ -104,17 +104,17 @@ class TemporalStabilizer:
         h, w = inp.shape[:2]
         mx, my = self._sample_grid(cv2.cvtColor(inp, cv2.COLOR_RGB2GRAY), cv2.cvtColor(prev_in, cv2.COLOR_RGB2GRAY))
         warped_in = cv2.remap(prev_in, mx, my, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
-        residual = cv2.absdiff(inp, warped_in).max(axis=2).astype(np.float32) / 255.0
-        if float(residual.mean()) > cfg.cut_residual:
+        residual = _channel_max(cv2.absdiff(inp, warped_in))
+        if cv2.mean(residual)[0] > 255.0 * cfg.cut_residual:
             return out
         warped_out = cv2.remap(prev_out, mx, my, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
-        change = np.abs(out - warped_out).max(axis=2) / 255.0
-        residual = cv2.GaussianBlur(residual, (5, 5), 0)
-        change = cv2.GaussianBlur(change, (5, 5), 0)
-        inside = (mx >= 0) & (mx <= w - 1) & (my >= 0) & (my <= h - 1)
-        weight = cfg.strength * np.exp(-np.square(residual / cfg.motion_tolerance) - np.square(change / cfg.change_tolerance))
-        weight *= inside
-        return out + weight[..., None] * (warped_out - out)
+        change = _channel_max(cv2.absdiff(out, warped_out))
+        # Both in 0–255 units: fold the 1/255 into the tolerances.
+        r = cv2.GaussianBlur(residual.astype(np.float32), (5, 5), 0) * (1.0 / (255.0 * cfg.motion_tolerance))
+        c = cv2.GaussianBlur(change, (5, 5), 0) * (1.0 / (255.0 * cfg.change_tolerance))
+        weight = np.exp(-(r * r + c * c)) * np.float32(cfg.strength)
+        weight[(mx < 0) | (mx > w - 1) | (my < 0) | (my > h - 1)] = 0.0  # history from outside the frame
+        return out + cv2.merge([weight, weight, weight]) * (warped_out - out)
 
     def _sample_grid(self, gray: np.ndarray, prev_gray: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Where each pixel of frame t came from in frame t−1 (absolute coordinates, float32 maps)."""
@@ -135,6 +135,12 @@ class TemporalStabilizer:
             self._grids[(h, w)] = (gx, gy)
         gx, gy = self._grids[(h, w)]
         return gx + flow[..., 0], gy + flow[..., 1]
+
+
+def _channel_max(image: np.ndarray) -> np.ndarray:
+    """[H, W, 3] -> [H, W], the largest channel (cv2 on split planes: numpy's axis reduce is 10x slower)."""
+    a, b, c = cv2.split(image)
+    return cv2.max(cv2.max(a, b), c)
 
 
 def _to_u8(frames: torch.Tensor) -> np.ndarray:
