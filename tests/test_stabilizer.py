@@ -81,11 +81,18 @@ def test_scene_cut_passes_the_model_frame_through() -> None:
     assert np.abs(y[8] - raw[8]).mean() < 0.02 * np.abs(raw[8] - raw[7]).mean()
 
 
-def test_new_look_on_a_static_scene_passes_through() -> None:
+def test_a_new_look_on_a_static_scene_is_held_back_only_by_the_change_gate() -> None:
     frames = np.repeat(texture(6)[None], 12, axis=0)
-    raw = np.concatenate([style(frames[:8]), frames[8:] * 0.3])  # the prompt changed at frame 8
-    y = run(StabilizerConfig(), frames, raw)
-    assert np.abs(y[8] - raw[8]).mean() < 0.02 * np.abs(raw[8] - raw[7]).mean()
+    before = style(frames[:8])
+    after = (before[:4] + 128.0) % 256.0  # every channel of every pixel moves by exactly 128 (0.5 in 0–1 units)
+    raw = np.concatenate([before, after])
+    config = StabilizerConfig()
+    y = run(config, frames, raw)
+    # Static input: no motion residual, so the history weight is the change gate alone, the same everywhere.
+    expected = config.strength * np.exp(-((0.5 / config.change_tolerance) ** 2))
+    leak = np.abs(y[8] - raw[8]).mean() / np.abs(raw[8] - raw[7]).mean()
+    assert leak == pytest.approx(expected, rel=0.05)
+    assert expected < 0.06, "a look change this large shows at once"
 
 
 def test_first_frame_and_size_change_start_a_fresh_history() -> None:
