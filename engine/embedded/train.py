@@ -66,7 +66,7 @@ class TrainConfig:
     dit_batch: int = 16
     dit_lr: float = 6e-4
     dit_tune_steps: int = 1500  # per tune round
-    dit_tune_rounds: int = 3
+    dit_tune_rounds: int = 4
     dit_tune_lr: float = 2e-4
     decoder_steps: int = 1500
     decoder_lr: float = 3e-4
