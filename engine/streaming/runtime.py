@@ -378,13 +378,12 @@ class StreamRuntime:
     def stabilize(self, state: StreamState, inputs: torch.Tensor, result: ChunkResult, restart: bool) -> ChunkResult:
         """The temporal stabilizer stage on a finished chunk (``inputs``: the chunk as the stream sent it;
         ``restart``: the chunk began after a hard prompt switch, so the old look's history is dropped)."""
-        if restart:
+        stabilizer = self.stabilizer if state.stabilize else None
+        if restart or stabilizer is None:  # while off, keep no history: switching on starts afresh
             state.stabilizer.reset()
-        if self.stabilizer is None or not state.stabilize:
-            state.stabilizer.reset()  # so switching it back on starts from the current frame
+        if stabilizer is None:
             return result
-        inputs = self._resize(inputs, state.size)
-        return replace(result, frames=self.stabilizer(state.stabilizer, inputs, result.frames))
+        return replace(result, frames=stabilizer(state.stabilizer, self._resize(inputs, state.size), result.frames))
 
     @staticmethod
     def _resize(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
