@@ -15,11 +15,12 @@ import torch
 from _runtime_fixtures import HashTextEncoder, clip, fidelity
 
 from app.server.engine_bridge import StreamSettings
+from engine.frames import tensor_to_frames
 from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.models.wan_vae import WanVAE, WanVAEConfig
 from engine.parallel.pipeline import PipelineRuntime
 from engine.parallel.service import ParallelFactory
-from engine.pipeline import Pipeline, StreamParams, tensor_to_frames
+from engine.pipeline import Pipeline, StreamParams
 from engine.sampling import STREAMDIFFUSION_V2
 from engine.streaming.config import RuntimeConfig
 from engine.streaming.runtime import PromptEncoder, StreamRuntime

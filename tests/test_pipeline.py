@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.pipeline import ModelNotAvailableError, Pipeline, StreamParams, frames_to_tensor, tensor_to_frames
+from engine.frames import frames_to_tensor, tensor_to_frames
+from engine.pipeline import ModelNotAvailableError, Pipeline, StreamParams
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,8 @@ def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks:
     import numpy as np
     import torch
 
-    from engine.pipeline import StreamParams, frames_to_tensor
+    from engine.frames import frames_to_tensor
+    from engine.pipeline import StreamParams
     from engine.streaming.stream_batch import StreamBatch
 
     rt = pipe.runtime

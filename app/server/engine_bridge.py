@@ -150,7 +150,7 @@ class PipelineProcessor:
         return (id(runtime), state.fidelity, state.size, runtime.engine_size(state.size, state.fidelity), fill)
 
     def process_batch(self, rows: Sequence[tuple[BatchProcessor, np.ndarray]]) -> list[np.ndarray]:
-        from engine.pipeline import frames_to_tensor, tensor_to_frames
+        from engine.frames import frames_to_tensor, tensor_to_frames
 
         streams = []
         for processor, _ in rows:

@@ -33,19 +33,10 @@ from tqdm import tqdm
 from engine.embedded.clips import ClipSpec, heldout_specs, render_clip
 from engine.embedded.model import DEFAULT_CONFIG, EmbeddedModel
 from engine.embedded.teachers import stylize_clip
+from engine.frames import frames_to_tensor, tensor_to_frames
 from engine.streaming.stabilizer import StabilizerState, TemporalStabilizer
 
 log = logging.getLogger(__name__)
-
-
-def to_pixels(frames_u8: np.ndarray) -> torch.Tensor:
-    """uint8 [T, H, W, 3] -> [1, 3, T, H, W] in [-1, 1]."""
-    return torch.from_numpy(frames_u8).float().div(127.5).sub(1.0).permute(3, 0, 1, 2)[None]
-
-
-def to_u8(pixels: torch.Tensor) -> np.ndarray:
-    """[1, 3, T, H, W] in [-1, 1] -> uint8 [T, H, W, 3]."""
-    return ((pixels[0].permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5).round().byte().numpy()
 
 
 Timings = tuple[float, float, float, float]  # encode, DiT, decode, stabilizer (seconds per chunk)
@@ -64,14 +55,14 @@ def stylize_stream(model: EmbeddedModel, frames: np.ndarray, prompt: str, seed: 
     outs, raws, timings = [], [], []
     bounds = [0, min(5, frames.shape[0])] + list(range(9, frames.shape[0] + 1, 4))
     for a, b in zip(bounds[:-1], bounds[1:], strict=False):
-        pixels = to_pixels(frames[a:b])
+        pixels = frames_to_tensor(frames[a:b])[None]
         raw = stream.process(pixels).clamp(-1, 1)
         started = time.perf_counter()
         out = stabilizer(state, pixels[0], raw[0])[None]
         t = stream.last_timings
         timings.append((t.encode_s, t.dit_s, t.decode_s, time.perf_counter() - started))
-        outs.append(to_u8(out))
-        raws.append(to_u8(raw))
+        outs.append(tensor_to_frames(out[0]))
+        raws.append(tensor_to_frames(raw[0]))
     return np.concatenate(outs), np.concatenate(raws), timings
 
 

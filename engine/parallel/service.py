@@ -55,7 +55,7 @@ class ParallelProcessor:
         return int(self._factory.pipeline.chunk_frames)
 
     def process(self, frames: np.ndarray) -> np.ndarray:
-        from engine.pipeline import frames_to_tensor, tensor_to_frames
+        from engine.frames import frames_to_tensor, tensor_to_frames
 
         self._factory.close_dropped()
         expected = self.chunk_frames if self.state.chunks else self.first_chunk_frames

@@ -31,6 +31,8 @@ import cv2
 import numpy as np
 import torch
 
+from engine.frames import tensor_to_frames
+
 
 @dataclass(frozen=True)
 class StabilizerConfig:
@@ -85,7 +87,7 @@ class TemporalStabilizer:
         if inputs.shape != outputs.shape:
             raise ValueError(f"stabilizer needs input and output chunks of one shape, got {tuple(inputs.shape)} "
                              f"and {tuple(outputs.shape)}")
-        inp = _to_u8(inputs)
+        inp = tensor_to_frames(inputs)
         out = ((outputs.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).permute(1, 2, 3, 0).numpy()
         if state.prev_in is not None and tuple(state.prev_in.shape) != inp.shape[1:]:
             state.reset()
@@ -141,9 +143,3 @@ def _channel_max(image: np.ndarray) -> np.ndarray:
     """[H, W, 3] -> [H, W], the largest channel (cv2 on split planes: numpy's axis reduce is 10x slower)."""
     a, b, c = cv2.split(image)
     return cv2.max(cv2.max(a, b), c)
-
-
-def _to_u8(frames: torch.Tensor) -> np.ndarray:
-    """[3, T, H, W] in [-1, 1] -> contiguous uint8 [T, H, W, 3]."""
-    pixels = ((frames.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return np.ascontiguousarray(pixels.permute(1, 2, 3, 0).numpy())
