@@ -50,7 +50,7 @@ def stylize_stream(model: EmbeddedModel, frames: np.ndarray, prompt: str, seed: 
     """
     if frames.shape[0] % 4 != 1:
         raise ValueError(f"clip needs 1 + 4k frames, got {frames.shape[0]}")
-    stream = model.open_stream(prompt, seed=seed, num_steps=num_steps, noise_scale=noise_scale, stabilize=False)
+    stream = model.open_stream(prompt, seed=seed, num_steps=num_steps, noise_scale=noise_scale)
     stabilizer, state = TemporalStabilizer(model.spec.stabilizer), StabilizerState()
     outs, raws, timings = [], [], []
     bounds = [0, min(5, frames.shape[0])] + list(range(9, frames.shape[0] + 1, 4))

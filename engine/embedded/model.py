@@ -10,7 +10,9 @@ Checkpoint = ``default.safetensors`` (tensors ``vae.*`` = TinyVAE state, ``dit.*
     x̂₀ = x − σ(t₁)·v                                   σ from FlowMatchSchedule(shift)
     (optional refinement: x = renoise(x̂₀, ε′, σ(t₂)); x̂₀ = x − σ(t₂)·dit(x, t₂, ...), same cache slot)
     frames_out = vae.decode_chunk(x̂₀)
-    out = stabilizer(frames, frames_out)               motion-compensated flicker filter (engine/streaming/stabilizer.py)
+
+The product path adds the temporal stabilizer the spec configures (``spec.stabilizer``,
+engine/streaming/stabilizer.py) after the decoder; ``evaluate.stylize_stream`` applies it the same way.
 
 The DiT is conditioned on the L2-normalised pooled MiniLM embedding of the prompt, as a 1-row context.
 """
@@ -38,7 +40,7 @@ from engine.sampling import (
     v2v_input,
     x0_from_velocity,
 )
-from engine.streaming.stabilizer import StabilizerConfig, StabilizerState, TemporalStabilizer
+from engine.streaming.stabilizer import StabilizerConfig
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 DEFAULT_CONFIG = WEIGHTS_DIR / "default.json"
@@ -153,12 +155,11 @@ class EmbeddedModel:
                            self.spec.too_far_below)
 
     def open_stream(self, prompt: str, seed: int = 0, noise_scale: float | None = None,
-                    num_steps: int | None = None, stabilize: bool = True) -> EmbeddedStream:
+                    num_steps: int | None = None) -> EmbeddedStream:
         context = pooled_embeddings([prompt])[:, None, :]
         return EmbeddedStream(self, self.dit.encode_prompt(context), seed,
                               self.spec.sampler.noise_scale if noise_scale is None else noise_scale,
-                              self.spec.sampler.default_num_steps if num_steps is None else num_steps,
-                              stabilize)
+                              self.spec.sampler.default_num_steps if num_steps is None else num_steps)
 
 
 @dataclass
@@ -166,14 +167,13 @@ class ChunkTimings:
     encode_s: float
     dit_s: float
     decode_s: float
-    stabilize_s: float = 0.0
 
 
 class EmbeddedStream:
     """State of one stream: VAE caches, DiT KV cache, prompt K/V, noise; ``process`` one chunk at a time."""
 
     def __init__(self, model: EmbeddedModel, prompt: PromptCache, seed: int, noise_scale: float,
-                 num_steps: int, stabilize: bool = False) -> None:
+                 num_steps: int) -> None:
         self.model, self.prompt = model, prompt
         self.noise = NoiseSource(seed)
         self.timesteps = timesteps_for(model.spec.sampler, noise_scale, num_steps)
@@ -182,8 +182,6 @@ class EmbeddedStream:
         self.dec: TinyVAECache = model.vae.new_decoder_cache()
         self.kv: KVCache | None = None
         self.frame = 0  # latent frames generated so far
-        self.stabilizer = TemporalStabilizer(model.spec.stabilizer) if stabilize else None
-        self.stabilizer_states: list[StabilizerState] = []
         self.last_timings = ChunkTimings(0.0, 0.0, 0.0)
 
     @torch.no_grad()
@@ -197,12 +195,7 @@ class EmbeddedStream:
         t2 = time.perf_counter()
         pixels = m.vae.decode_chunk(x0, self.dec)
         t3 = time.perf_counter()
-        if self.stabilizer is not None:
-            if not self.stabilizer_states:
-                self.stabilizer_states = [StabilizerState() for _ in range(frames.shape[0])]
-            pixels = torch.stack([self.stabilizer(s, f, p) for s, f, p in
-                                  zip(self.stabilizer_states, frames, pixels.clamp(-1, 1), strict=True)])
-        self.last_timings = ChunkTimings(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+        self.last_timings = ChunkTimings(t1 - t0, t2 - t1, t3 - t2)
         return pixels
 
     @torch.no_grad()
