@@ -26,10 +26,10 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from engine.fidelity import FidelityConfig
 from engine.frames import frames_to_tensor, tensor_to_frames
 from engine.models.wan_dit import CONFIGS, CausalWanDiT, WanDiTConfig
 from engine.sampling import SELF_FORCING, STREAMDIFFUSION_V2, SamplerPreset
-from engine.serving.fidelity import FidelityConfig
 from engine.streaming.config import RuntimeConfig
 from engine.streaming.noise import NoiseControllerConfig
 from engine.streaming.prompts import BlendMode

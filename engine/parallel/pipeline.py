@@ -40,12 +40,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine.fidelity import FidelityConfig
 from engine.models.wan_dit import PromptCache
 from engine.parallel.comm import Channel, Message
 from engine.parallel.partition import BlockScheduler, StageTiming, check_ranges
 from engine.parallel.stage import Stage, WeightsMode
 from engine.sampling import NoiseSource, v2v_input
-from engine.serving.fidelity import FidelityConfig
 from engine.streaming.noise import MotionAwareNoiseController
 from engine.streaming.prompts import BlendMode, PromptTransition
 from engine.streaming.runtime import ChunkResult, RopeOverflowError, StreamRuntime

@@ -18,11 +18,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from engine.fidelity import FidelityConfig
 from engine.models.wan_dit import KVCache, PromptCache
 from engine.parallel.comm import Channel, Message
 from engine.parallel.partition import check_ranges
 from engine.sampling import renoise, x0_from_velocity
-from engine.serving.fidelity import FidelityConfig
 from engine.streaming.runtime import StreamRuntime, resize_window
 
 WeightsMode = Literal["all", "own"]

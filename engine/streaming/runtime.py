@@ -26,9 +26,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.fidelity import FidelityConfig
 from engine.models.wan_dit import CausalWanDiT, KVCache, PromptCache
 from engine.sampling import NoiseSource, SamplerPreset, renoise, v2v_input, x0_from_velocity
-from engine.serving.fidelity import FidelityConfig
 from engine.streaming.config import RuntimeConfig
 from engine.streaming.noise import MotionAwareNoiseController, NoiseControllerConfig
 from engine.streaming.prompts import BlendMode, PromptTransition, blend

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from engine.fidelity import FidelityConfig
 from engine.models.wan_dit import KVCache, PromptCache
 from engine.sampling import NoiseSource
-from engine.serving.fidelity import FidelityConfig
 from engine.streaming.noise import NoiseControllerState
 from engine.streaming.prompts import PromptTransition
 from engine.streaming.stabilizer import StabilizerState
