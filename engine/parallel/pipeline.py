@@ -45,10 +45,9 @@ from engine.models.wan_dit import PromptCache
 from engine.parallel.comm import Channel, Message
 from engine.parallel.partition import BlockScheduler, StageTiming, check_ranges
 from engine.parallel.stage import Stage, WeightsMode
-from engine.sampling import NoiseSource, v2v_input
-from engine.streaming.noise import MotionAwareNoiseController
+from engine.sampling import NoiseSource
 from engine.streaming.prompts import BlendMode, PromptTransition
-from engine.streaming.runtime import ChunkResult, RopeOverflowError, StreamRuntime
+from engine.streaming.runtime import ChunkInFlight, ChunkResult, StreamRuntime
 from engine.streaming.state import StreamState
 
 log = logging.getLogger(__name__)
@@ -78,19 +77,14 @@ class PipelineOptions:
 
 @dataclass
 class _Slot:
-    state: StreamState
-    x: Tensor  # [1, C, F, h, w] at the slot's step
-    timesteps: list[float]
-    noises: list[Tensor]
+    """A chunk in the ring: the runtime's chunk (positions, schedule, noise) plus its prompt version."""
+
+    chunk: ChunkInFlight
     version: int
-    frame: int
-    rope: int
-    noise_rate: float
-    tau: float | None  # sink-refresh threshold for this chunk (None: no refresh)
-    inputs: Tensor  # the chunk as sent, for the temporal stabilizer (applied on rank 0)
-    restart: bool  # a hard prompt switch came before this chunk (fresh stabilizer history)
-    step: int = 0
-    refreshed: bool = False  # a sink of one of its step caches was replaced
+
+    @property
+    def state(self) -> StreamState:
+        return self.chunk.state
 
 
 class PipelineRuntime:
@@ -136,7 +130,7 @@ class PipelineRuntime:
 
     def open(self, stream_id: str, prompt: str | Sequence[str], size: tuple[int, int], fidelity: FidelityConfig,
              seed: int = 0, weights: Sequence[float] | None = None, blend_mode: BlendMode = "linear",
-             noise_scale: float = 0.8) -> StreamState:
+             noise_scale: float = 0.8, stabilize: bool = True) -> StreamState:
         """Like :meth:`StreamRuntime.open`, but the prompt's cross-attention K/V live on the ranks."""
         if stream_id in self._steps:
             raise ValueError(f"stream {stream_id!r} is already open in this pipeline")
@@ -157,6 +151,7 @@ class PipelineRuntime:
             vae_encoder=rt.vae.new_encoder_cache(),
             vae_decoder=None,  # the last rank decodes
             noise_scale=noise_scale,
+            stabilize=stabilize,
         )
 
     def set_prompt(self, state: StreamState, prompt: str | Sequence[str], weights: Sequence[float] | None = None,
@@ -236,43 +231,16 @@ class PipelineRuntime:
             self.channel.send(1, Message(meta))
 
     def _enter(self, state: StreamState, chunk: Tensor) -> _Slot:
-        """A new chunk: prompt/RoPE bookkeeping, VAE encode, noise draws (in the single-process order)."""
-        rt = self.rt
+        """A new chunk: the runtime's first stage (prompt/RoPE bookkeeping, VAE encode, noise draws);
+        the KV caches and prompt K/V it would fit live on the ranks instead."""
         steps = state.fidelity.steps
         if self._steps.setdefault(state.stream_id, steps) != steps:
             raise ValueError(
                 f"stream {state.stream_id!r} changed its step count to {steps} mid-stream; the pipeline keeps "
                 f"one KV cache per step, so reopen the stream to change steps"
             )
-        if state.transition is not None:
-            state.embedding = state.transition.next_embedding()
-            if state.transition.finished:
-                state.transition = None
-        f = rt.config.chunk_latent_frames
-        if rt.config.rope_refresh and state.rope_frame + f > rt.config.rope_reset_frame:
-            state.rope_frame = state.fidelity.kv_window_frames - f
-            state.rope_resets += 1
-        if state.rope_frame + f > rt.dit.config.rope_max_positions:
-            raise RopeOverflowError(f"stream {state.stream_id}: RoPE position {state.rope_frame + f} is out of range")
-        version = self._prompt_version(state)
-        inputs, chunk = chunk, rt._resize(chunk, rt.engine_size(state.size, state.fidelity))
-        controller = MotionAwareNoiseController(rt._noise_config(state))
-        rate = controller.step(chunk, state.noise_controller)
-        z = rt.vae.encode_chunk(chunk.unsqueeze(0).to(rt.device, rt.dit.dtype), state.vae_encoder)
-        first = controller.first_timestep(rate)
-        timesteps = [first, *rt.preset.timesteps(steps)[1:]]
-        x = v2v_input(z, state.noise.randn(z.shape, dtype=z.dtype, device=rt.device), rate)
-        noises = [state.noise.randn(z.shape, dtype=z.dtype, device=rt.device) for _ in range(steps - 1)]
-        tau: float | None = None
-        if state.force_sink_refresh:
-            tau, state.force_sink_refresh = float("inf"), False
-        elif rt.config.sink_refresh:
-            tau = rt.config.sink_tau
-        slot = _Slot(state, x, timesteps, noises, version, state.frame, state.rope_frame, rate, tau, inputs,
-                     state.take_stabilizer_restart())
-        state.frame += z.shape[2]
-        state.rope_frame += z.shape[2]
-        return slot
+        entered = self.rt.enter_chunk(state, chunk, local_caches=False)
+        return _Slot(entered, self._prompt_version(state))
 
     def _prompt_version(self, state: StreamState) -> int:
         sid = state.stream_id
@@ -296,7 +264,7 @@ class PipelineRuntime:
         msg = self._build(m, rows)
         self.forwards += 1
         out = self.stage.compute(msg)
-        if any(s.tau is not None for s in rows):
+        if any(s.chunk.tau is not None for s in rows):
             self._barriers.add(m)
         if self.world == 1:
             self._handle_return(out)
@@ -312,8 +280,8 @@ class PipelineRuntime:
         groups: dict[tuple[int, int, str], list[tuple[int, dict[str, Any]]]] = {}
         tensors: dict[str, Tensor] = {}
         self._sent[m] = rows
-        for key, s in enumerate(rows):
-            st = s.state
+        for key, slot in enumerate(rows):
+            s, st = slot.chunk, slot.state
             w, h = self.rt.engine_size(st.size, st.fidelity)
             sc = self.rt.vae.spatial_compression
             geom = (self.rt.dit.config.frame_tokens(h // sc, w // sc), st.fidelity.kv_window_frames,
@@ -321,7 +289,7 @@ class PipelineRuntime:
             last = s.step + 1 == len(s.timesteps)
             row = {"key": key, "sid": st.stream_id, "step": s.step, "last": last, "t": s.timesteps[s.step],
                    "t_next": None if last else s.timesteps[s.step + 1], "frame": s.frame, "rope": s.rope,
-                   "ver": s.version, "geom": geom, "tau": s.tau, "size": st.size}
+                   "ver": slot.version, "geom": geom, "tau": s.tau, "size": st.size}
             cache = self.stage.cache_for(row)
             fill = (cache.local_end, s.frame - cache.global_end[0], st.fidelity.precision)
             groups.setdefault(fill, []).append((key, row))
@@ -329,7 +297,7 @@ class PipelineRuntime:
                 tensors[f"noise.{key}"] = s.noises[s.step]
         meta_groups = []
         for gi, ((_, _, precision), members) in enumerate(groups.items()):
-            tensors[f"x.{gi}"] = torch.cat([rows[key].x for key, _ in members])
+            tensors[f"x.{gi}"] = torch.cat([rows[key].chunk.x for key, _ in members])
             meta_groups.append({"rows": [row for _, row in members], "precision": precision})
         for sid, version, text in self._new_prompts:
             tensors[f"ctx.{sid}.{version}"] = text
@@ -363,12 +331,12 @@ class PipelineRuntime:
         m = meta["m"]
         rows = self._sent.pop(m)
         self._barriers.discard(m)
-        by_key = {(s.state.stream_id, s.step): s for s in rows}  # before the steps advance
+        by_key = {(s.state.stream_id, s.chunk.step): s.chunk for s in rows}  # before the steps advance
         going_on = []
         for key in meta["continue"]:
             slot = rows[key]
-            slot.x = ts[f"xn.{key}"]
-            slot.step += 1
+            slot.chunk.x = ts[f"xn.{key}"]
+            slot.chunk.step += 1
             going_on.append(slot)
         if going_on:
             self._continuing[m] = going_on
@@ -376,14 +344,12 @@ class PipelineRuntime:
             by_key[(sid, step)].refreshed = True
             self._refresh.append((sid, step, worst, newest))
         for key in meta["finished"]:
-            slot, state = rows[key], rows[key].state
-            state.chunks += 1
-            state.sink_refreshes += int(slot.refreshed)
-            state.last_sink_refresh = slot.refreshed
-            state.last_noise_rate = slot.noise_rate
-            state.last_first_timestep = slot.timesteps[0]
-            result = ChunkResult(ts[f"frames.{key}"], slot.noise_rate, slot.timesteps[0], slot.refreshed)
-            self._done.append((state, self.rt.stabilize(state, slot.inputs, result, slot.restart)))
+            chunk = rows[key].chunk
+            chunk.step += 1
+            self.rt.account(chunk)
+            result = ChunkResult(ts[f"frames.{key}"], chunk.noise_rate, chunk.timesteps[0], chunk.refreshed)
+            self._done.append((chunk.state, self.rt.stabilize(chunk.state, chunk.inputs, result, chunk.restart)
+                               if chunk.inputs is not None else result))
         self.scheduler.observe([StageTiming(rank, blocks, other) for rank, blocks, other in meta["timings"]])
 
     def _take_done(self) -> list[tuple[StreamState, ChunkResult]]:

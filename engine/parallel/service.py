@@ -92,6 +92,7 @@ class ParallelProcessor:
                             transition_chunks=transition_chunks, refresh_sinks=refresh_sinks)
         pipe.set_fidelity(self.state, fidelity)
         self.state.noise_scale = new.noise_scale
+        self.state.stabilize = new.stabilize
         if seed is not None and seed != self.params.seed:
             self.state.noise = NoiseSource(seed)
         self.params = new
@@ -130,7 +131,8 @@ class ParallelFactory:
     def open_state(self, stream_id: str, params: StreamParams) -> StreamState:
         state = self._states[stream_id] = self.pipe.open(stream_id, list(params.prompts), params.size or self.pipeline.default_size,
                               self.pipeline.fidelity_for(params), seed=params.seed, weights=params.prompt_weights,
-                              blend_mode=params.blend_mode, noise_scale=params.noise_scale)
+                              blend_mode=params.blend_mode, noise_scale=params.noise_scale,
+                              stabilize=params.stabilize)
         return state
 
     def close_dropped(self) -> None:

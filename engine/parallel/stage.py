@@ -18,7 +18,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from engine.fidelity import FidelityConfig
 from engine.models.wan_dit import KVCache, PromptCache
 from engine.parallel.comm import Channel, Message
 from engine.parallel.partition import check_ranges
@@ -179,8 +178,7 @@ class Stage:
                 ret["continue"].append(key)
             else:
                 decoder = self.decoders.setdefault(r["sid"], rt.vae.new_decoder_cache())
-                frames = rt.vae.decode_chunk(x0[i : i + 1], decoder)[0].float().clamp(-1, 1)
-                out[f"frames.{key}"] = rt._resize(frames, tuple(r["size"]))
+                out[f"frames.{key}"] = rt.decode_latents(x0[i : i + 1], decoder, tuple(r["size"]))
                 ret["finished"].append(key)
             if key in sink:
                 decision = _sink_decision(sink[key], r["tau"])
@@ -209,7 +207,7 @@ class Stage:
 
     @contextlib.contextmanager
     def _precision(self, precision: str) -> Iterator[None]:
-        with self.rt._precision(FidelityConfig(precision=precision)):
+        with self.rt.precision(precision):
             yield
 
     # -- moving blocks ------------------------------------------------------------------------------

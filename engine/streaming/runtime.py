@@ -96,6 +96,43 @@ class ChunkResult:
     sink_refreshed: bool
 
 
+@dataclass(eq=False)
+class ChunkInFlight:
+    """A chunk between entering (:meth:`StreamRuntime.enter_chunk`) and finishing: its latents at the
+    current step, the schedule and noise drawn for it, and where it sits in its stream."""
+
+    state: StreamState
+    x: torch.Tensor  # [1, C, F, h, w] at step ``step`` (x̂₀ once done)
+    timesteps: list[float]  # this chunk's schedule (the first from the noise controller)
+    noises: list[torch.Tensor]  # one re-noise draw per step transition
+    prompt: PromptCache  # cross-attention K/V when it entered
+    frame: int  # absolute latent frame index of its first frame
+    rope: int  # temporal RoPE position of its first frame
+    noise_rate: float
+    tau: float | None  # adaptive sink refresh threshold after each forward (None: no refresh)
+    inputs: torch.Tensor | None  # the chunk as sent (the stabilizer follows its motion); None for T2V
+    restart: bool  # a hard prompt switch came before it: the stabilizer starts a fresh history
+    step: int = 0
+    refreshed: bool = False
+
+    @property
+    def steps_left(self) -> int:
+        return len(self.timesteps) - self.step
+
+    @property
+    def done(self) -> bool:
+        return self.step >= len(self.timesteps)
+
+    def batch_key(self, per_step: bool = True) -> tuple[object, ...]:
+        """Chunks with equal keys may share one forward: same precision and sparsity, and the cache
+        they use now at the same fill level and geometry."""
+        cache = self.state.kv[self.step if per_step else 0] if self.state.kv else None
+        fill = (cache.local_end, self.frame - cache.global_end[0], cache.frame_tokens, cache.window_frames) \
+            if cache is not None else None
+        fid = self.state.fidelity
+        return (fid.precision, fid.attention_sparsity, tuple(self.x.shape[1:]), fill)
+
+
 class StreamRuntime:
     def __init__(
         self,
@@ -203,7 +240,150 @@ class StreamRuntime:
         h = int(size[1] * fidelity.resolution_scale) // multiple * multiple
         return w, h
 
-    # -- chunks -----------------------------------------------------------------------------------
+    # -- the chunk recipe: public stages -----------------------------------------------------------
+    #
+    # Every way of running chunks is these stages grouped differently: one chunk after another
+    # (step), several streams in one forward (step_batch), the steps of successive chunks in one
+    # forward (stream_batch.StreamBatch), the ranks of a pipeline (engine/parallel), and a serving
+    # executor that stops between denoising steps to let a more urgent stream run (preemption).
+
+    def enter_chunk(self, state: StreamState, frames: torch.Tensor, local_caches: bool = True) -> ChunkInFlight:
+        """Stage 1: a V2V chunk of input frames [3, T, H, W] in [-1, 1] enters: motion-aware noise
+        level, VAE encode, every noise draw of the chunk, positions. See :meth:`enter_latents`."""
+        restart = state.take_stabilizer_restart()
+        engine_frames = self._resize(frames, self.engine_size(state.size, state.fidelity))
+        controller = MotionAwareNoiseController(self._noise_config(state))
+        rate = controller.step(engine_frames, state.noise_controller)
+        z = self.vae.encode_chunk(engine_frames.unsqueeze(0).to(self.device, self.dit.dtype), state.vae_encoder)
+        return self.enter_latents(state, z, rate, frames, restart, local_caches)
+
+    def enter_latents(
+        self,
+        state: StreamState,
+        z: torch.Tensor,
+        rate: float,
+        inputs: torch.Tensor | None = None,
+        restart: bool = False,
+        local_caches: bool = True,
+    ) -> ChunkInFlight:
+        """Stage 1 from VAE latents ``z`` [1, C, F, h, w] and the controller's noise rate.
+
+        All of the chunk's noise is drawn here, in the order the sequential loop uses it (V2V noise,
+        then one re-noise per step transition), so grouping the later stages differently never changes
+        a stream's result. ``local_caches=False``: the KV caches and prompt K/V live elsewhere (the
+        ranks of a pipeline), so they are not fitted here.
+        """
+        self._begin_chunk(state, local_caches)
+        steps = state.fidelity.steps
+        first = MotionAwareNoiseController(self.config.noise).first_timestep(rate)
+        timesteps = [first, *self.preset.timesteps(steps)[1:]]
+        x = v2v_input(z, state.noise.randn(z.shape, dtype=z.dtype, device=self.device), rate)
+        noises = [state.noise.randn(z.shape, dtype=z.dtype, device=self.device) for _ in range(steps - 1)]
+        return self._admit_chunk(state, x, timesteps, noises, rate, inputs, restart)
+
+    def enter_generated(self, state: StreamState) -> ChunkInFlight:
+        """Stage 1 of a T2V chunk (CausVid / Self-Forcing recipe): pure noise, the preset's steps."""
+        self._begin_chunk(state, True)
+        w, h = self.engine_size(state.size, state.fidelity)
+        sc = self.vae.spatial_compression
+        shape = (1, self.vae.latent_channels, self.config.chunk_latent_frames, h // sc, w // sc)
+        x = state.noise.randn(shape, device=self.device)
+        timesteps = list(self.preset.timesteps(state.fidelity.steps))
+        noises = [state.noise.randn(shape, dtype=x.dtype, device=self.device) for _ in timesteps[1:]]
+        return self._admit_chunk(state, x, timesteps, noises, 1.0, None, False)
+
+    def _admit_chunk(self, state: StreamState, x: torch.Tensor, timesteps: list[float], noises: list[torch.Tensor],
+                     rate: float, inputs: torch.Tensor | None, restart: bool) -> ChunkInFlight:
+        tau: float | None = None
+        if state.force_sink_refresh:
+            tau, state.force_sink_refresh = float("inf"), False
+        elif self.config.sink_refresh:
+            tau = self.config.sink_tau
+        chunk = ChunkInFlight(state, x, timesteps, noises, state.prompt, state.frame, state.rope_frame, rate, tau,
+                              inputs, restart)
+        state.frame += x.shape[2]
+        state.rope_frame += x.shape[2]
+        return chunk
+
+    def denoise_step(self, chunks: Sequence[ChunkInFlight]) -> None:
+        """Stage 2: one batched DiT forward that moves every chunk one denoising step on.
+
+        Rows may be at different steps (the stream batch) and of different streams; they must share
+        precision, attention sparsity and their caches' fill level (``ChunkInFlight.batch_key``).
+        Afterwards each row holds x̂₀ (its last step) or its re-noised input for the next step.
+        """
+        if not chunks:
+            return
+        if any(c.done for c in chunks):
+            raise ValueError("a finished chunk cannot take another denoising step")
+        per_step = self.config.cache_mode == "per-step"
+        caches = [c.state.kv[c.step if per_step else 0] for c in chunks]
+        x = torch.cat([c.x for c in chunks])
+        f = x.shape[2]
+        t = torch.tensor([c.timesteps[c.step] for c in chunks], device=self.device, dtype=torch.float32)
+        prompt = chunks[0].prompt if len(chunks) == 1 else PromptCache.concat([c.prompt for c in chunks])
+        start, rope = [c.frame for c in chunks], [c.rope for c in chunks]
+        with self.precision(chunks[0].state.fidelity.precision):
+            with _batched_cache(caches) as (cache, written):
+                v = self.dit(x, t[:, None].expand(-1, f), prompt, cache, start_frame=start, rope_start=rope)
+            _write_back(chunks, written, per_step)
+            sigma = self.schedule.sigma(t).to(self.device).view(-1, 1, 1, 1, 1)
+            x0 = x0_from_velocity(x, v.to(x.dtype), sigma)
+            finishing = [i for i, c in enumerate(chunks) if c.step + 1 == len(c.timesteps)]
+            if not per_step and finishing:
+                # Clean mode: one more forward on x̂₀ at t = 0 writes the chunk's clean K/V.
+                rows = [chunks[i] for i in finishing]
+                clean = torch.cat([x0[i : i + 1] for i in finishing])
+                zero = torch.zeros(len(rows), f, device=self.device)
+                prompt = rows[0].prompt if len(rows) == 1 else PromptCache.concat([c.prompt for c in rows])
+                with _batched_cache([c.state.kv[0] for c in rows]) as (cache, written):
+                    self.dit(clean, zero, prompt, cache, start_frame=[c.frame for c in rows],
+                             rope_start=[c.rope for c in rows])
+                _write_back(rows, written, False)
+        for i, c in enumerate(chunks):
+            if per_step or c.step + 1 == len(c.timesteps):
+                written_cache = c.state.kv[c.step if per_step else 0]
+                if c.tau is not None:
+                    c.refreshed |= refresh_sinks(written_cache, f, c.tau)
+            if c.step + 1 < len(c.timesteps):
+                c.x = renoise(x0[i : i + 1], c.noises[c.step], float(self.schedule.sigma(c.timesteps[c.step + 1])))
+            else:
+                c.x = x0[i : i + 1]
+            c.step += 1
+
+    def decode_chunk(self, chunk: ChunkInFlight) -> ChunkResult:
+        """Stage 3: the finished chunk's x̂₀ through the VAE decoder, at the stream's size; counters."""
+        if not chunk.done:
+            raise ValueError(f"chunk of stream {chunk.state.stream_id} has {chunk.steps_left} steps left")
+        state = chunk.state
+        frames = self.decode_latents(chunk.x, state.vae_decoder, state.size)
+        self.account(chunk)
+        return ChunkResult(frames, chunk.noise_rate, chunk.timesteps[0], chunk.refreshed)
+
+    def decode_latents(self, x0: torch.Tensor, decoder: object, size: tuple[int, int]) -> torch.Tensor:
+        """x̂₀ [1, C, F, h, w] -> frames [3, T, H, W] in [-1, 1] at ``size`` (a pipeline's last rank
+        calls this with its own decoder caches)."""
+        frames = self.vae.decode_chunk(x0, decoder)[0].float().clamp(-1, 1)
+        return self._resize(frames, size)
+
+    @staticmethod
+    def account(chunk: ChunkInFlight) -> None:
+        """A stream's counters once its chunk is finished."""
+        state = chunk.state
+        state.chunks += 1
+        state.sink_refreshes += int(chunk.refreshed)
+        state.last_sink_refresh = chunk.refreshed
+        state.last_noise_rate = chunk.noise_rate
+        state.last_first_timestep = chunk.timesteps[0]
+
+    def finish_chunk(self, chunk: ChunkInFlight) -> ChunkResult:
+        """Stages 3 and 4: decode, then the temporal stabilizer."""
+        result = self.decode_chunk(chunk)
+        if chunk.inputs is None:
+            return result
+        return self.stabilize(chunk.state, chunk.inputs, result, chunk.restart)
+
+    # -- the stages grouped: sequential chunks and cross-user batches -------------------------------
 
     def step(self, state: StreamState, frames: torch.Tensor) -> ChunkResult:
         """V2V: one chunk of input frames [3, T, H, W] in [-1, 1] -> the stylised chunk."""
@@ -212,29 +392,30 @@ class StreamRuntime:
     def step_batch(self, states: Sequence[StreamState], frames: Sequence[torch.Tensor]) -> list[ChunkResult]:
         """V2V for several streams in one batched forward per denoising step.
 
-        The streams must share steps, KV window and engine size, and have the same cache fill level
-        (any two streams past warm-up do); otherwise call :meth:`step` per stream.
+        The streams must share steps, precision, sparsity and engine size, and have the same cache
+        fill level (any two streams past warm-up do); otherwise call :meth:`step` per stream.
         """
         if len(states) != len(frames) or not states:
             raise ValueError("step_batch needs one frame chunk per stream")
         t0 = time.perf_counter()
-        latents, rates = [], []
-        restarts = [state.take_stabilizer_restart() for state in states]
-        for state, chunk in zip(states, frames, strict=True):
-            chunk = self._resize(chunk, self.engine_size(state.size, state.fidelity))
-            controller = MotionAwareNoiseController(self._noise_config(state))
-            rates.append(controller.step(chunk, state.noise_controller))
-            latents.append(self.vae.encode_chunk(chunk.unsqueeze(0).to(self.device, self.dit.dtype), state.vae_encoder))
+        chunks = [self.enter_chunk(state, chunk) for state, chunk in zip(states, frames, strict=True)]
         t1 = time.perf_counter()
-        x0 = self.denoise_latents(states, latents, rates)
+        self.run_to_end(chunks)
         t2 = time.perf_counter()
-        results = self._decode(states, x0, rates)
+        results = [self.decode_chunk(c) for c in chunks]
         t3 = time.perf_counter()
-        results = [self.stabilize(state, chunk, result, restart)
-                   for state, chunk, result, restart in zip(states, frames, results, restarts, strict=True)]
+        results = [self.stabilize(c.state, c.inputs, r, c.restart) if c.inputs is not None else r
+                   for c, r in zip(chunks, results, strict=True)]
         self.last_timings = StageTimings(encode_s=t1 - t0, dit_s=t2 - t1, decode_s=t3 - t2,
                                          stabilize_s=time.perf_counter() - t3)
         return results
+
+    def run_to_end(self, chunks: Sequence[ChunkInFlight]) -> None:
+        """Denoising steps until every chunk is finished (the chunks share their step count)."""
+        if len({c.steps_left for c in chunks}) > 1:
+            raise ValueError("chunks denoised together must have the same number of steps left")
+        while chunks and not chunks[0].done:
+            self.denoise_step(chunks)
 
     def denoise_latents(
         self, states: Sequence[StreamState], latents: Sequence[torch.Tensor], rates: Sequence[float]
@@ -244,50 +425,36 @@ class StreamRuntime:
         ``latents`` are the VAE latents of each stream's chunk [1, C, F, h, w]; ``rates`` the noise
         rates from the motion-aware controller. Returns x̂₀ for all rows [B, C, F, h, w].
         """
-        controller = MotionAwareNoiseController(self.config.noise)
-        starts = [controller.first_timestep(rate) for rate in rates]
-        for state in states:
-            self._begin_chunk(state)
-        x = torch.cat(
-            [
-                v2v_input(z, s.noise.randn(z.shape, dtype=z.dtype, device=self.device), rate)
-                for z, s, rate in zip(latents, states, rates, strict=True)
-            ]
-        )
-        x0 = self._denoise(states, x, starts)
-        self._advance(states, x0.shape[2], rates, starts)
-        return x0
+        chunks = [self.enter_latents(s, z, r) for s, z, r in zip(states, latents, rates, strict=True)]
+        self.run_to_end(chunks)
+        for c in chunks:
+            self.account(c)
+        return torch.cat([c.x for c in chunks])
 
     def generate(self, state: StreamState) -> ChunkResult:
         """T2V: the next chunk of a text-to-video stream (CausVid / Self-Forcing recipe, no input video)."""
         return self.generate_batch([state])[0]
 
     def generate_batch(self, states: Sequence[StreamState]) -> list[ChunkResult]:
-        w, h = self.engine_size(states[0].size, states[0].fidelity)
-        c = self.vae.latent_channels
-        sc = self.vae.spatial_compression
-        f = self.config.chunk_latent_frames
-        for state in states:
-            self._begin_chunk(state)
-        x = torch.cat([s.noise.randn((1, c, f, h // sc, w // sc), device=self.device) for s in states])
-        first = float(self.preset.timesteps(states[0].fidelity.steps)[0])
-        x0 = self._denoise(states, x, [first] * len(states))
-        self._advance(states, f, [1.0] * len(states), [first] * len(states))
-        return self._decode(states, x0, [1.0] * len(states))
+        chunks = [self.enter_generated(state) for state in states]
+        self.run_to_end(chunks)
+        return [self.decode_chunk(c) for c in chunks]
 
     # -- internals --------------------------------------------------------------------------------
 
     def _noise_config(self, state: StreamState) -> NoiseControllerConfig:
         return replace(self.config.noise, noise_scale=state.noise_scale)
 
-    def _begin_chunk(self, state: StreamState) -> None:
+    def _begin_chunk(self, state: StreamState, local_caches: bool) -> None:
         """Chunk-boundary bookkeeping: prompt transition, cache geometry, RoPE position."""
         if state.transition is not None:
             state.embedding = state.transition.next_embedding()
-            state.prompt = self.dit.encode_prompt(state.embedding)
+            if local_caches:
+                state.prompt = self.dit.encode_prompt(state.embedding)
             if state.transition.finished:
                 state.transition = None
-        self._fit_caches(state)
+        if local_caches:
+            self._fit_caches(state)
         f = self.config.chunk_latent_frames
         limit = self.dit.config.rope_max_positions
         if self.config.rope_refresh and state.rope_frame + f > self.config.rope_reset_frame:
@@ -321,60 +488,6 @@ class StreamRuntime:
             state.kv.append(state.kv[-1].to(self.device))
         del state.kv[wanted:]
 
-    def _denoise(self, states: Sequence[StreamState], x: torch.Tensor, first_timesteps: Sequence[float]) -> torch.Tensor:
-        steps = states[0].fidelity.steps
-        if any(s.fidelity.steps != steps for s in states):
-            raise ValueError("streams batched together must share the number of steps")
-        timesteps = list(self.preset.timesteps(steps))
-        f = x.shape[2]
-        prompt = states[0].prompt if len(states) == 1 else PromptCache.concat([s.prompt for s in states])
-        start = [s.frame for s in states]
-        rope = [s.rope_frame for s in states]
-        x0 = x
-        with self._precision(states[0].fidelity):
-            for i in range(steps):
-                t_rows = [first_timesteps[r] if i == 0 else timesteps[i] for r in range(len(states))]
-                t = torch.tensor(t_rows, device=self.device, dtype=torch.float32)[:, None].expand(-1, f)
-                cache_index = i if self.config.cache_mode == "per-step" else 0
-                with _batched_cache(states, cache_index) as cache:
-                    v = self.dit(x, t, prompt, cache, start_frame=start, rope_start=rope)
-                sigma = self.schedule.sigma(t[:, 0]).to(self.device).view(-1, 1, 1, 1, 1)
-                x0 = x0_from_velocity(x, v.to(x.dtype), sigma)
-                if i + 1 < steps:
-                    next_sigma = float(self.schedule.sigma(timesteps[i + 1]))
-                    noise = torch.cat([s.noise.randn(x0[:1].shape, dtype=x0.dtype, device=self.device) for s in states])
-                    x = renoise(x0, noise, next_sigma)
-            if self.config.cache_mode == "clean":
-                zero = torch.zeros(len(states), f, device=self.device)
-                with _batched_cache(states, 0) as cache:
-                    self.dit(x0, zero, prompt, cache, start_frame=start, rope_start=rope)
-        return x0
-
-    def _advance(self, states: Sequence[StreamState], frames: int, rates: Sequence[float], starts: Sequence[float]) -> None:
-        """After a chunk's denoising: adaptive sink refresh, positions and counters."""
-        for row, state in enumerate(states):
-            refreshed = False
-            if self.config.sink_refresh or state.force_sink_refresh:
-                tau = float("inf") if state.force_sink_refresh else self.config.sink_tau
-                for cache in state.kv:
-                    refreshed |= refresh_sinks(cache, frames, tau)
-                state.force_sink_refresh = False
-            state.sink_refreshes += int(refreshed)
-            state.last_sink_refresh = refreshed
-            state.frame += frames
-            state.rope_frame += frames
-            state.chunks += 1
-            state.last_noise_rate = rates[row]
-            state.last_first_timestep = starts[row]
-
-    def _decode(self, states: Sequence[StreamState], x0: torch.Tensor, rates: Sequence[float]) -> list[ChunkResult]:
-        results = []
-        for row, state in enumerate(states):
-            frames = self.vae.decode_chunk(x0[row : row + 1], state.vae_decoder)[0].float().clamp(-1, 1)
-            frames = self._resize(frames, state.size)
-            results.append(ChunkResult(frames, rates[row], state.last_first_timestep, state.last_sink_refresh))
-        return results
-
     def stabilize(self, state: StreamState, inputs: torch.Tensor, result: ChunkResult, restart: bool) -> ChunkResult:
         """The temporal stabilizer stage on a finished chunk (``inputs``: the chunk as the stream sent it;
         ``restart``: the chunk began after a hard prompt switch, so the old look's history is dropped)."""
@@ -396,8 +509,9 @@ class StreamRuntime:
         return out.permute(1, 0, 2, 3)
 
     @contextlib.contextmanager
-    def _precision(self, fidelity: FidelityConfig) -> Iterator[None]:
-        if fidelity.precision == "bf16" and self.dit.dtype == torch.float32:
+    def precision(self, precision: str) -> Iterator[None]:
+        """The attention/matmul precision of a forward: bf16 autocast over fp32 weights."""
+        if precision == "bf16" and self.dit.dtype == torch.float32:
             with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
                 yield
         else:
@@ -405,15 +519,20 @@ class StreamRuntime:
 
 
 @contextlib.contextmanager
-def _batched_cache(states: Sequence[StreamState], index: int) -> Iterator[KVCache]:
-    """One cache over all rows for a forward; the rows are written back to their streams after it."""
-    if len(states) == 1:
-        yield states[0].kv[index]
+def _batched_cache(caches: Sequence[KVCache]) -> Iterator[tuple[KVCache, list[KVCache]]]:
+    """One cache over all rows for a forward; ``written`` then holds each row's cache to keep."""
+    if len(caches) == 1:
+        yield caches[0], list(caches)
         return
-    merged = KVCache.concat([s.kv[index] for s in states])
-    yield merged
-    for state, part in zip(states, merged.split(), strict=True):
-        state.kv[index] = part
+    merged = KVCache.concat(list(caches))
+    written: list[KVCache] = []
+    yield merged, written
+    written.extend(merged.split())
+
+
+def _write_back(chunks: Sequence[ChunkInFlight], written: Sequence[KVCache], per_step: bool) -> None:
+    for c, part in zip(chunks, written, strict=True):
+        c.state.kv[c.step if per_step else 0] = part
 
 
 def refresh_sinks(cache: KVCache, chunk_frames: int, tau: float) -> bool:
