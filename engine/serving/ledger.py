@@ -55,6 +55,7 @@ class StreamEntry:
     left: bool = False
     quality_sum: float = 0.0
     quality_chunks: int = 0
+    max_steps: int | None = None  # the user's step count caps the stream's fidelity (None: no cap)
 
     @property
     def active(self) -> bool:
@@ -230,6 +231,7 @@ class StreamLedger:
             last_rehomed_at=e.last_rehomed_at,
             last_run_at=e.last_run_at,
             state_bytes=e.state_bytes,
+            max_steps=e.max_steps,
         )
 
     def views_on(self, worker_id: int, now: float, running: Iterable[int] = ()) -> list[StreamView]:

@@ -43,6 +43,7 @@ class Ordering(Enum):
     LEAST_SLACK = "least-slack"  # TridentServe-chunk: per-chunk slack (credit), no tiers
     STREAM_DEADLINE = "stream-deadline"  # TridentServe: per-stream completion deadline first
     FIFO = "fifo"  # StreamDiffusionV2: arrival order, stream batching
+    ROUND_ROBIN = "round-robin"  # streams take turns: the one that ran least recently goes next
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,8 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.max_batch > 1 and self.ordering is not Ordering.FIFO:
-            raise ValueError("stream batching is only modelled for FIFO ordering")
+        if self.gpus_per_worker < 1:
+            raise ValueError(f"gpus_per_worker must be >= 1, got {self.gpus_per_worker}")
 
 
 def policy_presets() -> dict[str, PolicyConfig]:
@@ -80,7 +81,21 @@ def policy_presets() -> dict[str, PolicyConfig]:
         "+bmpr": replace(credit_only, name="+bmpr", bmpr=True),
         "+rehoming": replace(credit_only, name="+rehoming", bmpr=True, rehoming=True),
         "slackserve": PolicyConfig(name="slackserve"),
+        # The live server's turn-taking: each stream at its own fixed fidelity, least recently run first.
+        "fifo": replace(base, name="fifo", ordering=Ordering.ROUND_ROBIN, step_preemption=False),
     }
+
+
+PRESET_ALIASES = {"slack": "slackserve"}
+
+
+def resolve_preset(name: str) -> PolicyConfig:
+    """A preset by name (``policy_presets`` keys, or an alias such as ``slack``)."""
+    presets = policy_presets()
+    key = PRESET_ALIASES.get(name, name)
+    if key not in presets:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join([*presets, *PRESET_ALIASES])}")
+    return presets[key]
 
 
 BASELINES = ("fifo-batch", "ts-deadline", "ts-chunk-lsf")
@@ -110,10 +125,8 @@ class SlackPolicy:
         self.autoscale = autoscale
         self.router = BMPR(profile.per_stream())
         self.reference = profile.reference()
-        self._batch_points = {
-            b: profile.find(replace(self.reference.config, stream_batch=b, gpus=config.gpus_per_worker))
-            for b in range(1, config.max_batch + 1)
-        }
+        self._routers: dict[int, BMPR] = {}
+        self._batch_points = {b: self.batch_point(self.reference, b) for b in range(1, config.max_batch + 1)}
         self.static_point = self._batch_points[1]
         # Policy-independent playout contract: every policy promises the same first-chunk deadline.
         self.initial_slack_s = config.initial_slack_mult * self.reference.first_chunk_latency_s
@@ -122,18 +135,60 @@ class SlackPolicy:
     def name(self) -> str:
         return self.config.name
 
+    def rescaled(self, ratio: float) -> SlackPolicy:
+        """The same policy on a profile whose every latency is ``ratio`` times this one's (an engine
+        measured that much slower or faster than profiled)."""
+        def scaled(p: ProfilePoint) -> ProfilePoint:
+            return replace(p, latency_s=p.latency_s * ratio, first_chunk_latency_s=p.first_chunk_latency_s * ratio)
+
+        profile = replace(self.profile, points=tuple(scaled(p) for p in self.profile.points))
+        return SlackPolicy(profile, self.config, self.transfer, self.autoscale)
+
+    def chunk_duration_s(self, first: bool) -> float:
+        """Seconds of content one chunk adds to its stream's playout (a stream's first chunk is shorter)."""
+        return self.profile.first_chunk_duration_s if first else self.profile.chunk_duration_s
+
+    def batch_point(self, point: ProfilePoint, batch: int) -> ProfilePoint:
+        """``batch`` streams in one forward at ``point``'s config: the profiled batch point, or where the
+        profile has none, ``batch`` times the single-stream latency (batching is never slower than
+        running the chunks one after another; the live calibration corrects the estimate)."""
+        config = replace(point.config, stream_batch=batch, gpus=self.config.gpus_per_worker)
+        try:
+            return self.profile.find(config)
+        except KeyError:
+            if batch == 1 and config.gpus == point.config.gpus:
+                return point
+            return replace(point, config=config, latency_s=point.latency_s * batch,
+                           first_chunk_latency_s=point.first_chunk_latency_s * batch, source="assumed: batch x single")
+
     # ---- per-stream scoring -------------------------------------------------------------------
-    def next_point(self, slack_s: float, inflight_remaining_s: float) -> ProfilePoint:
+    def _router(self, max_steps: int | None) -> BMPR:
+        """BMPR over the points with at most ``max_steps`` steps (the user's choice caps fidelity)."""
+        points = self.profile.per_stream()
+        steps = sorted({p.config.steps for p in points})
+        if max_steps is None or max_steps >= steps[-1]:
+            return self.router
+        k = max((s for s in steps if s <= max_steps), default=steps[0])
+        if k not in self._routers:
+            self._routers[k] = BMPR([p for p in points if p.config.steps <= k])
+        return self._routers[k]
+
+    def top_point(self, max_steps: int | None = None) -> ProfilePoint:
+        """The highest-quality point a stream with this ceiling may run (ties: fastest)."""
+        return max(self._router(max_steps).candidates, key=lambda p: (p.quality, -p.latency_s))
+
+    def next_point(self, slack_s: float, inflight_remaining_s: float, max_steps: int | None = None) -> ProfilePoint:
         if not self.config.bmpr:
-            return self.static_point
-        budget = self.router.budget(slack_s, inflight_remaining_s, self.config.thresholds.urgent_mult)
-        return self.router.route(budget).point
+            return self.static_point if max_steps is None else self.top_point(max_steps)
+        router = self._router(max_steps)
+        budget = router.budget(slack_s, inflight_remaining_s, self.config.thresholds.urgent_mult)
+        return router.route(budget).point
 
     def _score(self, v: StreamView) -> _Scored:
-        point = v.inflight_point if v.inflight_point is not None else self.next_point(v.slack_s, 0.0)
+        point = v.inflight_point if v.inflight_point is not None else self.next_point(v.slack_s, 0.0, v.max_steps)
         if v.inflight_point is not None:
             # Credit looks one chunk past the one in flight: that next chunk gets BMPR's choice.
-            t_next = self.next_point(v.slack_s, v.inflight_remaining_s).latency_s
+            t_next = self.next_point(v.slack_s, v.inflight_remaining_s, v.max_steps).latency_s
             credit = v.slack_s - (v.inflight_remaining_s + t_next)
         else:
             t_next = point.first_chunk_latency_s if v.first_chunk else point.latency_s
@@ -146,6 +201,8 @@ class SlackPolicy:
             key = (credit, v.arrival_t)
         elif order is Ordering.STREAM_DEADLINE:
             key = (v.slack_s + v.remaining_content_s, v.arrival_t)
+        elif order is Ordering.ROUND_ROBIN:
+            key = (v.last_run_at, v.arrival_t)
         else:
             key = (v.arrival_t,)
         return _Scored(v, point, credit, tier, key)
@@ -208,9 +265,16 @@ class SlackPolicy:
             )
             if not may_preempt:
                 return Dispatch(worker.worker_id, tuple(s.view.stream_id for s in in_flight), running.point)
-        if self.config.max_batch > 1:
+        if self.config.max_batch > 1 and self.config.ordering is Ordering.FIFO:
+            # StreamDiffusionV2's stream batching: the first streams in arrival order, one forward.
             chosen = [s for s in scored if s.view.inflight_point is None][: self.config.max_batch] or [best]
             point = self._batch_points[len(chosen)] if chosen[0].view.inflight_point is None else chosen[0].point
+        elif self.config.max_batch > 1 and best.view.inflight_point is None:
+            # Cross-user batching: streams whose next chunk BMPR sends to the lead's point join its
+            # forward, in queue order (the executor splits rows whose caches are not at one fill level).
+            chosen = [best] + [s for s in scored[1:] if s.view.inflight_point is None and s.point == best.point
+                               and s.view.first_chunk == best.view.first_chunk][: self.config.max_batch - 1]
+            point = self.batch_point(best.point, len(chosen)) if len(chosen) > 1 else best.point
         else:
             chosen = [best]
             point = best.point
@@ -257,16 +321,23 @@ class SlackPolicy:
         rem = np.fromiter((v.inflight_remaining_s for v in streams), np.float64, n)
         first = np.fromiter((v.first_chunk for v in streams), np.bool_, n)
         wids = np.fromiter((v.worker_id for v in streams), np.int64, n)
-        if self.config.bmpr:
-            budgets = (slack - rem) / (1.0 + self.config.thresholds.urgent_mult)
-            idx = self.router.route_many(budgets)
-            lat = np.where(first, self.router.first_latencies[idx], self.router.latencies[idx])
-            frontier = self.router.frontier
-            fidelity: Sequence[ProfilePoint] = [frontier[i] for i in idx.tolist()]
-        else:
-            ref = self.static_point
-            lat = np.where(first, ref.first_chunk_latency_s, ref.latency_s)
-            fidelity = [ref] * n
+        lat = np.zeros(n, dtype=np.float64)
+        fidelity: list[ProfilePoint] = [self.static_point] * n
+        ceilings = [v.max_steps for v in streams]
+        for ceiling in set(ceilings):  # one vectorised routing per user step cap (usually one group)
+            rows = np.array([i for i, c in enumerate(ceilings) if c == ceiling], dtype=np.int64)
+            if self.config.bmpr:
+                router = self._router(ceiling)
+                budgets = (slack[rows] - rem[rows]) / (1.0 + self.config.thresholds.urgent_mult)
+                idx = router.route_many(budgets)
+                lat[rows] = np.where(first[rows], router.first_latencies[idx], router.latencies[idx])
+                for row, i in zip(rows.tolist(), idx.tolist(), strict=True):
+                    fidelity[row] = router.frontier[i]
+            else:
+                ref = self.next_point(0.0, 0.0, ceiling)
+                lat[rows] = np.where(first[rows], ref.first_chunk_latency_s, ref.latency_s)
+                for row in rows.tolist():
+                    fidelity[row] = ref
         credits = slack - (rem + lat)
         tiers = classify_many(credits, lat, self.config.thresholds)
 

@@ -42,6 +42,7 @@ class StreamView:
     last_rehomed_at: float = -math.inf
     last_run_at: float = -math.inf
     state_bytes: float = 0.0
+    max_steps: int | None = None  # the user's step count: the policy never routes above it
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,10 @@
-"""Discrete-event simulator (Vidur-style heapq loop, injected clock) around the serving policy.
+"""Discrete-event simulator (Vidur-style heapq loop, virtual clock) around the engine core.
 
-The simulator is an *executor*: per-stream state lives in the same ``StreamLedger`` the live server uses
-(playout trackers, residency, in-flight chunks, cooldowns); the simulator adds simulated workers and a
-clock, asks the policy for decisions, and applies them. Workers
-execute chunks step by step with profiled latencies times seeded jitter, so step-level preemption,
-offload/restore and re-homing costs all land on the simulated clock.
+The simulator is an *executor* of the same ``EngineCore`` (engine/serving/core.py) the live server
+runs: admission, dispatch, preemption, eviction/restore, re-homing and the control tick are the
+core's code; the simulator only supplies simulated workers and a clock. Workers execute chunks
+step by step with profiled latencies times seeded jitter, so step-level preemption, offload/restore
+and re-homing costs all land on the virtual clock.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from enum import IntEnum
 
 import numpy as np
 
+from engine.serving.core import EngineCore, Work
 from engine.serving.credit import Tier
 from engine.serving.fidelity import FidelityProfile
 from engine.serving.ledger import StreamEntry, StreamLedger
 from engine.serving.playout import Stall
 from engine.serving.policy import SlackPolicy
-from engine.serving.snapshot import AdmissionRequest, Dispatch, Rehome, Snapshot, StreamView, WorkerView
+from engine.serving.snapshot import Rehome, Snapshot, WorkerView
 from engine.serving.transfer import Link, TransferModel
 from engine.sim.workload import EventKind, TraceEvent
 
@@ -60,8 +61,6 @@ class SimWorker:
     wid: int
     node: int
     slots: int
-    streams: set[int] = field(default_factory=set)
-    job: tuple[int, ...] = ()
     step_s: float = 0.0  # actual (jittered) duration of the job's current step
     gen: int = 0
     busy_s: float = 0.0
@@ -108,9 +107,10 @@ class SimResult:
 
 
 class Simulator:
+    """The event queue and the simulated workers; every decision is the engine core's."""
+
     def __init__(self, policy: SlackPolicy, profile: FidelityProfile, events: list[TraceEvent],
                  config: SimConfig | None = None) -> None:
-        self.policy = policy
         self.profile = profile
         self.events = events
         self.cfg = config = config if config is not None else SimConfig()
@@ -123,17 +123,22 @@ class Simulator:
         per_node = math.ceil(n_workers / config.nodes)
         slots = config.state_slots * policy.config.gpus_per_worker
         self.workers = {w: SimWorker(w, w // per_node, slots) for w in range(n_workers)}
-        self.ledger = StreamLedger(max_lookahead_s=config.max_lookahead_s)
+        self.core = EngineCore(policy, self, lambda: self.now, StreamLedger(max_lookahead_s=config.max_lookahead_s))
         self.rejected: dict[int, str] = {}
-        self.pending_rehome: dict[int, Rehome] = {}
-        self.rehomes = self.evictions = self.restores = self.preemptions = 0
         self.timeline: list[TimelineRow] = []
-        self.fidelity_counts: dict[str, int] = {}
         self._pending_trace = len(events)
 
     @property
+    def policy(self) -> SlackPolicy:
+        return self.core.policy
+
+    @property
+    def ledger(self) -> StreamLedger:
+        return self.core.ledger
+
+    @property
     def streams(self) -> dict[int, StreamEntry]:
-        return self.ledger.entries
+        return self.core.ledger.entries
 
     # ---- event queue --------------------------------------------------------------------------
     def _push(self, t: float, kind: Ev, payload: object) -> None:
@@ -153,177 +158,66 @@ class Simulator:
                 self._on_trace(payload)
             elif kind == Ev.STEP_DONE:
                 assert isinstance(payload, tuple)
-                self._on_step_done(*payload)
+                wid, gen = payload
+                if gen == self.workers[wid].gen:
+                    self.core.step_done(wid)
             elif kind in (Ev.READY, Ev.WAKE):
                 assert isinstance(payload, int)
-                self._kick(payload)
+                self.core.kick(payload)
             elif kind == Ev.TICK:
                 self._on_tick()
         return self._result()
 
-    # ---- views for the policy -----------------------------------------------------------------
-    def _worker_view(self, w: SimWorker) -> WorkerView:
-        return WorkerView(w.wid, w.node, w.slots, w.draining)
+    # ---- the Executor protocol ----------------------------------------------------------------
+    def worker_views(self) -> list[WorkerView]:
+        return [WorkerView(w.wid, w.node, w.slots, w.draining) for w in self.workers.values()]
 
-    def _running(self) -> set[int]:
-        return {sid for w in self.workers.values() for sid in w.job}
+    def input_ready(self, worker_id: int) -> set[int] | None:
+        return None  # simulated content is always there (a lookahead cap, if set, is the ledger's)
+
+    def execute(self, work: Work) -> float:
+        w = self.workers[work.worker_id]
+        delay = sum(self.cfg.transfer.residual_s(self.streams[sid].state_bytes, Link.HOST) for sid in work.restore)
+        if not work.continues:
+            w.step_s = work.est_step_s * self._jitter()
+        w.gen += 1
+        w.busy_s += w.step_s + delay
+        self._push(self.now + delay + w.step_s, Ev.STEP_DONE, (w.wid, w.gen))
+        return delay
+
+    def rehome(self, move: Rehome) -> float:
+        return move.residual_s
+
+    def wake_at(self, worker_id: int, t: float) -> None:
+        self._push(t, Ev.WAKE, worker_id)
 
     def snapshot(self) -> Snapshot:
-        return self.ledger.snapshot(self.now, [self._worker_view(w) for w in self.workers.values()], self._running())
+        return self.core.snapshot()
 
     # ---- trace events -------------------------------------------------------------------------
     def _on_trace(self, e: TraceEvent) -> None:
+        core = self.core
         if e.kind is EventKind.ARRIVE:
-            self._arrive(e)
-            return
-        s = self.streams.get(e.stream)
-        if s is None or s.left:
-            return
-        running = s.sid in self.workers[s.worker].job
-        if e.kind is EventKind.PAUSE:
-            self.ledger.pause(s.sid, self.now)
+            admission = core.arrive(e.stream, e.frames / e.fps)
+            if not admission.accepted:
+                self.rejected[e.stream] = admission.reason
+        elif e.kind is EventKind.PAUSE:
+            core.pause(e.stream)
         elif e.kind is EventKind.RESUME:
-            self.ledger.resume(s.sid, self.now)
-            self._kick(s.worker)
+            core.resume(e.stream)
         elif e.kind is EventKind.PROMPT_SWITCH:
-            if self.ledger.prompt_switch(s.sid, self.now, running):
-                self._kick(s.worker)
+            core.prompt_switch(e.stream)
         elif e.kind is EventKind.LEAVE:
-            self.ledger.leave(s.sid, running)
-
-    def _arrive(self, e: TraceEvent) -> None:
-        content_s = e.frames / e.fps
-        adm = self.policy.admit(AdmissionRequest(e.stream, self.now, content_s), self.snapshot())
-        if not adm.accepted or adm.worker_id is None:
-            self.rejected[e.stream] = adm.reason
-            return
-        self.ledger.admit(adm, self.now, content_s, self.policy.reference.state_bytes)
-        self._kick(adm.worker_id)
-
-    # ---- worker execution ---------------------------------------------------------------------
-    def _kick(self, wid: int) -> None:
-        w = self.workers.get(wid)
-        if w is None or w.job:
-            return
-        self._dispatch(w, step_boundary=False)
-
-    def _dispatch(self, w: SimWorker, step_boundary: bool) -> None:
-        views = self.ledger.views_on(w.wid, self.now, w.job)
-        d = self.policy.dispatch(self.now, self._worker_view(w), views, step_boundary=step_boundary)
-        if step_boundary and d.stream_ids == w.job:
-            self._run_step(w, 0.0)
-            return
-        if step_boundary:
-            self.preemptions += 1
-            for sid in w.job:
-                self.ledger.preempted(sid, self.now)
-            w.job = ()
-        if not d.stream_ids:
-            self._schedule_wake(w, views)
-            return
-        self._start(w, d)
-
-    def _schedule_wake(self, w: SimWorker, views: list[StreamView]) -> None:
-        """Idle worker: wake when a blocked stream becomes runnable (transfer done or lookahead cap)."""
-        wake = math.inf
-        for v in views:
-            s = self.streams[v.stream_id]
-            if not s.active:
-                continue
-            if s.available_t > self.now:
-                wake = min(wake, s.available_t)
-            elif self.cfg.max_lookahead_s is not None and not v.paused:
-                wake = min(wake, self.now + max(1e-3, v.slack_s - self.cfg.max_lookahead_s))
-        if wake < math.inf:
-            self._push(wake, Ev.WAKE, w.wid)
-
-    def _start(self, w: SimWorker, d: Dispatch) -> None:
-        assert d.point is not None
-        for sid in d.evict:
-            self.ledger.evict(sid)
-            self.evictions += 1
-        delay = 0.0
-        for sid in d.restore:
-            if self.ledger.restore(sid):
-                self.restores += 1
-                delay += self.cfg.transfer.residual_s(self.streams[sid].state_bytes, Link.HOST)
-        w.job = d.stream_ids
-        for sid in d.stream_ids:
-            if self.streams[sid].inflight is None:
-                label = d.point.config.label()
-                self.fidelity_counts[label] = self.fidelity_counts.get(label, 0) + 1
-            self.ledger.chunk_started(sid, self.now + delay, d.point)
-        lead = self.streams[w.job[0]].inflight
-        assert lead is not None
-        w.step_s = lead.est_step_s * self._jitter()
-        self._run_step(w, delay)
+            core.leave(e.stream)
 
     def _jitter(self) -> float:
         if self.cfg.jitter_cv == 0:
             return 1.0
         return float(max(0.5, self.rng.normal(1.0, self.cfg.jitter_cv)))
 
-    def _run_step(self, w: SimWorker, delay: float) -> None:
-        w.gen += 1
-        w.busy_s += w.step_s + delay
-        self._push(self.now + delay + w.step_s, Ev.STEP_DONE, (w.wid, w.gen))
-
-    def _on_step_done(self, wid: int, gen: int) -> None:
-        w = self.workers.get(wid)
-        if w is None or gen != w.gen or not w.job:
-            return
-        for sid in w.job:
-            self.ledger.step_done(sid, self.now)
-        lead = self.streams[w.job[0]].inflight
-        assert lead is not None
-        if lead.steps_left > 0 and len(w.job) == 1 and self.ledger.is_stale(w.job[0]):
-            # The prompt changed mid-chunk: abandon the stale chunk at this step boundary (a batch
-            # keeps going for its other streams and the stale output is discarded at the end).
-            self.ledger.abandon(w.job[0], self.now)
-            w.job = ()
-            self._kick(wid)
-            return
-        if lead.steps_left > 0 and all(self.streams[sid].active for sid in w.job):
-            self._dispatch(w, step_boundary=True)
-            return
-        job, w.job = w.job, ()
-        if lead.steps_left > 0:
-            # A stream in the batch left mid-chunk: nobody's chunk completes; the others restart it.
-            for sid in job:
-                self.ledger.abandon(sid, self.now)
-                if self.streams[sid].left:
-                    self.ledger.leave(sid, running=False)
-            self._kick(wid)
-            return
-        for sid in job:
-            self.ledger.chunk_done(sid, self.now, self._chunk_duration(sid))
-            r = self.pending_rehome.pop(sid, None)
-            if r is not None:
-                self._apply_rehome(r)
-        self._kick(wid)
-
-    def _chunk_duration(self, sid: int) -> float:
-        first = self.streams[sid].first_chunk
-        return self.profile.first_chunk_duration_s if first else self.profile.chunk_duration_s
-
-    def _apply_rehome(self, r: Rehome) -> None:
-        s = self.streams[r.stream_id]
-        if r.dst not in self.workers or s.worker != r.src or not s.active:
-            return
-        self.ledger.move(s.sid, r.dst, self.now, r.residual_s)
-        self.rehomes += 1
-        self._push(s.available_t, Ev.READY, r.dst)
-        self._kick(r.src)
-
     # ---- control tick -------------------------------------------------------------------------
     def _on_tick(self) -> None:
-        snap = self.snapshot()
-        plan = self.policy.tick(snap)
-        for r in plan.rehomes:
-            if self.streams[r.stream_id].inflight is not None:
-                self.pending_rehome[r.stream_id] = r  # applied at its next chunk boundary
-            else:
-                self._apply_rehome(r)
+        plan = self.core.tick()
         counts = {t: 0 for t in Tier}
         idle = 0
         for wt in plan.worker_tiers.values():
@@ -331,9 +225,10 @@ class Simulator:
                 idle += 1
             else:
                 counts[wt] += 1
-        self.timeline.append(TimelineRow(self.now, len(snap.streams), counts[Tier.URGENT], counts[Tier.NORMAL],
+        active = len(plan.stream_ids)
+        self.timeline.append(TimelineRow(self.now, active, counts[Tier.URGENT], counts[Tier.NORMAL],
                                          counts[Tier.RELAXED], idle, plan.desired_workers))
-        if self._pending_trace > 0 or snap.streams:
+        if self._pending_trace > 0 or active:
             self._push(self.now + self.cfg.tick_s, Ev.TICK, None)
 
     # ---- results ------------------------------------------------------------------------------
@@ -352,16 +247,17 @@ class Simulator:
                 mean_quality=s.quality_sum / s.quality_chunks if s.quality_chunks else None,
                 left=s.left,
             ))
+        counters = self.core.counters
         return SimResult(
             policy=self.policy.name,
             streams=records,
             rejected=dict(self.rejected),
-            rehomes=self.rehomes,
-            evictions=self.evictions,
-            restores=self.restores,
-            preemptions=self.preemptions,
+            rehomes=counters.rehomes,
+            evictions=counters.evictions,
+            restores=counters.restores,
+            preemptions=counters.preemptions,
             timeline=self.timeline,
-            fidelity_counts=dict(self.fidelity_counts),
+            fidelity_counts=dict(self.core.fidelity_counts),
             end_t=self.now,
             worker_busy_s={w.wid: w.busy_s for w in self.workers.values()},
         )
