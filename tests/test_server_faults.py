@@ -26,7 +26,7 @@ import pytest
 import websockets
 from _security_fixtures import served, tiny_factory  # noqa: F401
 
-from app.server.engine_bridge import BatchProcessor, DelayedProcessor, StreamSettings
+from app.server.engine_bridge import PipelineProcessor, StreamSettings
 from app.server.frame_path import encode_jpeg
 from app.server.probe import CodedCamera, http, open_session, pattern_frame
 from app.server.session import SessionManager
@@ -52,9 +52,9 @@ async def send_frames(ws: Any, size: tuple[int, int], count: int, fps: float = 2
 
 def freed(manager: SessionManager, processor: weakref.ref[Any]) -> bool:
     gc.collect()
-    scheduler_streams = manager.scheduler.streams if manager.scheduler is not None else {}
-    ledger = manager.scheduler.ledger.entries if manager.scheduler is not None else {}
-    return not manager.sessions and not scheduler_streams and not ledger and processor() is None
+    loop = manager.loop
+    assert loop is not None
+    return not manager.sessions and not loop.streams and not loop.core.ledger.entries and processor() is None
 
 
 async def test_websocket_client_vanishing_mid_chunk_frees_everything(tiny_factory: Any) -> None:  # noqa: F811
@@ -69,9 +69,9 @@ async def test_websocket_client_vanishing_mid_chunk_frees_everything(tiny_factor
         runner, closed = weakref.ref(session.runner), session.closed
         del session  # only weak references from here: the test must not keep the stream alive
         await wait_until(lambda: getattr(runner(), "chunks", 0) >= 2, 60)
-        scheduler = manager.scheduler
-        assert scheduler is not None
-        await wait_until(lambda: bool(scheduler._running), 10, poll_s=0.001)  # a chunk is on the engine now
+        loop = manager.loop
+        assert loop is not None
+        await wait_until(lambda: bool(loop.core.running()), 10, poll_s=0.001)  # a chunk is on the engine now
         feeder.cancel()
         t0 = time.monotonic()
         ws.transport.abort()  # TCP reset: no close frame, no goodbye
@@ -116,11 +116,11 @@ async def test_killed_webrtc_publisher_is_noticed_by_the_input_watchdog(tiny_fac
     assert 2.0 <= closed_s < 2.0 + 2.0  # the watchdog's timeout, polled 4x per timeout
 
 
-class FailingProcessor(DelayedProcessor):
+class FailingProcessor(PipelineProcessor):
     """The real engine, except that streams whose prompt is "explode" throw from their 3rd chunk on."""
 
-    def __init__(self, inner: Any, explode: bool) -> None:
-        super().__init__(inner, 0.0)
+    def __init__(self, inner: PipelineProcessor, explode: bool) -> None:
+        super().__init__(inner._stream, inner.first_chunk_frames, inner.chunk_frames)
         self.explode = explode
         self.chunks = 0
 
@@ -133,11 +133,9 @@ class FailingProcessor(DelayedProcessor):
         self._check()
         return super().process(frames)
 
-    def process_batch(self, rows: Sequence[tuple[BatchProcessor, np.ndarray]]) -> list[np.ndarray]:
-        for processor, _ in rows:
-            if isinstance(processor, FailingProcessor):
-                processor._check()
-        return super().process_batch(rows)
+    def begin_chunk(self, frames: np.ndarray) -> None:
+        self._check()
+        super().begin_chunk(frames)
 
 
 class FailingFactory:

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from app.server.config import ServerConfig
+from app.server.executors import ServingLoop, build_serving_loop
 from app.server.frame_path import ChunkAssembler, Playout, StreamRunner, fit_frame
 from app.server.framecode import MAX_ID, draw_id, read_id
 
@@ -100,14 +102,29 @@ class Negate:
         pass
 
 
+def _serve(runner: StreamRunner, playout: Playout, size: tuple[int, int], executor: ThreadPoolExecutor) -> Any:
+    """The engine core's loop with the whole-chunk executor (a processor behind ``process``), FIFO turns."""
+
+    class Factory:
+        def __init__(self) -> None:
+            self.size = size
+
+        def open(self, settings: Any) -> Any:
+            return runner.processor
+
+    loop: ServingLoop = build_serving_loop(ServerConfig(policy="fifo"), Factory(), executor)
+    loop.attach(loop.admit(), runner, playout)
+    return asyncio.ensure_future(loop.run())
+
+
 async def test_runner_first_chunk_then_steady_chunks_with_trace_stamp() -> None:
     size = (64, 48)
     assembler = ChunkAssembler(capacity=4)
     playout = Playout(size, chunk_frames=4, max_fps=30, min_fps=2)
     processor = Negate()
     with ThreadPoolExecutor(1) as executor:
-        runner = StreamRunner(processor, assembler, playout, executor, asyncio.Semaphore(1), size, trace_stamp=True)
-        task = asyncio.ensure_future(runner.run())
+        runner = StreamRunner(processor, assembler, playout, executor, size, trace_stamp=True)
+        task = _serve(runner, playout, size, executor)
         for i in range(5):
             image = np.full((96, 128, 3), 40, np.uint8)  # twice the engine size: resized on the way in
             draw_id(image, 100 + i)
@@ -148,8 +165,8 @@ async def test_runner_pause_stops_feeding_the_engine() -> None:
     assembler = ChunkAssembler(capacity=4)
     playout = Playout(size, chunk_frames=4, max_fps=30, min_fps=2)
     with ThreadPoolExecutor(1) as executor:
-        runner = StreamRunner(Negate(), assembler, playout, executor, asyncio.Semaphore(1), size)
-        task = asyncio.ensure_future(runner.run())
+        runner = StreamRunner(Negate(), assembler, playout, executor, size)
+        task = _serve(runner, playout, size, executor)
         runner.pause()
         for _ in range(8):
             assembler.push(np.zeros((8, 8, 3), np.uint8))
@@ -166,7 +183,7 @@ async def test_runner_pause_stops_feeding_the_engine() -> None:
 
 
 def test_parallel_chunks_declared_by_factory() -> None:
-    from app.server.engine_bridge import DelayedFactory, parallel_chunks
+    from app.server.engine_bridge import parallel_chunks
 
     class Plain:
         size = (8, 8)
@@ -178,4 +195,4 @@ def test_parallel_chunks_declared_by_factory() -> None:
         parallel_chunks = 3
 
     assert parallel_chunks(Plain()) == 1
-    assert parallel_chunks(DelayedFactory(Routed(), 0.0)) == 3
+    assert parallel_chunks(Routed()) == 3

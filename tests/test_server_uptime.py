@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from app.server.scheduler import LIVE_PROFILE, PolicyScheduler
-from engine.serving.fidelity import bundled_profile
+from app.server.config import ServerConfig
+from app.server.executors import build_serving_loop
+from _security_fixtures import tiny_factory  # noqa: F401
 from engine.serving.playout import PlayoutTracker
 
 
@@ -37,12 +38,12 @@ def test_tracker_history_is_bounded_and_counts_every_stall() -> None:
     assert (bounded.chunks_on_time, bounded.chunks_late) == (unbounded.chunks_on_time, unbounded.chunks_late)
 
 
-def test_policy_loop_forgets_streams_that_left() -> None:
+def test_policy_loop_forgets_streams_that_left(tiny_factory: object) -> None:
     with ThreadPoolExecutor(1) as executor:
-        scheduler = PolicyScheduler(bundled_profile(LIVE_PROFILE), executor, fps=8.0)
+        loop = build_serving_loop(ServerConfig(model="tiny-random", max_fps=8.0), tiny_factory, executor)  # type: ignore[arg-type]
         for _ in range(200):  # admitted streams that closed (or never opened)
-            sid = scheduler.admit()
-            scheduler.remove(sid)
-        assert scheduler.ledger.entries == {}
-        assert not any(scheduler.ledger._by_worker.values())
-        assert scheduler.admit() not in (None, 0)  # admission still works
+            sid = loop.admit()
+            loop.remove(sid)
+        assert loop.core.ledger.entries == {} and loop.core.stats == {}
+        assert not any(loop.core.ledger._by_worker.values())
+        assert loop.admit() not in (None, 0)  # admission still works

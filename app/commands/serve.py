@@ -11,6 +11,12 @@ HELP = "Run the live web service: webcam in over WebRTC/WHIP, stylized video out
 log = logging.getLogger(__name__)
 
 
+def policy_names() -> list[str]:
+    from engine.serving.policy import PRESET_ALIASES, policy_presets
+
+    return [*PRESET_ALIASES, *policy_presets()]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
@@ -63,9 +69,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="test knob: extra delay per denoising step of each forward (emulates a DiT-bound model)",
     )
     parser.add_argument(
-        "--policy", choices=("slack", "fifo"), default="slack",
-        help="slack (default): the playout-slack policy admits streams, orders chunks, picks each chunk's "
-             "fidelity and batches streams; fifo: streams take turns at their own fixed fidelity",
+        "--policy", choices=policy_names(), default="slack", metavar="PRESET",
+        help="serving policy preset the engine core runs (docs/configuration.md): slack (= slackserve, the "
+             "default) admits streams, orders chunks, picks each chunk's fidelity, batches streams, evicts and "
+             "preempts by playout slack; fifo: streams take turns at their own fixed fidelity; or any of "
+             + ", ".join(n for n in policy_names() if n not in ("slack", "fifo")),
+    )
+    parser.add_argument(
+        "--state-slots", type=int, default=0,
+        help="stream states resident in the engine at once; the policy parks the others in host memory "
+             "(credit-aware eviction) and restores them bit-identically when they run (default 0 = no limit)",
     )
     parser.add_argument(
         "--profile", default=None, metavar="FILE",
@@ -131,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         engine_delay_ms=args.engine_delay_ms,
         engine_step_delay_ms=args.engine_step_delay_ms,
         policy=args.policy,
+        state_slots=args.state_slots,
         profile=args.profile,
         max_batch=args.max_batch,
         trace_stamp=args.trace_stamp,

@@ -18,11 +18,11 @@ from prometheus_client import generate_latest
 from app.dashboard import dashboard_router
 from app.server.config import ServerConfig
 from app.server.control import ControlError, StreamOptions, options_from_query
-from app.server.engine_bridge import DelayedFactory, PipelineFactory, ProcessorFactory
+from app.server.engine_bridge import PipelineFactory, ProcessorFactory
+from app.server.executors import build_serving_loop
 from app.server.gateway import Gateway
 from app.server.ice import allow_loopback_candidates, browser_ice_servers
 from app.server.metrics import CONTENT_TYPE, build_registry
-from app.server.scheduler import build_scheduler
 from app.server.sdp import OfferError
 from app.server.security import OWNER_HEADER, VIEWER_HEADER, AccessControl, ClientSlots, EdgeGuard
 from app.server.session import CapacityError, SessionManager
@@ -72,11 +72,8 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     if factory is None:
         factory = PipelineFactory.load(config.model, config.device)
     config = with_model_defaults(config, factory)
-    if config.engine_delay_ms > 0 or config.engine_step_delay_ms > 0:
-        factory = DelayedFactory(factory, config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0)
     manager = SessionManager(factory, config)
-    if config.policy == "slack":
-        manager.scheduler = build_scheduler(config, factory, manager.executor)
+    manager.loop = build_serving_loop(config, factory, manager.executor)
     gateway = Gateway(manager, config)
     registry = build_registry(manager)
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 GENERIC_NOISE_SCALE = 0.8
 GENERIC_STEPS = 2
 
-POLICIES = ("slack", "fifo")
 
 
 @dataclass(frozen=True)
@@ -55,9 +54,13 @@ class ServerConfig:
     # Test knob: extra sleep per denoising step of each forward (fewer steps are then faster, as with
     # a DiT-dominated model on a GPU); the policy's profile is charged the same delays.
     engine_step_delay_ms: float = 0.0
-    # Serving policy on this machine: "slack" = admission, ordering, per-chunk fidelity and batching by
-    # the playout-slack policy (app/server/scheduler.py); "fifo" = streams take turns, fixed fidelity.
+    # Serving policy preset the engine core runs (engine.serving.policy.policy_presets, or the alias
+    # "slack" = "slackserve"): admission, order, per-chunk fidelity, batching, eviction, preemption.
+    # "fifo" = streams take turns at their own fixed fidelity.
     policy: str = "slack"
+    # Stream states resident in the engine at once; more streams are parked in host memory and
+    # brought back when they run (credit-aware eviction). 0 = no limit.
+    state_slots: int = 0
     # Fidelity profile for the policy (diffcast-fidelity-profile/1); None = the bundled measured one.
     profile: str | None = None
     # Most streams one batched forward may carry under the slack policy.
@@ -92,7 +95,10 @@ class ServerConfig:
         return noise, GENERIC_STEPS if self.default_steps is None else self.default_steps
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        from engine.serving.policy import resolve_preset
+
+        resolve_preset(self.policy)  # ValueError naming the presets
+        if self.state_slots < 0:
+            raise ValueError(f"state_slots must be >= 0, got {self.state_slots}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")

@@ -72,15 +72,18 @@ def parallel_chunks(factory: ProcessorFactory) -> int:
 
 
 def per_chunk_fidelity(factory: ProcessorFactory) -> bool:
-    """Whether the factory's processors are `BatchProcessor`s (a factory declares it), so the
-    serving policy can set their fidelity per chunk and batch them (app/server/scheduler.py)."""
+    """Whether the factory's processors are `StepProcessor`s (a factory declares it): the engine core
+    then sets their fidelity per chunk, batches them and runs them step by step
+    (app/server/executors.py); other engines run whole chunks at their own fidelity."""
     return bool(getattr(factory, "per_chunk_fidelity", False))
 
 
 @runtime_checkable
-class BatchProcessor(Protocol):
-    """A `StreamProcessor` whose fidelity the serving policy sets per chunk and whose chunks can run
-    together with other streams' in one batched forward (app/server/scheduler.py drives it)."""
+class StepProcessor(Protocol):
+    """A `StreamProcessor` the engine core drives through the chunk recipe's stages: its fidelity
+    is set per chunk, its chunk runs one denoising step at a time (so a more urgent stream can run
+    between two steps), steps of several streams share one forward, and its state can be parked in
+    host memory and brought back bit-identically. Every call happens on the engine thread."""
 
     @property
     def first_chunk_frames(self) -> int: ...
@@ -90,28 +93,59 @@ class BatchProcessor(Protocol):
 
     def process(self, frames: np.ndarray) -> np.ndarray: ...
 
+    def update(self, **changes: Any) -> None: ...
+
+    def reset(self) -> None: ...
+
     def fidelity(self) -> FidelityConfig: ...
 
     def set_fidelity(self, config: FidelityConfig) -> None:
         """Applies from the next chunk; raises ValueError for a config this engine cannot run."""
         ...
 
-    def batch_key(self) -> Hashable:
-        """Streams whose keys are equal may share one forward (same fidelity, sizes, cache fill)."""
+    def begin_chunk(self, frames: np.ndarray) -> None:
+        """A new chunk enters (encode, noise); a chunk still parked from before is dropped."""
         ...
 
-    def process_batch(self, rows: Sequence[tuple[BatchProcessor, np.ndarray]]) -> list[np.ndarray]:
-        """Run each (processor, frames) row's chunk in one batched forward; rows share ``batch_key``."""
+    def has_chunk(self) -> bool:
+        """A chunk has entered and is not finished."""
         ...
+
+    def chunk_done(self) -> bool: ...
+
+    def batch_key(self) -> Hashable:
+        """Processors whose pending chunks have equal keys may take their next step in one forward."""
+        ...
+
+    def denoise_step(self, group: Sequence[StepProcessor]) -> None:
+        """One forward moving every processor's pending chunk in ``group`` (this one first) one step."""
+        ...
+
+    def finish_chunk(self) -> np.ndarray:
+        """The finished chunk's frames (decode, stabilizer): uint8 [T, H, W, 3]."""
+        ...
+
+    def offload(self) -> int:
+        """Move the stream's state (and a parked chunk) to host memory; returns its bytes."""
+        ...
+
+    def restore(self) -> None:
+        """Bring the state back from host memory, bit-identical."""
+        ...
+
+    @property
+    def offloaded(self) -> bool: ...
 
 
 class PipelineProcessor:
-    """A `StreamProcessor` over one `engine.pipeline` stream."""
+    """A `StepProcessor` over one `engine.pipeline` stream and its runtime's chunk stages."""
 
     def __init__(self, stream: Any, first_chunk_frames: int, chunk_frames: int) -> None:
         self._stream = stream
         self._first = first_chunk_frames
         self._chunk = chunk_frames
+        self._pending: Any = None  # the runtime's ChunkInFlight between begin_chunk and finish_chunk
+        self._parked: bytes | None = None  # state and pending chunk while offloaded to host memory
 
     @property
     def first_chunk_frames(self) -> int:
@@ -122,17 +156,25 @@ class PipelineProcessor:
         return self._chunk
 
     def process(self, frames: np.ndarray) -> np.ndarray:
+        self._resident()
+        self._pending = None
         return np.asarray(self._stream.process(frames), dtype=np.uint8)
 
     def update(self, **changes: Any) -> None:
+        # A control change while offloaded: bring the state back, change it, park it again.
+        parked = self.offloaded
+        self._resident()
         self._stream.update(**changes)
+        if parked:
+            self.offload()
 
     def reset(self) -> None:
+        self._parked = None
+        self._pending = None
         self._stream.reset()
 
-    # -- BatchProcessor: the serving policy's per-chunk fidelity and batched forwards --------------
-
     def fidelity(self) -> FidelityConfig:
+        self._resident()
         config: FidelityConfig = self._stream.state.fidelity
         return config
 
@@ -141,33 +183,71 @@ class PipelineProcessor:
             self._stream.update(steps=config.steps, kv_window_frames=config.kv_window_frames,
                                 precision=config.precision)
 
-    def batch_key(self) -> Hashable:
+    # -- the chunk recipe's stages, driven by the engine core --------------------------------------
+
+    def begin_chunk(self, frames: np.ndarray) -> None:
+        from engine.frames import frames_to_tensor
+
+        self._resident()
         stream = self._stream
-        state = stream.state
-        runtime = stream.runtime
-        cache = state.kv[0] if state.kv else None
-        fill = (cache.local_end, cache.window_frames, len(state.kv)) if cache is not None else (0, 0, 0)
-        return (id(runtime), state.fidelity, state.size, runtime.engine_size(state.size, state.fidelity), fill)
+        self._pending = stream.runtime.enter_chunk(stream.state, frames_to_tensor(frames, stream.expected_frames))
 
-    def process_batch(self, rows: Sequence[tuple[BatchProcessor, np.ndarray]]) -> list[np.ndarray]:
-        from engine.frames import frames_to_tensor, tensor_to_frames
+    def has_chunk(self) -> bool:
+        return self._pending is not None and not self._pending.done
 
-        streams = []
-        for processor, _ in rows:
-            if not isinstance(processor, PipelineProcessor):
-                raise TypeError(f"cannot batch a {type(processor).__name__} with a PipelineProcessor")
-            streams.append(processor._stream)
-        chunks = [frames_to_tensor(frames, s.expected_frames) for s, (_, frames) in zip(streams, rows, strict=True)]
-        results = streams[0].runtime.step_batch([s.state for s in streams], chunks)
-        for stream, result in zip(streams, results, strict=True):
-            stream.last = result
-        return [tensor_to_frames(r.frames) for r in results]
+    def chunk_done(self) -> bool:
+        return self._pending is not None and self._pending.done
+
+    def batch_key(self) -> Hashable:
+        if self._pending is None:
+            raise ValueError("no chunk in flight")
+        return (id(self._stream.runtime), self._pending.batch_key(self._stream.runtime.config.cache_mode == "per-step"))
+
+    def denoise_step(self, group: Sequence[StepProcessor]) -> None:
+        chunks = []
+        for processor in group:
+            if not isinstance(processor, PipelineProcessor) or processor._pending is None:
+                raise TypeError(f"cannot step a {type(processor).__name__} with a PipelineProcessor")
+            chunks.append(processor._pending)
+        self._stream.runtime.denoise_step(chunks)
+
+    def finish_chunk(self) -> np.ndarray:
+        from engine.frames import tensor_to_frames
+
+        chunk, self._pending = self._pending, None
+        if chunk is None:
+            raise ValueError("no chunk in flight")
+        self._stream.last = self._stream.runtime.finish_chunk(chunk)
+        return tensor_to_frames(self._stream.last.frames)
+
+    def offload(self) -> int:
+        from engine.streaming.state import pack
+
+        if self._parked is None:
+            self._parked = pack((self._stream.state, self._pending))
+            self._stream.state, self._pending = None, None
+        return len(self._parked)
+
+    def restore(self) -> None:
+        self._resident()
+
+    @property
+    def offloaded(self) -> bool:
+        return self._parked is not None
+
+    def _resident(self) -> None:
+        from engine.streaming.state import unpack
+
+        if self._parked is None:
+            return
+        self._stream.state, self._pending = unpack(self._parked, self._stream.runtime.device)
+        self._parked = None
 
 
 class PipelineFactory:
     """Opens streams on one loaded `engine.pipeline.Pipeline`."""
 
-    per_chunk_fidelity = True  # its processors are BatchProcessors
+    per_chunk_fidelity = True  # its processors are StepProcessors
 
     def __init__(self, pipeline: Any) -> None:
         self._pipe = pipeline
@@ -265,79 +345,3 @@ class RayFactory:
         # The processor protocol has no close: the stream leaves its worker when its session drops it.
         weakref.finalize(processor, self.controller.close, stream_id)
         return processor
-
-
-class DelayedProcessor:
-    """Adds a sleep to every chunk: emulates a model slower than the camera (test knob).
-
-    ``step_delay_s`` is added per denoising step of the chunk's fidelity (once per batched forward):
-    it emulates a DiT-dominated model (the 1.3B on a GPU), where fewer steps really are faster.
-    """
-
-    def __init__(self, inner: StreamProcessor, delay_s: float, step_delay_s: float = 0.0) -> None:
-        self._inner = inner
-        self._delay_s = delay_s
-        self._step_delay_s = step_delay_s
-
-    def _sleep(self) -> None:
-        steps = self._inner.fidelity().steps if isinstance(self._inner, BatchProcessor) else 0
-        time.sleep(self._delay_s + self._step_delay_s * steps)
-
-    def fidelity(self) -> FidelityConfig:
-        return self._batch_inner().fidelity()
-
-    def set_fidelity(self, config: FidelityConfig) -> None:
-        self._batch_inner().set_fidelity(config)
-
-    def batch_key(self) -> Hashable:
-        return self._batch_inner().batch_key()
-
-    def process_batch(self, rows: Sequence[tuple[BatchProcessor, np.ndarray]]) -> list[np.ndarray]:
-        self._sleep()
-        inner = [(p._batch_inner() if isinstance(p, DelayedProcessor) else p, f) for p, f in rows]
-        return self._batch_inner().process_batch(inner)
-
-    def _batch_inner(self) -> BatchProcessor:
-        if not isinstance(self._inner, BatchProcessor):
-            raise TypeError(f"{type(self._inner).__name__} has no per-chunk fidelity or batching")
-        return self._inner
-
-    @property
-    def first_chunk_frames(self) -> int:
-        return self._inner.first_chunk_frames
-
-    @property
-    def chunk_frames(self) -> int:
-        return self._inner.chunk_frames
-
-    def process(self, frames: np.ndarray) -> np.ndarray:
-        self._sleep()
-        return self._inner.process(frames)
-
-    def update(self, **changes: Any) -> None:
-        self._inner.update(**changes)
-
-    def reset(self) -> None:
-        self._inner.reset()
-
-
-class DelayedFactory:
-    def __init__(self, inner: ProcessorFactory, delay_s: float, step_delay_s: float = 0.0) -> None:
-        self._inner = inner
-        self._delay_s = delay_s
-        self._step_delay_s = step_delay_s
-
-    @property
-    def size(self) -> tuple[int, int]:
-        return self._inner.size
-
-    @property
-    def parallel_chunks(self) -> int:
-        return parallel_chunks(self._inner)
-
-    @property
-    def per_chunk_fidelity(self) -> bool:
-        return per_chunk_fidelity(self._inner)
-
-    def open(self, settings: StreamSettings) -> StreamProcessor:
-        return DelayedProcessor(self._inner.open(settings), self._delay_s, self._step_delay_s)

@@ -1,10 +1,10 @@
 """The per-stream frame path: latest-frames-win input, chunk assembly, engine thread, playout clock.
 
     camera frames ──push──▶ ChunkAssembler (holds at most one chunk of the newest frames)
-                               │ take(n) on this stream's turn for the engine
+                               │ take(n) when the engine core dispatches the stream's next chunk
                                ▼
-                           StreamRunner ──engine thread──▶ StreamProcessor.process
-                               │ push_chunk
+                           StreamRunner ──engine thread (app/server/executors.py)──▶ the engine
+                               │ deliver
                                ▼
                            Playout (bounded buffer) ──tick at the production rate──▶ output tracks
 
@@ -298,12 +298,10 @@ class StreamRunner:
         assembler: ChunkAssembler,
         playout: Playout,
         executor: Executor,
-        engine_turn: asyncio.Semaphore,
         size: tuple[int, int],
         trace_stamp: bool = False,
     ) -> None:
         self._processor = processor
-        self._engine_turn = engine_turn  # shared by all streams; wakes waiters in arrival order
         self._assembler = assembler
         self._playout = playout
         self._executor = executor
@@ -349,34 +347,16 @@ class StreamRunner:
             self._notify("prompt")
 
     async def reset(self) -> None:
-        await self.call(self._processor.reset)
+        # The core hears of it first, so that it stops continuing the chunk the reset is about to drop.
         self._restart = True
-        self._playout.mark_gap()
         self._notify("reset")
+        await self.call(self._processor.reset)
+        self._playout.mark_gap()
 
     def _chunk_size(self) -> int:
         return self._processor.first_chunk_frames if self._restart else self._processor.chunk_frames
 
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._resumed.wait()
-            await self._assembler.wait(self._chunk_size())
-            # Take the frames only once it is this stream's turn on the engine: frames taken
-            # before queueing behind other streams would be stale by the time they run.
-            async with self._engine_turn:
-                n = self._chunk_size()
-                if self.paused or not self._assembler.ready(n):
-                    continue  # paused, or reset to a different chunk size, while waiting
-                # Cleared before the chunk runs so that a reset arriving meanwhile is not lost.
-                self._restart = False
-                frames = self._assembler.take(n)
-                t0 = time.perf_counter()
-                out = await loop.run_in_executor(self._executor, self._process, frames)
-                self.chunk_seconds = time.perf_counter() - t0
-            self.deliver(frames, out)
-
-    # -- hooks for an external engine loop (app/server/scheduler.py runs several streams' chunks) --
+    # -- hooks for the engine core's executors (app/server/executors.py) ---------------------------
 
     @property
     def processor(self) -> StreamProcessor:
@@ -402,11 +382,6 @@ class StreamRunner:
         """Event loop: a finished chunk goes to the playout buffer."""
         self.chunks += 1
         self._playout.push_chunk(out, [frame.meta for frame in frames])
-
-    def _process(self, frames: list[InputFrame]) -> np.ndarray:
-        """Engine thread: decode + resize, run the model, optionally stamp the frame-ID band."""
-        inputs = self.chunk_inputs(frames)
-        return self.chunk_outputs(inputs, self._processor.process(inputs))
 
     def chunk_outputs(self, inputs: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Engine thread: check the engine's output, fit it to our size, stamp the frame-ID band."""

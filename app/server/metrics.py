@@ -72,6 +72,17 @@ class SessionCollector(Collector):
         all_dropped = CounterMetricFamily("diffcast_dropped_frames", "Frames dropped, all streams ever")
         all_dropped.add_metric([], totals["dropped_frames"])
         yield from (active, capacity, opened, all_out, all_dropped)
+        # The engine core's actions (engine/serving/core.py), as counters over the server's life.
+        loop = self._manager.loop
+        counts = loop.counters() if loop is not None else {}
+        for name, doc in (("evictions", "Stream states parked in host memory by the policy"),
+                          ("restores", "Parked stream states brought back to the engine"),
+                          ("preemptions", "Chunks paused at a denoising-step boundary for a more urgent stream"),
+                          ("admissions_refused", "New streams the policy refused (first chunk would miss its slack)"),
+                          ("rehomes", "Streams moved to another worker by the policy")):
+            counter = CounterMetricFamily(f"diffcast_{name}", doc)
+            counter.add_metric([], counts.get(name, 0))
+            yield counter
         yield from (fps, latency, slack, viewers, frames_in, frames_out, dropped)
         yield from (steps, credit, tier, downshifts)
 

@@ -29,7 +29,7 @@ from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
 from app.server.limits import MessageGuard, control_guard, watch_input
 
 if TYPE_CHECKING:
-    from app.server.scheduler import PolicyScheduler
+    from app.server.executors import ServingLoop
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,10 @@ class Session:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._on_close = on_close
         self._closing: asyncio.Task[None] | None = None
-        # The serving policy's fields (tier, credit, fidelity, ...) when it schedules this stream.
+        # The serving policy's fields (tier, credit, fidelity, ...) of this stream.
         self.policy_stats: Callable[[], dict[str, Any]] | None = None
+        # Tells the policy the user's step count, the ceiling of the stream's fidelity.
+        self.on_steps: Callable[[int], None] | None = None
         # Size and rate limit of this stream's control messages, over every transport (limits.py).
         self.control_guard: MessageGuard | None = None
 
@@ -94,6 +96,8 @@ class Session:
             elif message.prompt is not None:
                 shown["prompt"] = " + ".join(message.prompt)
             self.settings = dataclasses.replace(self.settings, **shown)
+            if "steps" in changes and self.on_steps is not None:
+                self.on_steps(int(changes["steps"]))
         elif isinstance(message, PauseMessage):
             self.runner.pause()
         elif isinstance(message, ResumeMessage):
@@ -172,32 +176,22 @@ class SessionManager:
     def __init__(self, factory: ProcessorFactory, config: ServerConfig) -> None:
         self.factory = factory
         self.config = config
-        # One thread for an in-process engine: it is synchronous, CPU-heavy and not thread-safe.
-        # Streams take turns chunk by chunk, since each has at most one chunk in flight.
-        self._parallel = parallel_chunks(factory)
-        self.executor = ThreadPoolExecutor(max_workers=self._parallel, thread_name_prefix="engine")
-        # Streams queue for the engine here, on the event loop, so each takes its freshest frames
-        # when its turn comes (created lazily: it must belong to the server's running loop).
-        self._engine_turn: asyncio.Semaphore | None = None
+        # Engine threads: one for an in-process engine (synchronous, CPU-heavy, not thread-safe);
+        # engines behind a thread-safe router (Ray workers) say how many chunks they run at once.
+        self.executor = ThreadPoolExecutor(max_workers=parallel_chunks(factory), thread_name_prefix="engine")
         self.sessions: dict[str, Session] = {}
         self._opening = 0
         self.opened = 0
         self.closed_totals = {"dropped_frames": 0, "output_frames": 0}
-        # The serving policy's engine loop (app/server/scheduler.py, `--policy slack`); None = streams
-        # take FIFO turns on the engine (`--policy fifo`).
-        self.scheduler: PolicyScheduler | None = None
-        self._scheduler_task: asyncio.Task[None] | None = None
+        # The engine core's loop (app/server/executors.py): admission, order, fidelity, batching,
+        # eviction and preemption by the serving policy (--policy); set by create_app.
+        self.loop: ServingLoop | None = None
+        self._loop_task: asyncio.Task[None] | None = None
         self._policy_ids: dict[str, int] = {}
 
     @property
     def size(self) -> tuple[int, int]:
         return self.factory.size
-
-    @property
-    def engine_turn(self) -> asyncio.Semaphore:
-        if self._engine_turn is None:
-            self._engine_turn = asyncio.Semaphore(self._parallel)
-        return self._engine_turn
 
     def check_capacity(self) -> None:
         if len(self.sessions) + self._opening >= self.config.max_streams:
@@ -205,15 +199,16 @@ class SessionManager:
 
     async def open(self, kind: str, settings: StreamSettings) -> Session:
         self.check_capacity()
-        scheduler = self.scheduler
-        policy_id = scheduler.admit() if scheduler is not None else None  # AdmissionError -> 503
+        serving = self.loop
+        if serving is None:
+            raise RuntimeError("the session manager has no engine loop (create_app sets one)")
+        policy_id = serving.admit(settings.steps)  # AdmissionError -> 503
         self._opening += 1
         loop = asyncio.get_running_loop()
         try:
             processor = await loop.run_in_executor(self.executor, self.factory.open, settings)
         except BaseException as exc:
-            if scheduler is not None and policy_id is not None:
-                scheduler.remove(policy_id)  # admitted, but never opened
+            serving.remove(policy_id)  # admitted, but never opened
             if isinstance(exc, ValueError):  # the engine refusing an option (e.g. a prompt it cannot encode)
                 raise ControlError(str(exc)) from exc
             raise
@@ -222,9 +217,7 @@ class SessionManager:
         cfg = self.config
         assembler = ChunkAssembler(capacity=max(processor.first_chunk_frames, processor.chunk_frames))
         playout = Playout(self.size, processor.chunk_frames, cfg.max_fps, cfg.min_fps)
-        runner = StreamRunner(
-            processor, assembler, playout, self.executor, self.engine_turn, self.size, cfg.trace_stamp
-        )
+        runner = StreamRunner(processor, assembler, playout, self.executor, self.size, cfg.trace_stamp)
         # Unguessable (128 bits): with public viewing, knowing the id is what lets a viewer watch.
         session = Session(
             secrets.token_urlsafe(16), kind, settings, runner, assembler, playout, on_close=self._forget
@@ -232,15 +225,12 @@ class SessionManager:
         session.control_guard = control_guard(cfg.max_message_bytes, cfg.max_messages_per_s)
         self.sessions[session.id] = session
         self.opened += 1
-        if scheduler is not None and policy_id is not None:
-            scheduler.attach(policy_id, runner, playout, lambda: session.settings.steps,
-                             on_failure=lambda exc: session.fail("engine chunk", exc))
-            self._policy_ids[session.id] = policy_id
-            session.policy_stats = lambda: scheduler.stats(policy_id)
-            if self._scheduler_task is None or self._scheduler_task.done():
-                self._scheduler_task = loop.create_task(scheduler.run(), name="policy-engine-loop")
-        else:
-            session.spawn(runner.run(), "engine")
+        serving.attach(policy_id, runner, playout, on_failure=lambda exc: session.fail("engine chunk", exc))
+        self._policy_ids[session.id] = policy_id
+        session.policy_stats = lambda: serving.stats(policy_id)
+        session.on_steps = lambda steps: serving.core.set_max_steps(policy_id, steps)
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = loop.create_task(serving.run(), name="engine-core-loop")
         session.spawn(playout.run(), "playout")
         session.spawn(watch_input(assembler, cfg.input_timeout_s), "input-watch")
         log.info("stream %s (%s) opened: %s", session.id, kind, settings)
@@ -251,8 +241,8 @@ class SessionManager:
 
     def _forget(self, stream_id: str) -> None:
         policy_id = self._policy_ids.pop(stream_id, None)
-        if self.scheduler is not None and policy_id is not None:
-            self.scheduler.remove(policy_id)
+        if self.loop is not None and policy_id is not None:
+            self.loop.remove(policy_id)
         session = self.sessions.pop(stream_id, None)
         if session is not None:
             self.closed_totals["dropped_frames"] += session.dropped_frames
@@ -276,6 +266,6 @@ class SessionManager:
 
     async def close_all(self) -> None:
         await asyncio.gather(*(self.close(sid) for sid in list(self.sessions)))
-        if self._scheduler_task is not None:
-            self._scheduler_task.cancel()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)

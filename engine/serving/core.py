@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -326,9 +326,11 @@ class EngineCore:
             self.executor.wake_at(wid, wake)
 
     # ---- update -----------------------------------------------------------------------------------
-    def step_done(self, worker_id: int, measured_s: float | None = None) -> StepResult:
+    def step_done(self, worker_id: int, measured_s: float | None = None,
+                  content_s: Mapping[int, float] | None = None) -> StepResult:
         """The executor finished the worker's step. ``measured_s``: its wall time (live executors),
-        which calibrates the profile; None for simulated steps."""
+        which calibrates the profile; None for simulated steps. ``content_s``: seconds of content each
+        finished chunk really holds, where the executor knows (else the profile's chunk duration)."""
         job = self.jobs.get(worker_id, ())
         if not job:
             return StepResult()
@@ -369,6 +371,8 @@ class EngineCore:
         for sid in job:
             entry = self.ledger.entries[sid]
             duration = self.policy.chunk_duration_s(first=entry.first_chunk)
+            if content_s is not None and sid in content_s:
+                duration = content_s[sid]
             fresh = not entry.left and not self.ledger.is_stale(sid)
             self.ledger.chunk_done(sid, now, duration)
             (delivered if fresh else discarded).append(sid)

@@ -72,16 +72,14 @@ class StreamState:
 
     def to_bytes(self) -> bytes:
         """Serialise (tensors on CPU). Only for our own workers: the format is a torch pickle."""
-        buffer = io.BytesIO()
-        torch.save(self.to("cpu"), buffer)
-        return buffer.getvalue()
+        return pack(self)
 
     @staticmethod
     def from_bytes(data: bytes, device: torch.device | str = "cpu") -> StreamState:
-        state = torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
+        state = unpack(data, device)
         if not isinstance(state, StreamState):
             raise ValueError(f"serialised data holds a {type(state).__name__}, not a StreamState")
-        return state.to(device)
+        return state
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.Generator does not pickle; its state does.
@@ -93,6 +91,20 @@ class StreamState:
         fields = dict(fields)
         fields["noise"] = NoiseSource.from_state_dict(fields["noise"])
         self.__dict__.update(fields)
+
+
+def pack(obj: Any) -> bytes:
+    """A stream's state, or a tuple holding it and a chunk in flight, as bytes in host memory (the
+    tensors copied to the CPU). Objects that share the state keep sharing it after :func:`unpack`."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def unpack(data: bytes, device: torch.device | str = "cpu") -> Any:
+    """The inverse of :func:`pack`, with every tensor on ``device``; bit-identical."""
+    obj = torch.load(io.BytesIO(data), weights_only=False, map_location=device)
+    return obj
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -1,0 +1,452 @@
+"""The live server's executors of the engine core (engine/serving/core.py) and the loop that drives it.
+
+The core decides; an executor carries the decision out on a real engine and tells the core when the
+step is over. Here:
+
+* ``StepExecutor`` — the in-process engine (`PipelineFactory`, one worker): every ``Work`` is ONE
+  denoising step of one or more streams' chunks on the engine thread. A new chunk takes its input
+  from the stream's assembler and enters (encode, noise) first; the last step decodes and
+  stabilises. Streams whose steps the policy groups share one forward (split by cache fill level);
+  a stream the policy preempts keeps its half-done chunk parked in its processor; evicted streams'
+  states go to host memory and come back bit-identically before their next step.
+* ``ChunkExecutor`` — engines that run whole chunks at their own fidelity behind `process` (Ray
+  worker actors, pipeline ranks): one ``Work`` per chunk; the core's later steps of that chunk are
+  already done. The next issue's executors make them step-, fidelity- and migration-aware.
+
+``ServingLoop`` is the asyncio side: it admits streams through the core, feeds it cursor reports,
+pauses and prompt switches, runs the control tick, and kicks idle workers when input arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Executor as ThreadExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from app.server.config import ServerConfig
+from app.server.engine_bridge import ProcessorFactory, StepProcessor, parallel_chunks, per_chunk_fidelity
+from app.server.frame_path import InputFrame, Playout, StreamRunner
+from app.server.session import CapacityError
+from engine.fidelity import engine_capabilities
+from engine.serving.core import EngineCore, StepResult, Work
+from engine.serving.fidelity import (
+    BUNDLED_PROFILES,
+    FidelityProfile,
+    ProfilePoint,
+    bundled_profile,
+    load_profile,
+)
+from engine.serving.ledger import StreamLedger
+from engine.serving.policy import Ordering, PolicyConfig, SlackPolicy, resolve_preset
+from engine.serving.snapshot import Rehome, WorkerView
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+LIVE_CONTENT_S = 365 * 86400.0  # a live stream has no known end
+LIVE_PROFILE = "tiny-random_cpu_128"  # measured on this repository's CPU box (docs/service.md, "Live policy")
+POLL_S = 0.005  # idle wait for input when no stream has a chunk ready
+TICK_S = 0.5  # control tick: credits and tiers for the stats, re-homes
+LEDGER_LOG_ROWS = 1000  # per-stream tracker log kept: a live stream may run for days
+UNLIMITED_SLOTS = 1 << 20
+
+
+class AdmissionError(CapacityError):
+    """The serving policy refused a new stream (its first chunk would miss the initial slack)."""
+
+
+@dataclass
+class LiveStream:
+    """What the executors need of one admitted stream."""
+
+    sid: int
+    runner: StreamRunner
+    playout: Playout
+    on_failure: Callable[[BaseException], None]  # its chunk raised on the engine: the session ends
+    frames: list[InputFrame] = field(default_factory=list)  # input of the chunk in flight
+    inputs: np.ndarray | None = None  # the same, decoded at the engine size
+    output: np.ndarray | None = None  # its finished frames, until the core says to show them
+    shown_at_switch: int = -1  # no cursor reports until a frame newer than this was played
+
+
+class _LiveExecutor:
+    """What both live executors share: the streams, the engine threads, completions into the core."""
+
+    def __init__(self, workers: int, threads: ThreadExecutor, clock: Clock, state_slots: int, fps: float,
+                 delay_s: float = 0.0, step_delay_s: float = 0.0) -> None:
+        self.views = [WorkerView(w, 0, state_slots) for w in range(workers)]
+        self.fps = fps  # content rate: a finished chunk of n frames is n / fps seconds of playout
+        self.last_step_s: dict[int, float] = {}
+        self.threads = threads
+        self.clock = clock
+        self.delay_s = delay_s  # test knobs: emulate a slower engine (--engine-delay-ms, --engine-step-delay-ms)
+        self.step_delay_s = step_delay_s
+        self.streams: dict[int, LiveStream] = {}
+        self.core: EngineCore | None = None  # set by the loop
+        self.wakeup = asyncio.Event()
+        self.steps_run = 0
+        self.forwards = 0
+
+    # -- Executor protocol --
+    def worker_views(self) -> list[WorkerView]:
+        return self.views
+
+    def input_ready(self, worker_id: int) -> set[int] | None:
+        return {sid for sid, s in self.streams.items() if s.runner.has_chunk()}
+
+    def rehome(self, move: Rehome) -> float:
+        raise NotImplementedError("one in-process engine has no other worker to move a stream to")
+
+    def wake_at(self, worker_id: int, t: float) -> None:
+        delay = max(0.0, t - self.clock())
+        asyncio.get_running_loop().call_later(delay, self.wakeup.set)
+
+    # -- shared --
+    def _take_inputs(self, work: Work) -> None:
+        for order in work.orders:
+            stream = self.streams.get(order.stream_id)
+            if stream is not None and order.new_chunk:
+                frames = stream.runner.next_chunk()
+                stream.frames = frames or []
+                stream.inputs = None
+
+    def _run(self, work: Work, job: Callable[[], None], steps: int = 1) -> None:
+        """Run ``job`` on an engine thread; its wall time, per denoising step it covers, goes to the core."""
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        future = loop.run_in_executor(self.threads, job)
+
+        def done(f: asyncio.Future[None]) -> None:
+            seconds = (time.perf_counter() - t0) / steps
+            self.steps_run += 1
+            exc = f.exception() if not f.cancelled() else asyncio.CancelledError()
+            self._complete(work, seconds, exc)
+
+        future.add_done_callback(done)
+
+    def _complete(self, work: Work, seconds: float, exc: BaseException | None) -> None:
+        core = self.core
+        assert core is not None
+        if exc is not None:
+            for sid in core.failed(work.worker_id):
+                stream = self.streams.pop(sid, None)
+                if stream is not None:
+                    stream.on_failure(exc)
+            self.wakeup.set()
+            return
+        self.last_step_s[work.worker_id] = seconds
+        content: dict[int, float] = {}
+        for order in work.orders:
+            stream = self.streams.get(order.stream_id)
+            if stream is not None and order.last_step:
+                stream.runner.chunk_seconds = seconds
+                content[order.stream_id] = len(stream.frames) / self.fps
+        result: StepResult = core.step_done(work.worker_id, seconds, content)
+        for sid in result.delivered:
+            stream = self.streams.get(sid)
+            if stream is not None and stream.output is not None:
+                stream.runner.deliver(stream.frames, stream.output)
+        for sid in (*result.delivered, *result.discarded):
+            stream = self.streams.get(sid)
+            if stream is not None:
+                stream.output, stream.frames, stream.inputs = None, [], None
+        for sid in result.delivered + result.discarded:
+            if core.ledger.entries.get(sid) is not None and core.ledger.entries[sid].left:
+                core.forget(sid)
+        self.wakeup.set()
+
+
+class StepExecutor(_LiveExecutor):
+    """The in-process engine: one denoising step per ``Work`` on the engine thread."""
+
+    def execute(self, work: Work) -> float:
+        self._take_inputs(work)
+        rows = [(order, self.streams[order.stream_id]) for order in work.orders if order.stream_id in self.streams]
+        evict = [self.streams[sid] for sid in work.evict if sid in self.streams]
+        restore = [self.streams[sid] for sid in work.restore if sid in self.streams]
+        self._run(work, lambda: self._step(rows, evict, restore))
+        return 0.0
+
+    def _step(self, rows: Sequence[tuple[Any, LiveStream]], evict: Sequence[LiveStream],
+              restore: Sequence[LiveStream]) -> None:
+        """Engine thread: park, unpark, enter new chunks, one forward per batch group, finish."""
+        for stream in evict:
+            _step_processor(stream).offload()
+        for stream in restore:
+            _step_processor(stream).restore()
+        active = []
+        for order, stream in rows:
+            processor = _step_processor(stream)
+            if order.new_chunk:
+                if not stream.frames:
+                    continue  # paused or reset between the readiness check and now
+                processor.set_fidelity(order.point.config)
+                stream.inputs = stream.runner.chunk_inputs(stream.frames)
+                processor.begin_chunk(stream.inputs)
+                if self.delay_s:
+                    time.sleep(self.delay_s)
+            elif not processor.has_chunk():
+                continue  # its chunk was dropped (a reset) while it waited between steps
+            active.append((order, stream, processor))
+        groups: dict[Hashable, list[StepProcessor]] = {}
+        for _, _, processor in active:
+            groups.setdefault(processor.batch_key(), []).append(processor)
+        for group in groups.values():
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
+            group[0].denoise_step(group)
+            self.forwards += 1
+        for _, stream, processor in active:
+            if processor.chunk_done() and stream.inputs is not None:
+                stream.output = stream.runner.chunk_outputs(stream.inputs, processor.finish_chunk())
+
+
+class ChunkExecutor(_LiveExecutor):
+    """Engines behind ``process`` (Ray actors, pipeline ranks): one whole chunk per ``Work``."""
+
+    def execute(self, work: Work) -> float:
+        self._take_inputs(work)
+        if not any(order.new_chunk for order in work.orders):
+            # The chunk already ran whole when it started; its later steps are done too.
+            step_s = self.last_step_s.get(work.worker_id, 0.0)
+            asyncio.get_running_loop().call_soon(self._complete, work, step_s, None)
+            return 0.0
+        rows = [self.streams[o.stream_id] for o in work.orders if o.new_chunk and o.stream_id in self.streams]
+        steps = max(o.point.config.steps for o in work.orders)
+        self._run(work, lambda: self._chunks(rows, steps), steps)
+        return 0.0
+
+    def _chunks(self, rows: Sequence[LiveStream], steps: int) -> None:
+        for stream in rows:
+            if not stream.frames:
+                continue
+            if self.delay_s or self.step_delay_s:
+                time.sleep(self.delay_s + self.step_delay_s * steps)
+            stream.inputs = stream.runner.chunk_inputs(stream.frames)
+            stream.output = stream.runner.chunk_outputs(stream.inputs, stream.runner.processor.process(stream.inputs))
+
+
+def _step_processor(stream: LiveStream) -> StepProcessor:
+    processor = stream.runner.processor
+    if not isinstance(processor, StepProcessor):
+        raise TypeError(f"{type(processor).__name__} cannot run a chunk step by step")
+    return processor
+
+
+class ServingLoop:
+    """The engine core on the live server: admission, events, cursor reports, ticks, kicks."""
+
+    def __init__(self, core: EngineCore, executor: _LiveExecutor, fps: float) -> None:
+        self.core = core
+        self.executor = executor
+        executor.core = core
+        self.fps = fps
+        self._ids = itertools.count(1)
+        self._last_tick = -float("inf")
+
+    @property
+    def policy(self) -> SlackPolicy:
+        return self.core.policy
+
+    @property
+    def streams(self) -> dict[int, LiveStream]:
+        return self.executor.streams
+
+    # ---- membership -----------------------------------------------------------------------------
+    def admit(self, max_steps: int | None = None) -> int:
+        """A new stream's id, or AdmissionError with the policy's reason."""
+        sid = next(self._ids)
+        admission = self.core.arrive(sid, LIVE_CONTENT_S, max_steps)
+        if not admission.accepted:
+            raise AdmissionError(f"the serving policy refused the stream: {admission.reason}")
+        return sid
+
+    def attach(self, sid: int, runner: StreamRunner, playout: Playout,
+               on_failure: Callable[[BaseException], None] | None = None) -> None:
+        if isinstance(self.executor, StepExecutor) and not isinstance(runner.processor, StepProcessor):
+            raise TypeError(f"{type(runner.processor).__name__} cannot run a chunk step by step")
+        self.executor.streams[sid] = LiveStream(sid, runner, playout, on_failure or _reraise)
+        runner.on_event = lambda event: self.on_event(sid, event)
+        self.executor.wakeup.set()
+
+    def remove(self, sid: int) -> None:
+        """The stream closed (or failed to open): it leaves the ledger."""
+        self.executor.streams.pop(sid, None)
+        self.core.leave(sid)
+        self.core.forget(sid)  # else when its step in flight comes back
+
+    def on_event(self, sid: int, event: str) -> None:
+        stream = self.streams.get(sid)
+        if stream is None:
+            return
+        if event == "pause":
+            self.core.pause(sid)
+        elif event == "resume":
+            self.core.resume(sid)
+        elif event in ("prompt", "reset"):
+            # Buffered output of the old prompt is useless: the slack resets (SlackServe's prompt switch).
+            stream.playout.discard_buffered()
+            stream.shown_at_switch = stream.playout.frames_shown
+            self.core.prompt_switch(sid)
+        self.executor.wakeup.set()
+
+    # ---- the loop -------------------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            try:
+                self.run_once()
+            except Exception:  # a bug here must not freeze every stream: log it and keep serving
+                log.exception("engine core loop failed at a chunk boundary")
+            try:
+                await asyncio.wait_for(self.executor.wakeup.wait(), POLL_S)
+            except TimeoutError:
+                pass
+            self.executor.wakeup.clear()
+
+    def run_once(self) -> None:
+        """Cursor reports, the control tick when due, then every idle worker's next work."""
+        now = self.core.clock()
+        self.report_cursors()
+        if now - self._last_tick >= TICK_S:
+            self._last_tick = now
+            self.core.tick()
+        self.core.kick_all()
+
+    def report_cursors(self) -> None:
+        """Playout cursor = output frames that left the buffer. Only while the buffer holds frames:
+        an empty buffer means the viewer is frozen, which the ledger detects itself at the next chunk."""
+        for s in self.streams.values():
+            p = s.playout
+            if p.first_frame_at is None or p.buffered == 0 or p.frames_shown <= s.shown_at_switch:
+                continue
+            self.core.report_cursor(s.sid, p.frames_consumed / self.fps)
+
+    # ---- stats ----------------------------------------------------------------------------------
+    def stats(self, sid: int) -> dict[str, Any]:
+        """The policy's fields of one stream's stats message."""
+        entry = self.core.ledger.entries.get(sid)
+        stats = self.core.stats.get(sid)
+        if entry is None or stats is None:
+            return {}
+        tracker = entry.tracker
+        point = stats.point
+        config = point.config if point is not None else None
+        return {
+            "policy": self.policy.name,
+            "tier": stats.tier,
+            "credit_s": round(stats.credit_s, 3),
+            "policy_slack_s": round(tracker.slack(self.core.clock()), 3),
+            "fidelity": config.label() if config is not None else None,
+            "fidelity_steps": config.steps if config is not None else None,
+            "chunk_steps": config.steps if config is not None else None,
+            "kv_window": config.kv_window_frames if config is not None else None,
+            "precision": config.precision if config is not None else None,
+            "resolution_scale": config.resolution_scale if config is not None else None,
+            "attention_sparsity": config.attention_sparsity if config is not None else None,
+            "fidelity_quality": round(point.quality, 2) if point is not None else 0.0,
+            "downshifts": stats.downshifts,
+            "degraded_chunks": stats.degraded_chunks,
+            "policy_chunks": stats.chunks,
+            "batch": stats.batch,
+            "resident": entry.resident,
+            "stalls": tracker.stall_count,
+            "cpr": round(tracker.cpr, 3),
+        }
+
+    def counters(self) -> dict[str, int]:
+        c = self.core.counters
+        return {"evictions": c.evictions, "restores": c.restores, "preemptions": c.preemptions,
+                "admissions_refused": c.admissions_refused, "rehomes": c.rehomes}
+
+
+def _reraise(exc: BaseException) -> None:
+    raise exc
+
+
+# ---- building the loop for a server ----------------------------------------------------------------
+
+
+def bundled_live_profile(model: str | None, size: tuple[int, int]) -> FidelityProfile:
+    """The bundled measured profile of ``model`` (None = the embedded default) at ``size``, else the
+    tiny-random one (the policy then plans with the wrong latencies; the caller warns)."""
+    name = model or "default"
+    for path in sorted(BUNDLED_PROFILES.glob("*.json")):
+        profile = load_profile(path)
+        if profile.model == name and tuple(profile.resolution) == tuple(size) and profile.source.startswith("measured"):
+            return profile
+    return bundled_profile(LIVE_PROFILE)
+
+
+def with_emulated_delay(profile: FidelityProfile, delay_s: float, step_delay_s: float) -> FidelityProfile:
+    """The profile of an engine slowed by the server's test knobs (``--engine-delay-ms`` per chunk,
+    ``--engine-step-delay-ms`` per denoising step): the policy must know what the engine costs."""
+    if delay_s == 0.0 and step_delay_s == 0.0:
+        return profile
+
+    def slow(p: ProfilePoint) -> ProfilePoint:
+        extra = delay_s + step_delay_s * p.config.steps
+        return replace(p, latency_s=p.latency_s + extra, first_chunk_latency_s=p.first_chunk_latency_s + extra)
+
+    return replace(profile, points=tuple(slow(p) for p in profile.points),
+                   notes=(*profile.notes, f"emulated delay {delay_s:g} s + {step_delay_s:g} s/step added"))
+
+
+def live_policy_config(name: str, max_batch: int, step_wise: bool) -> PolicyConfig:
+    """A preset as it runs live. One in-process engine is one worker of one device, so a preset's
+    ``gpus_per_worker`` (a simulated worker's GPU count) does not apply. ``--max-batch`` bounds the
+    cross-user batch of presets that route fidelity (BMPR) and FIFO's stream batch. Engines that run
+    whole chunks behind ``process`` (Ray, ranks) keep each stream's own fidelity, unbatched, with no
+    step preemption: those need the step-wise executor."""
+    preset = resolve_preset(name)
+    batch = preset.max_batch
+    if preset.bmpr or preset.ordering is Ordering.FIFO:
+        batch = max(1, min(max_batch, max(batch, max_batch if preset.bmpr else batch)))
+    live = replace(preset, gpus_per_worker=1, max_batch=batch, rehoming=False)
+    if not step_wise:
+        live = replace(live, bmpr=False, step_preemption=False, max_batch=1)
+    return live
+
+
+def runnable_profile(profile: FidelityProfile, device: str, step_wise: bool) -> FidelityProfile:
+    """Only the points this engine runs: capabilities of its device; one device per worker; and, for
+    engines behind ``process``, whatever fidelity the stream opened with (their single reference)."""
+    kept = profile.runnable(engine_capabilities(device.split(":")[0])).filtered(lambda c: c.gpus == 1)
+    if not step_wise:
+        kept = kept.filtered(lambda c: c == kept.reference().config or c.stream_batch > 1)
+    return kept
+
+
+def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads: ThreadExecutor,
+                       clock: Clock = time.monotonic) -> ServingLoop:
+    """The engine core with the executor that fits ``factory``'s engine."""
+    step_wise = per_chunk_fidelity(factory)
+    profile = load_profile(config.profile) if config.profile else bundled_live_profile(config.model, factory.size)
+    if tuple(profile.resolution) != tuple(factory.size):
+        log.warning("fidelity profile %s was measured at %s but the engine runs at %s: latencies are off; "
+                    "measure one with `diffcast profile --out FILE` and pass --profile FILE",
+                    profile.model, profile.resolution, factory.size)
+    profile = runnable_profile(profile, config.device, step_wise)
+    # Content time on this server runs at the playout clock's rate, not the profile's video rate.
+    profile = replace(with_emulated_delay(profile, config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0),
+                      fps=config.max_fps)
+    policy = SlackPolicy(profile, live_policy_config(config.policy, config.max_batch, step_wise))
+    slots = (config.state_slots or UNLIMITED_SLOTS) if step_wise else UNLIMITED_SLOTS  # only states it can park
+    delays = (config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0)
+    executor: _LiveExecutor
+    if step_wise:
+        executor = StepExecutor(1, threads, clock, slots, config.max_fps, *delays)
+    else:
+        executor = ChunkExecutor(parallel_chunks(factory), threads, clock, slots, config.max_fps, *delays)
+    ledger = StreamLedger(max_lookahead_s=None, max_log=LEDGER_LOG_ROWS)
+    core = EngineCore(policy, executor, clock, ledger, calibrate=True)
+    loop = ServingLoop(core, executor, config.max_fps)
+    log.info("serving policy %s on %s: %d fidelity points, initial slack %.2f s, content rate %g fps",
+             policy.name, type(executor).__name__, len(profile.points), policy.initial_slack_s, config.max_fps)
+    return loop

@@ -1,0 +1,296 @@
+"""The engine core on the live server's in-process executor (hand-driven clock, real tiny engine).
+
+Every observation the ledger receives (chunk ready times, playout cursor, pauses, prompt switches)
+is computed here independently from the frames pushed and played; every engine result that the
+policy's actions could disturb (eviction to host memory, preemption between denoising steps) is
+compared with a twin stream that ran the same chunks undisturbed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from app.server.config import ServerConfig
+from app.server.engine_bridge import StreamSettings
+from app.server.executors import AdmissionError, ServingLoop, build_serving_loop
+from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
+from engine.fidelity import FidelityConfig
+
+
+@pytest.fixture(scope="module")
+def engine_factory() -> Any:
+    """The tiny random-weight model whatever conftest picks: these tests need a model whose preset
+    has 4 steps and the bundled tiny-random profile, and they are about scheduling, not pictures."""
+    import torch
+
+    from app.server.engine_bridge import PipelineFactory
+
+    torch.set_num_threads(1)
+    return PipelineFactory.load("tiny-random")
+
+
+FPS = 8.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Stream:
+    """One stream on the loop, with what it was fed, the fidelity of each chunk and what came out."""
+
+    def __init__(self, loop: ServingLoop, factory: Any, clock: FakeClock, executor: ThreadPoolExecutor,
+                 steps: int = 2, seed: int = 0) -> None:
+        self.settings = StreamSettings(steps=steps, seed=seed)
+        self.sid = loop.admit(steps)
+        self.processor = factory.open(self.settings)
+        self.assembler = ChunkAssembler(capacity=self.processor.chunk_frames, clock=clock)
+        self.playout = Playout(factory.size, self.processor.chunk_frames, max_fps=FPS, min_fps=FPS, clock=clock)
+        self.runner = StreamRunner(self.processor, self.assembler, self.playout, executor, factory.size)
+        self.size = factory.size
+        self.chunks: list[np.ndarray] = []  # inputs, chunk by chunk, as the engine took them
+        self.configs: list[FidelityConfig] = []
+        self.outputs: list[np.ndarray] = []
+        self.rng = np.random.default_rng(1000 + seed)
+        set_fidelity, take = self.processor.set_fidelity, self.runner.next_chunk
+
+        def record_fidelity(config: FidelityConfig) -> None:
+            self.configs.append(config)
+            set_fidelity(config)
+
+        def record_take() -> Any:
+            frames = take()
+            if frames is not None:
+                self.chunks.append(np.stack([f.source for f in frames]))
+            return frames
+
+        self.processor.set_fidelity = record_fidelity
+        self.runner.next_chunk = record_take
+        deliver = self.runner.deliver
+
+        def record_output(frames: Any, out: np.ndarray) -> None:
+            self.outputs.append(out)
+            deliver(frames, out)
+
+        self.runner.deliver = record_output
+        loop.attach(self.sid, self.runner, self.playout)
+
+    def push(self, n: int) -> None:
+        for _ in range(n):
+            self.assembler.push(self.rng.integers(0, 255, (self.size[1], self.size[0], 3), dtype=np.uint8))
+
+    def twin_outputs(self, factory: Any) -> list[np.ndarray]:
+        """The same chunks at the same fidelity through a fresh stream that nothing disturbed."""
+        twin = factory.open(self.settings)
+        outs = []
+        for config, chunk in zip(self.configs, self.chunks, strict=False):
+            twin.set_fidelity(config)
+            outs.append(twin.process(chunk))
+        return outs
+
+
+async def settle(loop: ServingLoop) -> None:
+    """One pass of the loop, then wait until the engine has no step in flight."""
+    loop.run_once()
+    for _ in range(5000):
+        if not loop.core.jobs:
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError("the engine did not finish its work")
+
+
+@pytest.fixture
+def executor() -> Any:
+    pool = ThreadPoolExecutor(max_workers=1)
+    yield pool
+    pool.shutdown(wait=True)
+
+
+def make_loop(factory: Any, executor: ThreadPoolExecutor, clock: FakeClock, **config: Any) -> ServingLoop:
+    return build_serving_loop(ServerConfig(model="tiny-random", max_fps=FPS, **config), factory, executor, clock)
+
+
+async def test_executor_feeds_ledger_chunk_times_and_cursor(engine_factory: Any, executor: ThreadPoolExecutor) -> None:
+    clock = FakeClock()
+    loop = make_loop(engine_factory, executor, clock)
+    s0 = loop.policy.initial_slack_s
+    a = Stream(loop, engine_factory, clock, executor)
+    tracker = loop.core.ledger.entries[a.sid].tracker
+
+    await settle(loop)
+    assert not a.outputs  # no input yet: nothing ran
+    a.push(1)  # the first chunk is one frame
+    clock.now = 0.5
+    await settle(loop)
+    assert tracker.log == [("chunk", 0.5, 1 / FPS)]
+    assert tracker.slack(0.5) == pytest.approx(1 / FPS + s0 - 0.5)
+    assert a.playout.buffered == 1 and len(a.outputs) == 1
+    assert a.configs[0].steps <= 2  # the user's step count is the ceiling
+
+    clock.now = 0.6
+    a.playout.tick()  # the one frame is played: cursor 1/8 s
+    a.push(4)
+    clock.now = 0.9
+    await settle(loop)
+    assert tracker.log[-1] == ("chunk", 0.9, 4 / FPS)
+    clock.now = 1.0
+    a.playout.tick()
+    a.playout.tick()  # 3 frames have left the buffer, 2 wait
+    a.push(4)
+    clock.now = 1.2
+    await settle(loop)  # reports the cursor (3 frames = 0.375 s), then the chunk is ready
+    assert tracker.log[-1] == ("chunk", 1.2, 4 / FPS)
+    assert tracker.cursor(1.2) == pytest.approx(3 / FPS)
+    assert tracker.slack(1.2) == pytest.approx(9 / FPS - 3 / FPS)
+    assert tracker.stalls == []
+
+    a.runner.pause()
+    assert tracker.paused
+    a.runner.resume()
+    assert not tracker.paused
+    await a.runner.update(prompt="pencil sketch")  # prompt switch: slack reset, old output not played
+    assert tracker.epoch == 1 and a.playout.buffered == 0
+    assert tracker.slack(1.2) == pytest.approx(s0)
+
+    stats = loop.stats(a.sid)
+    assert stats["policy_chunks"] == 3 and stats["chunk_steps"] == a.configs[-1].steps == stats["fidelity_steps"]
+    # Whatever the policy picked, the engine ran it and the chunk came back at the stream's size.
+    assert all(out.shape == (4, a.size[1], a.size[0], 3) for out in a.outputs[1:])
+    loop.remove(a.sid)
+    assert a.sid not in loop.core.ledger.entries  # forgotten: a server running for days keeps no closed streams
+
+
+async def test_more_streams_than_state_slots_evicts_and_restores_bit_identically(
+    engine_factory: Any, executor: ThreadPoolExecutor
+) -> None:
+    clock = FakeClock()
+    loop = make_loop(engine_factory, executor, clock, state_slots=1, policy="fifo")
+    a = Stream(loop, engine_factory, clock, executor, steps=1, seed=1)
+    b = Stream(loop, engine_factory, clock, executor, steps=1, seed=2)
+    for k in range(5):
+        for s in (a, b):
+            s.push(1 if k == 0 else 4)
+        clock.now += 1.0
+        await settle(loop)
+        await settle(loop)  # turns: both streams ran one chunk
+        assert len(a.outputs) == len(b.outputs) == k + 1
+    counters = loop.counters()
+    # One slot: every turn parks the other stream's state in host memory and brings its own back.
+    assert counters["evictions"] >= 8 and counters["restores"] >= 7, counters
+    assert a.processor.offloaded != b.processor.offloaded
+    for s in (a, b):
+        for got, want in zip(s.outputs, s.twin_outputs(engine_factory), strict=True):
+            np.testing.assert_array_equal(got, want)
+    # The two streams are different stylisations, not one copied to both.
+    assert not np.array_equal(a.outputs[-1], b.outputs[-1])
+
+
+async def test_an_urgent_stream_preempts_a_relaxed_one_between_denoising_steps(
+    engine_factory: Any, executor: ThreadPoolExecutor
+) -> None:
+    clock = FakeClock()
+    loop = build_serving_loop(ServerConfig(model="tiny-random", max_fps=2.0, max_batch=1), engine_factory, executor, clock)
+    a = Stream(loop, engine_factory, clock, executor, steps=4, seed=3)
+    a.push(1)
+    await settle(loop)
+    a.push(4)
+    await settle(loop)  # a's slack is now far ahead of its playout (2 s of content, clock not moving)
+    assert loop.stats(a.sid)["tier"] in ("relaxed", "-")
+    a.push(4)
+    loop.run_once()  # a's third chunk starts: its first step is on the engine now
+    assert a.configs[-1].steps > 1 and loop.core.jobs
+    b = Stream(loop, engine_factory, clock, executor, steps=1, seed=4)  # a newcomer, tighter on slack
+    b.push(1)
+    for _ in range(20):
+        await settle(loop)
+    assert loop.counters()["preemptions"] >= 1
+    assert len(a.outputs) == 3 and len(b.outputs) == 1
+    # The parked half-done chunk resumed exactly where it stopped.
+    for got, want in zip(a.outputs, a.twin_outputs(engine_factory), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+async def test_streams_with_one_point_share_a_batched_forward(engine_factory: Any, executor: ThreadPoolExecutor) -> None:
+    clock = FakeClock()
+    loop = make_loop(engine_factory, executor, clock, max_batch=2)
+    a = Stream(loop, engine_factory, clock, executor, steps=1, seed=5)
+    b = Stream(loop, engine_factory, clock, executor, steps=1, seed=6)
+    for k in range(3):
+        for s in (a, b):
+            s.push(1 if k == 0 else 4)
+        clock.now += 0.1
+        await settle(loop)
+        await settle(loop)
+    batches = [loop.core.stats[s.sid].batch for s in (a, b)]
+    assert batches == [2, 2], batches
+    assert loop.executor.forwards < 2 * 3  # fewer forwards than chunks: rows shared forwards
+    for s in (a, b):
+        for got, want in zip(s.outputs, s.twin_outputs(engine_factory), strict=True):
+            np.testing.assert_array_equal(got, want)  # batching never mixes streams
+
+
+async def test_admission_refuses_a_stream_whose_first_chunk_would_be_late(
+    engine_factory: Any, executor: ThreadPoolExecutor
+) -> None:
+    clock = FakeClock()
+    loop = make_loop(engine_factory, executor, clock, engine_step_delay_ms=200)
+    admitted = 0
+    with pytest.raises(AdmissionError, match="first chunk would be ready in"):
+        for _ in range(50):
+            clock.now += 0.01  # streams arriving one after another, none has input yet
+            Stream(loop, engine_factory, clock, executor)
+            admitted += 1
+    # Every admitted stream's next chunk is queued ahead of a newcomer; the initial slack covers a few.
+    assert 1 <= admitted < 50
+    assert loop.counters()["admissions_refused"] == 1
+
+
+async def test_a_config_the_engine_cannot_run_ends_only_that_stream(
+    engine_factory: Any, executor: ThreadPoolExecutor
+) -> None:
+    clock = FakeClock()
+    loop = make_loop(engine_factory, executor, clock)
+    # A profile from some other engine: a 2-frame KV window cannot hold this engine's 3 sink frames.
+    alien = FidelityConfig(steps=1, kv_window_frames=2, precision="fp32")
+    policy = loop.core.policy
+    loop.core.policy = type(policy)(replace(policy.profile, points=tuple(replace(p, config=alien) for p in policy.profile.points[:1])),
+                                    policy.config)
+    a = Stream(loop, engine_factory, clock, executor)
+    failures: list[BaseException] = []
+    loop.streams[a.sid].on_failure = failures.append
+    a.push(1)
+    await settle(loop)
+    await asyncio.sleep(0.05)
+    assert len(failures) == 1 and "kv_window_frames=2" in str(failures[0])
+    assert a.sid not in loop.streams and a.sid not in loop.core.ledger.entries
+
+
+async def test_policy_recalibrates_toward_the_measured_engine_speed(
+    engine_factory: Any, executor: ThreadPoolExecutor
+) -> None:
+    """The mechanism, not a number: a profile claiming a 100x faster engine is corrected upward, and a
+    profile claiming a 100x slower one downward (measured times on a loaded box move, the direction doesn't)."""
+    for factor, direction in ((0.01, 1), (100.0, -1)):
+        clock = FakeClock()
+        loop = make_loop(engine_factory, executor, clock, max_batch=1)
+        policy = loop.core.policy
+        loop.core.policy = policy.rescaled(factor)
+        claimed = loop.core.policy.reference.latency_s
+        a = Stream(loop, engine_factory, clock, executor, steps=1)
+        for i in range(8):
+            a.push(1 if i == 0 else 4)
+            clock.now += 1.0
+            await settle(loop)
+        assert (loop.core.applied_ratio - 1.0) * direction > 0, loop.core.applied_ratio
+        assert (loop.core.policy.reference.latency_s - claimed) * direction > 0
+        loop.remove(a.sid)
