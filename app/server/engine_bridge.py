@@ -139,7 +139,7 @@ class PipelineProcessor:
     def set_fidelity(self, config: FidelityConfig) -> None:
         if config != self.fidelity():
             self._stream.update(steps=config.steps, kv_window_frames=config.kv_window_frames,
-                                precision=config.precision)
+                                precision=config.precision, resolution_scale=config.resolution_scale)
 
     def batch_key(self) -> Hashable:
         stream = self._stream

@@ -171,6 +171,8 @@ class PipelineRuntime:
         state.force_sink_refresh = refresh_sinks
 
     def set_fidelity(self, state: StreamState, fidelity: FidelityConfig) -> None:
+        """Like :meth:`StreamRuntime.set_fidelity`, but the engine size is fixed once a chunk has run."""
+        self._check_engine_size(state, self.rt.engine_size(state.size, fidelity))
         self.rt.set_fidelity(state, fidelity)
 
     def close_stream(self, state: StreamState) -> None:
@@ -244,6 +246,9 @@ class PipelineRuntime:
                 f"stream {state.stream_id!r} changed its step count to {steps} mid-stream; the pipeline keeps "
                 f"one KV cache per step, so reopen the stream to change steps"
             )
+        size = rt.engine_size(state.size, state.fidelity)
+        self._check_engine_size(state, size)
+        state.engine_size = size
         if state.transition is not None:
             state.embedding = state.transition.next_embedding()
             if state.transition.finished:
@@ -255,7 +260,7 @@ class PipelineRuntime:
         if state.rope_frame + f > rt.dit.config.rope_max_positions:
             raise RopeOverflowError(f"stream {state.stream_id}: RoPE position {state.rope_frame + f} is out of range")
         version = self._prompt_version(state)
-        inputs, chunk = chunk, rt._resize(chunk, rt.engine_size(state.size, state.fidelity))
+        inputs, chunk = chunk, rt._resize(chunk, size)
         controller = MotionAwareNoiseController(rt._noise_config(state))
         rate = controller.step(chunk, state.noise_controller)
         z = rt.vae.encode_chunk(chunk.unsqueeze(0).to(rt.device, rt.dit.dtype), state.vae_encoder)
@@ -273,6 +278,18 @@ class PipelineRuntime:
         state.frame += z.shape[2]
         state.rope_frame += z.shape[2]
         return slot
+
+    @staticmethod
+    def _check_engine_size(state: StreamState, size: tuple[int, int]) -> None:
+        # The ranks hold the stream's KV caches block by block and the last rank its VAE decoder, none of
+        # them on rank 0 where the chunk enters, so rescaling them (engine/streaming/rescale.py) would
+        # take a drained ring and a round of every rank; the pipeline does not do that.
+        if state.engine_size is not None and state.engine_size != size:
+            raise ValueError(
+                f"stream {state.stream_id!r} cannot change its engine size from {state.engine_size} to {size} "
+                "mid-stream in the pipeline-parallel engine (its caches live on every rank); reopen the stream "
+                "to change resolution_scale"
+            )
 
     def _prompt_version(self, state: StreamState) -> int:
         sid = state.stream_id

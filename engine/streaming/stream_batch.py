@@ -77,6 +77,10 @@ class StreamBatch:
         rt = self.runtime
         if state.fidelity.steps != self.depth:
             raise ValueError("a step-count change needs drain() and a new StreamBatch")
+        resized = state.engine_size not in (None, rt.engine_size(state.size, state.fidelity))
+        if resized and any(slot.state is state for slot in self.in_flight):
+            # _begin_chunk would rescale the caches under chunks that hold latents of the old size.
+            raise ValueError("a resolution change needs drain() first: chunks in flight are at the old size")
         rt._begin_chunk(state)
         inputs, chunk = chunk, rt._resize(chunk, rt.engine_size(state.size, state.fidelity))
         controller = MotionAwareNoiseController(rt._noise_config(state))
