@@ -271,3 +271,20 @@ def test_pipeline_parallel_refuses_a_mid_stream_scale_change() -> None:
     state.fidelity = dataclasses.replace(half, resolution_scale=1.0)  # set behind its back: refused on entry
     with pytest.raises(ValueError, match="reopen the stream"):
         ring.push([state], [clip(2)[1]])
+
+
+def test_stream_batch_rescales_only_after_a_drain() -> None:
+    from engine.streaming.stream_batch import StreamBatch
+
+    rt = tiny_runtime()
+    state = rt.open("s", "oil painting", (32, 32), fidelity(steps=2), seed=1)
+    chunks = clip(3)
+    batch = StreamBatch(rt, [state])
+    batch.push([chunks[0]])  # in flight: its second step is still to run
+    rt.set_fidelity(state, dataclasses.replace(state.fidelity, resolution_scale=0.5))
+    with pytest.raises(ValueError, match="needs drain"):
+        batch.push([chunks[1]])
+    assert [r.frames.shape[-2:] for r in batch.drain()] == [(32, 32)]
+    batch.push([chunks[1]])
+    assert state.engine_size == (16, 16) and state.kv[0].frame_tokens == 1
+    assert [r.frames.shape[-2:] for r in batch.drain()] == [(32, 32)]
