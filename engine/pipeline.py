@@ -107,6 +107,8 @@ class StreamParams:
             raise ValueError(f"mode must be 'v2v' or 't2v', got {self.mode!r}")
         if not 0.1 < self.noise_scale <= 1.0:
             raise ValueError(f"noise_scale must be in (0.1, 1.0], got {self.noise_scale}")
+        if not 0.0 < self.resolution_scale <= 1.0:
+            raise ValueError(f"resolution_scale must be in (0, 1], got {self.resolution_scale}")
 
     @property
     def prompts(self) -> tuple[str, ...]:
@@ -284,8 +286,13 @@ class Stream:
         kv_window_frames: int | None = None,
         precision: str | None = None,
         stabilize: bool | None = None,
+        resolution_scale: float | None = None,
     ) -> None:
-        """Change controls; everything takes effect at the next chunk boundary, without a restart."""
+        """Change controls; everything takes effect at the next chunk boundary, without a restart.
+
+        ``resolution_scale`` (0, 1] moves the engine to the stream's size times the scale; the stream
+        keeps its context (its caches are resampled, see docs/api.md) and outputs stay at its size.
+        """
         changes: dict[str, Any] = {}
         if prompt is not None:
             changes["prompt"] = prompt if isinstance(prompt, str) else tuple(prompt)
@@ -296,21 +303,21 @@ class Stream:
             changes["blend_mode"] = blend_mode
         for key, value in (("noise_scale", noise_scale), ("steps", steps), ("seed", seed),
                            ("kv_window_frames", kv_window_frames), ("precision", precision),
-                           ("stabilize", stabilize)):
+                           ("stabilize", stabilize), ("resolution_scale", resolution_scale)):
             if value is not None:
                 changes[key] = value
         new = self.params.with_(**changes)  # validates
         if new.mode != self.params.mode:
             raise ValueError("a stream's mode (v2v / t2v) is fixed when it opens")
         runtime = self.runtime
-        fidelity = self.pipe.fidelity_for(new)
-        runtime.check_fidelity(fidelity)
+        replace(runtime.config.noise, noise_scale=new.noise_scale)  # validates the noise strength
+        # Validates steps, window and engine size (a scale too small for the stream's size) before the
+        # prompt changes, so a refused update changes nothing.
+        runtime.set_fidelity(self.state, self.pipe.fidelity_for(new))
         if "prompt" in changes or "prompt_weights" in changes or "blend_mode" in changes:
             runtime.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
                                transition_chunks=transition_chunks, refresh_sinks=refresh_sinks)
             self.notice = self._notice(new)
-        replace(runtime.config.noise, noise_scale=new.noise_scale)  # validates the noise strength
-        runtime.set_fidelity(self.state, fidelity)
         self.state.noise_scale = new.noise_scale
         self.state.stabilize = new.stabilize
         if seed is not None and seed != self.params.seed:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +78,7 @@ async def test_websocket_client_vanishing_mid_chunk_frees_everything(tiny_factor
         await wait_until(closed.is_set, 5)
         closed_s = time.monotonic() - t0
         await wait_until(lambda: all(t.done() for t in tasks), 5, poll_s=0.02)
-        await wait_until(lambda: not scheduler._running, 15, poll_s=0.001)
+        await wait_until(lambda: not loop.core.running(), 15, poll_s=0.001)
         chunk_back_s = time.monotonic() - t0
         await wait_until(lambda: freed(manager, processor), 5, poll_s=0.02)
         freed_s = time.monotonic() - t0

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from _security_fixtures import tiny_factory  # noqa: F401
+
 from app.server.config import ServerConfig
 from app.server.executors import build_serving_loop
-from _security_fixtures import tiny_factory  # noqa: F401
 from engine.serving.playout import PlayoutTracker
 
 
@@ -38,7 +39,7 @@ def test_tracker_history_is_bounded_and_counts_every_stall() -> None:
     assert (bounded.chunks_on_time, bounded.chunks_late) == (unbounded.chunks_on_time, unbounded.chunks_late)
 
 
-def test_policy_loop_forgets_streams_that_left(tiny_factory: object) -> None:
+def test_policy_loop_forgets_streams_that_left(tiny_factory: object) -> None:  # noqa: F811
     with ThreadPoolExecutor(1) as executor:
         loop = build_serving_loop(ServerConfig(model="tiny-random", max_fps=8.0), tiny_factory, executor)  # type: ignore[arg-type]
         for _ in range(200):  # admitted streams that closed (or never opened)

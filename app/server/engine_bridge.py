@@ -181,7 +181,7 @@ class PipelineProcessor:
     def set_fidelity(self, config: FidelityConfig) -> None:
         if config != self.fidelity():
             self._stream.update(steps=config.steps, kv_window_frames=config.kv_window_frames,
-                                precision=config.precision)
+                                precision=config.precision, resolution_scale=config.resolution_scale)
 
     # -- the chunk recipe's stages, driven by the engine core --------------------------------------
 

@@ -409,6 +409,22 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out.type_as(x)
 
 
+def unapply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Inverse of :func:`apply_rope` with the same tables: each pair rotated back by its angle."""
+    return apply_rope(x, cos, -sin)
+
+
+def grid_rope_tables(config: WanDiTConfig, rows: int, cols: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos/sin ``[rows*cols, 1, head_dim/2]`` of the row and column parts of Wan's 3D RoPE alone.
+
+    Built as :func:`rope_tables` at frame position 0, whose frame angles are 0 (cos 1, sin 0), so these
+    tables rotate a key along the grid and leave its temporal rotation untouched: un-rotating cached keys
+    with them moves the keys to a new grid without knowing which frame position they were written at.
+    """
+    cos, sin = rope_tables(config, [0], 1, rows, cols, device)
+    return cos[0], sin[0]
+
+
 class RMSNorm(nn.Module):
     """Wan's RMSNorm (statistics in float32, weight applied in the input dtype)."""
 

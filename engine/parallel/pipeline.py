@@ -166,6 +166,8 @@ class PipelineRuntime:
         state.force_sink_refresh = refresh_sinks
 
     def set_fidelity(self, state: StreamState, fidelity: FidelityConfig) -> None:
+        """Like :meth:`StreamRuntime.set_fidelity`, but the engine size is fixed once a chunk has run."""
+        self._check_engine_size(state, self.rt.engine_size(state.size, fidelity))
         self.rt.set_fidelity(state, fidelity)
 
     def close_stream(self, state: StreamState) -> None:
@@ -239,8 +241,23 @@ class PipelineRuntime:
                 f"stream {state.stream_id!r} changed its step count to {steps} mid-stream; the pipeline keeps "
                 f"one KV cache per step, so reopen the stream to change steps"
             )
+        size = self.rt.engine_size(state.size, state.fidelity)
+        self._check_engine_size(state, size)
+        state.engine_size = size
         entered = self.rt.enter_chunk(state, chunk, local_caches=False)
         return _Slot(entered, self._prompt_version(state))
+
+    @staticmethod
+    def _check_engine_size(state: StreamState, size: tuple[int, int]) -> None:
+        # The ranks hold the stream's KV caches block by block and the last rank its VAE decoder, none of
+        # them on rank 0 where the chunk enters, so rescaling them (engine/streaming/rescale.py) would
+        # take a drained ring and a round of every rank; the pipeline does not do that.
+        if state.engine_size is not None and state.engine_size != size:
+            raise ValueError(
+                f"stream {state.stream_id!r} cannot change its engine size from {state.engine_size} to {size} "
+                "mid-stream in the pipeline-parallel engine (its caches live on every rank); reopen the stream "
+                "to change resolution_scale"
+            )
 
     def _prompt_version(self, state: StreamState) -> int:
         sid = state.stream_id

@@ -32,6 +32,7 @@ from engine.sampling import NoiseSource, SamplerPreset, renoise, v2v_input, x0_f
 from engine.streaming.config import RuntimeConfig
 from engine.streaming.noise import MotionAwareNoiseController, NoiseControllerConfig
 from engine.streaming.prompts import BlendMode, PromptTransition, blend
+from engine.streaming.rescale import rescale_state
 from engine.streaming.stabilizer import TemporalStabilizer
 from engine.streaming.state import StreamState
 from engine.vae import StreamVAE
@@ -251,6 +252,8 @@ class StreamRuntime:
         """Stage 1: a V2V chunk of input frames [3, T, H, W] in [-1, 1] enters: motion-aware noise
         level, VAE encode, every noise draw of the chunk, positions. See :meth:`enter_latents`."""
         restart = state.take_stabilizer_restart()
+        if local_caches:
+            self.fit_engine_size(state)  # before the encode: the VAE cache must be at the chunk's size
         engine_frames = self._resize(frames, self.engine_size(state.size, state.fidelity))
         controller = MotionAwareNoiseController(self._noise_config(state))
         rate = controller.step(engine_frames, state.noise_controller)
@@ -467,15 +470,22 @@ class StreamRuntime:
                 f"{limit} positions after {state.chunks} chunks; enable rope_refresh"
             )
 
+    def fit_engine_size(self, state: StreamState) -> None:
+        """Carry the stream's caches to the engine size its fidelity asks for (a resolution change)."""
+        size = self.engine_size(state.size, state.fidelity)
+        if state.engine_size is None:
+            state.engine_size = size  # the first chunk: nothing is cached at another size yet
+        elif state.engine_size != size:
+            rescale_state(state, self.dit.config, self.vae.spatial_compression, size)
+
     def _fit_caches(self, state: StreamState) -> None:
-        """Make the KV caches match the stream's fidelity (count of step caches, window size)."""
+        """Make the caches match the stream's fidelity (engine size, count of step caches, window size)."""
+        self.fit_engine_size(state)
         w, h = self.engine_size(state.size, state.fidelity)
         sc = self.vae.spatial_compression
         frame_tokens = self.dit.config.frame_tokens(h // sc, w // sc)
         window = state.fidelity.kv_window_frames
         wanted = state.fidelity.steps if self.config.cache_mode == "per-step" else 1
-        if state.kv and state.kv[0].frame_tokens != frame_tokens:
-            raise ValueError("the engine size of a stream cannot change mid-stream")
         if state.kv and state.kv[0].window_frames != window:
             state.kv = [resize_window(c, window) for c in state.kv]
         if not state.kv:

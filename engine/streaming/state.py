@@ -49,6 +49,9 @@ class StreamState:
     stabilize: bool = True  # the user's switch; the runtime stabilises only if its config has a stabilizer
     stabilizer: StabilizerState = field(default_factory=StabilizerState)
     restart_stabilizer: bool = False  # set by a hard prompt switch: the next chunk starts a fresh history
+    # (width, height) the model runs at that the caches hold (KV, VAE, noise controller's last frame);
+    # None until the first chunk fixes it. A fidelity with another engine size rescales them (rescale.py).
+    engine_size: tuple[int, int] | None = None
 
     def take_stabilizer_restart(self) -> bool:
         """Whether the chunk entering now starts a fresh stabilizer history (a hard prompt switch before it)."""

@@ -44,6 +44,10 @@ class StreamBatch:
         for state, chunk in zip(self.states, frames, strict=True):
             if state.fidelity.steps != self.depth:
                 raise ValueError("a step-count change needs drain() and a new StreamBatch")
+            resized = state.engine_size not in (None, self.runtime.engine_size(state.size, state.fidelity))
+            if resized and any(c.state is state for c in self.in_flight):
+                # Entering would rescale the caches under chunks that hold latents of the old size.
+                raise ValueError("a resolution change needs drain() first: chunks in flight are at the old size")
             self.in_flight.append(self.runtime.enter_chunk(state, chunk))
         return self._micro_step()
 
