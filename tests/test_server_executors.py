@@ -199,7 +199,9 @@ async def test_an_urgent_stream_preempts_a_relaxed_one_between_denoising_steps(
     engine_factory: Any, executor: ThreadPoolExecutor
 ) -> None:
     clock = FakeClock()
-    loop = build_serving_loop(ServerConfig(model="tiny-random", max_fps=2.0, max_batch=1), engine_factory, executor, clock)
+    # Reference fidelity for every chunk (no BMPR), so a newcomer's credit is 3 chunk times (NORMAL).
+    loop = build_serving_loop(ServerConfig(model="tiny-random", max_fps=2.0, policy="credit-only"), engine_factory,
+                              executor, clock)
     a = Stream(loop, engine_factory, clock, executor, steps=4, seed=3)
     a.push(1)
     await settle(loop)
@@ -209,7 +211,7 @@ async def test_an_urgent_stream_preempts_a_relaxed_one_between_denoising_steps(
     a.push(4)
     loop.run_once()  # a's third chunk starts: its first step is on the engine now
     assert a.configs[-1].steps > 1 and loop.core.jobs
-    b = Stream(loop, engine_factory, clock, executor, steps=1, seed=4)  # a newcomer, tighter on slack
+    b = Stream(loop, engine_factory, clock, executor, steps=4, seed=4)  # a newcomer, tighter on slack
     b.push(1)
     for _ in range(20):
         await settle(loop)
@@ -294,3 +296,34 @@ async def test_policy_recalibrates_toward_the_measured_engine_speed(
         assert (loop.core.applied_ratio - 1.0) * direction > 0, loop.core.applied_ratio
         assert (loop.core.policy.reference.latency_s - claimed) * direction > 0
         loop.remove(a.sid)
+
+
+async def test_simulator_and_live_server_run_the_same_engine_core(
+    engine_factory: Any, executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One loop: the core's own dispatch and update run under both executors (no second runner)."""
+    from engine.serving.core import EngineCore
+    from engine.serving.fidelity import bundled_profile
+    from engine.serving.policy import SlackPolicy, resolve_preset
+    from engine.sim.simulator import SimConfig, Simulator
+    from engine.sim.workload import EventKind, TraceEvent
+
+    seen: dict[str, set[str]] = {}
+    for name in ("_dispatch", "step_done", "arrive", "tick"):
+        original = getattr(EngineCore, name)
+
+        def spy(self: EngineCore, *args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+            seen.setdefault(type(self.executor).__name__, set()).add(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(EngineCore, name, spy)
+    profile = bundled_profile("tiny-random_cpu_128")
+    events = [TraceEvent(0.0, EventKind.ARRIVE, 0, frames=33, fps=profile.fps)]
+    Simulator(SlackPolicy(profile, resolve_preset("slackserve")), profile, events, SimConfig(workers=1, nodes=1)).run()
+    clock = FakeClock()
+    loop = make_loop(engine_factory, executor, clock)
+    a = Stream(loop, engine_factory, clock, executor)
+    a.push(1)
+    await settle(loop)
+    assert a.outputs
+    assert seen["Simulator"] == seen["StepExecutor"] == {"_dispatch", "step_done", "arrive", "tick"}

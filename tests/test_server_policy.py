@@ -140,3 +140,60 @@ async def test_admission_refuses_with_503_and_the_policy_reason(
     retry_after = {k.lower(): v for k, v in headers.items()}.get("retry-after")
     assert status == 503 and retry_after is not None and int(retry_after) > 0, (status, headers, reason)
     assert "serving policy refused" in reason and "initial slack" in reason
+
+
+@pytest.fixture(scope="module")
+def tiny_live(engine_factory: Any) -> Callable[..., AbstractContextManager[str]]:
+    from app.server.app import create_app
+    from app.server.config import ServerConfig
+    from conftest import running_server
+
+    def start(**overrides: Any) -> AbstractContextManager[str]:
+        config = ServerConfig(**{"allow_loopback_candidates": True, "trace_stamp": True, **overrides})
+        return running_server(create_app(config, factory=engine_factory))
+
+    return start
+
+
+def _metric(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.mark.parametrize("preset", ["slack", "fifo", "fifo-batch", "ts-deadline", "ts-chunk-lsf", "credit-only",
+                                    "+bmpr", "+rehoming", "slackserve"])
+async def test_every_policy_preset_runs_live(tiny_live: Callable[..., AbstractContextManager[str]], preset: str) -> None:
+    from engine.serving.policy import resolve_preset
+
+    with tiny_live(policy=preset) as url:
+        session = await open_session(url, CodedCamera((128, 128), fps=15), prompt="oil painting", steps=2)
+        deadline = time.monotonic() + 60
+        while len(session.probe.records) < 8:
+            assert time.monotonic() < deadline, f"{preset}: no output"
+            await asyncio.sleep(0.1)
+        status, _, body = await asyncio.to_thread(http, "GET", f"{url}/api/streams/{session.stream_id}")
+        await session.close()
+    stats = json.loads(body)
+    assert status == 200 and stats["policy"] == resolve_preset(preset).name
+    assert stats["policy_chunks"] >= 2 and stats["chunk_steps"] <= 2  # the user's steps cap every chunk
+
+
+async def test_more_streams_than_state_slots_keep_playing(tiny_live: Callable[..., AbstractContextManager[str]]) -> None:
+    """One resident state for two WebRTC streams: each turn parks the other in host memory."""
+    with tiny_live(policy="fifo", state_slots=1, max_streams=2) as url:
+        sessions = [await open_session(url, CodedCamera((128, 128), fps=15, variant=i, id_offset=1000 * i),
+                                       prompt="oil painting", steps=1) for i in range(2)]
+        deadline = time.monotonic() + 60
+        while any(len(s.probe.records) < 12 for s in sessions):
+            assert time.monotonic() < deadline, [len(s.probe.records) for s in sessions]
+            await asyncio.sleep(0.1)
+        shown = [len(s.probe.records) for s in sessions]
+        await asyncio.sleep(2.0)
+        _, _, metrics = await asyncio.to_thread(http, "GET", f"{url}/metrics")
+        for s in sessions:
+            await s.close()
+    text = metrics.decode()
+    assert _metric(text, "diffcast_evictions_total") >= 2 and _metric(text, "diffcast_restores_total") >= 1
+    assert all(len(s.probe.records) > n for s, n in zip(sessions, shown, strict=True))  # both still playing
