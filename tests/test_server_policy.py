@@ -144,9 +144,10 @@ async def test_admission_refuses_with_503_and_the_policy_reason(
 
 @pytest.fixture(scope="module")
 def tiny_live(engine_factory: Any) -> Callable[..., AbstractContextManager[str]]:
+    from conftest import running_server
+
     from app.server.app import create_app
     from app.server.config import ServerConfig
-    from conftest import running_server
 
     def start(**overrides: Any) -> AbstractContextManager[str]:
         config = ServerConfig(**{"allow_loopback_candidates": True, "trace_stamp": True, **overrides})
