@@ -21,12 +21,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from engine.fidelity import FidelityConfig
+from engine.fidelity import FidelityConfig, unsupported_reason
 from engine.models.wan_dit import CausalWanDiT, KVCache, PromptCache
 from engine.sampling import NoiseSource, SamplerPreset, renoise, v2v_input, x0_from_velocity
 from engine.streaming.config import RuntimeConfig
@@ -182,10 +182,9 @@ class StreamRuntime:
     def check_fidelity(self, fidelity: FidelityConfig) -> None:
         if fidelity.steps > len(self.preset.steps):
             raise ValueError(f"steps={fidelity.steps} exceeds the {len(self.preset.steps)} steps of preset {self.preset.name}")
-        if fidelity.attention_sparsity != 0.0:
-            raise ValueError("this engine has no sparse attention; attention_sparsity must be 0")
-        if fidelity.precision == "fp8":
-            raise ValueError("fp8 attention is not available on this engine; use fp32 or bf16")
+        reason = unsupported_reason(fidelity, self.device.type)
+        if reason is not None:
+            raise ValueError(f"fidelity {fidelity.label()} cannot run here: {reason}")
         if fidelity.kv_window_frames < self.config.sink_frames + self.config.chunk_latent_frames:
             raise ValueError(
                 f"kv_window_frames={fidelity.kv_window_frames} cannot hold {self.config.sink_frames} sinks plus a chunk"
@@ -325,6 +324,8 @@ class StreamRuntime:
         steps = states[0].fidelity.steps
         if any(s.fidelity.steps != steps for s in states):
             raise ValueError("streams batched together must share the number of steps")
+        sparsity = self.shared_sparsity(s.fidelity for s in states)
+        block_tokens = self.config.sparse_block_tokens
         timesteps = list(self.preset.timesteps(steps))
         f = x.shape[2]
         prompt = states[0].prompt if len(states) == 1 else PromptCache.concat([s.prompt for s in states])
@@ -337,7 +338,8 @@ class StreamRuntime:
                 t = torch.tensor(t_rows, device=self.device, dtype=torch.float32)[:, None].expand(-1, f)
                 cache_index = i if self.config.cache_mode == "per-step" else 0
                 with _batched_cache(states, cache_index) as cache:
-                    v = self.dit(x, t, prompt, cache, start_frame=start, rope_start=rope)
+                    v = self.dit(x, t, prompt, cache, start_frame=start, rope_start=rope, sparsity=sparsity,
+                                 sparse_block_tokens=block_tokens)
                 sigma = self.schedule.sigma(t[:, 0]).to(self.device).view(-1, 1, 1, 1, 1)
                 x0 = x0_from_velocity(x, v.to(x.dtype), sigma)
                 if i + 1 < steps:
@@ -347,7 +349,8 @@ class StreamRuntime:
             if self.config.cache_mode == "clean":
                 zero = torch.zeros(len(states), f, device=self.device)
                 with _batched_cache(states, 0) as cache:
-                    self.dit(x0, zero, prompt, cache, start_frame=start, rope_start=rope)
+                    self.dit(x0, zero, prompt, cache, start_frame=start, rope_start=rope, sparsity=sparsity,
+                             sparse_block_tokens=block_tokens)
         return x0
 
     def _advance(self, states: Sequence[StreamState], frames: int, rates: Sequence[float], starts: Sequence[float]) -> None:
@@ -394,6 +397,15 @@ class StreamRuntime:
         mode = "area" if frames.shape[-1] > w else "bilinear"
         out = torch.nn.functional.interpolate(frames.permute(1, 0, 2, 3).float(), size=(h, w), mode=mode)
         return out.permute(1, 0, 2, 3)
+
+    @staticmethod
+    def shared_sparsity(fidelities: Iterable[FidelityConfig]) -> float:
+        """The attention sparsity of one forward over streams at ``fidelities``: they must agree, since a
+        forward applies one key-selection rule to all its rows."""
+        sparsity = {f.attention_sparsity for f in fidelities}
+        if len(sparsity) != 1:
+            raise ValueError(f"streams batched together must share attention_sparsity, got {sorted(sparsity)}")
+        return sparsity.pop()
 
     @contextlib.contextmanager
     def _precision(self, fidelity: FidelityConfig) -> Iterator[None]:

@@ -95,10 +95,11 @@ class StreamBatch:
 
     def _micro_step(self) -> list[ChunkResult | None]:
         finished: dict[int, ChunkResult] = {}
-        groups: dict[tuple[int, int], list[_Slot]] = {}
+        groups: dict[tuple[int, int, float], list[_Slot]] = {}
         for slot in self.in_flight:
             cache = slot.state.kv[slot.step]
-            groups.setdefault((cache.local_end, slot.frame - cache.global_end[0]), []).append(slot)
+            key = (cache.local_end, slot.frame - cache.global_end[0], slot.state.fidelity.attention_sparsity)
+            groups.setdefault(key, []).append(slot)
         for rows in groups.values():
             self._forward(rows)
         rt = self.runtime
@@ -131,9 +132,11 @@ class StreamBatch:
         x = torch.cat([r.x for r in rows])
         f = x.shape[2]
         t = torch.tensor([r.timesteps[r.step] for r in rows], dtype=torch.float32, device=rt.device)
+        sparsity = rt.shared_sparsity(r.state.fidelity for r in rows)
         with rt._precision(rows[0].state.fidelity):
             v = rt.dit(x, t[:, None].expand(-1, f), prompt, cache,
-                       start_frame=[r.frame for r in rows], rope_start=[r.rope for r in rows])
+                       start_frame=[r.frame for r in rows], rope_start=[r.rope for r in rows],
+                       sparsity=sparsity, sparse_block_tokens=rt.config.sparse_block_tokens)
         self.forwards += 1
         sigma = rt.schedule.sigma(t).to(rt.device).view(-1, 1, 1, 1, 1)
         x0 = x0_from_velocity(x, v.to(x.dtype), sigma)
