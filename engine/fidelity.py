@@ -2,6 +2,10 @@
 
 The engine owns this type (the runtime changes a stream's fidelity at a chunk boundary); the serving
 policy (engine/serving) reads profiles of these configurations and picks one per chunk.
+
+It is also the one place that says which knob values the engine can run on which device
+(:func:`engine_capabilities`, :func:`unsupported_reason`): the runtime refuses what is missing and the
+policy drops profile points that need it. Pure Python, so the policy and simulator import it without torch.
 """
 
 from __future__ import annotations
@@ -50,3 +54,57 @@ class FidelityConfig:
             f"S{self.steps}/W{self.kv_window_frames}/x{self.resolution_scale:g}/{self.precision}"
             f"/sp{self.attention_sparsity:g}/b{self.stream_batch}" + (f"/g{self.gpus}" if self.gpus > 1 else "")
         )
+
+
+# Capability names: what running a configuration can need beyond the device itself. A profile point's
+# "needs" lists these plus the torch device type it was made on ("cpu", "cuda").
+BF16 = "bf16"
+SPARSE_ATTENTION = "sparse-attention"
+FP8_ATTENTION = "fp8-attention"
+
+_BF16_DEVICES = ("cpu", "cuda")
+_MISSING = {
+    BF16: "bf16 is not available on {device}; use fp32",
+    SPARSE_ATTENTION: "sparse attention is not available on {device}; use attention_sparsity 0",
+    FP8_ATTENTION: (
+        "fp8 attention needs a kernel this engine does not have yet (SageAttention or torch float8 on CUDA); "
+        "use bf16 or fp32"
+    ),
+}
+
+
+def engine_capabilities(device_type: str) -> frozenset[str]:
+    """What this engine runs on a torch device type ("cpu", "cuda", ...).
+
+    The device type itself; bf16 on cpu and cuda; block-sparse attention everywhere (the DiT's
+    pure-torch reference implementation); fp8 attention nowhere yet.
+    """
+    caps = {device_type, SPARSE_ATTENTION}
+    if device_type in _BF16_DEVICES:
+        caps.add(BF16)
+    return frozenset(caps)
+
+
+def required_capabilities(config: FidelityConfig) -> frozenset[str]:
+    """What running ``config`` needs from the engine, whatever the device (fp32 and dense need nothing)."""
+    needs = set()
+    if config.precision == "bf16":
+        needs.add(BF16)
+    elif config.precision == "fp8":
+        needs.add(FP8_ATTENTION)
+    if config.attention_sparsity > 0.0:
+        needs.add(SPARSE_ATTENTION)
+    return frozenset(needs)
+
+
+def missing_capabilities(config: FidelityConfig, device_type: str) -> frozenset[str]:
+    """What ``config`` needs that the engine lacks on ``device_type`` (empty: it runs)."""
+    return required_capabilities(config) - engine_capabilities(device_type)
+
+
+def unsupported_reason(config: FidelityConfig, device_type: str) -> str | None:
+    """Why the engine cannot run ``config`` on ``device_type``, in plain words; None when it can."""
+    missing = missing_capabilities(config, device_type)
+    if not missing:
+        return None
+    return "; ".join(_MISSING[name].format(device=device_type) for name in sorted(missing))

@@ -38,6 +38,7 @@ import torch
 from skimage.metrics import structural_similarity
 from tqdm import tqdm
 
+from engine.fidelity import required_capabilities
 from engine.pipeline import Pipeline, Stream, StreamParams
 from engine.serving.fidelity import FidelityConfig, FidelityProfile, ProfilePoint
 
@@ -185,6 +186,7 @@ def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = N
             quality=psnr(clips[c], reference),
             state_bytes=float(streams[c].state.nbytes()),
             source="measured",
+            needs=tuple(sorted({pipe.runtime.device.type} | required_capabilities(c))),
         ))
     device = f"{platform.processor() or platform.machine()} cpu x{torch.get_num_threads()} threads"
     if pipe.runtime.device.type != "cpu":

@@ -242,11 +242,14 @@ def test_processor_set_fidelity_runs_the_next_chunk_smaller(pipe: Pipeline) -> N
     assert isinstance(small, PipelineProcessor) and isinstance(full, PipelineProcessor)
     for proc in (small, full):
         proc.process(_moving(1, 0))
-    assert small.batch_key() == full.batch_key()
     small.set_fidelity(dataclasses.replace(small.fidelity(), resolution_scale=0.5))
     assert small.fidelity().resolution_scale == 0.5
+    for proc in (small, full):
+        proc.begin_chunk(_moving(4, 1))
     assert small.batch_key() != full.batch_key()  # never batched with the full-size stream
-    out = small.process(_moving(4, 1))
+    while small.has_chunk():
+        small.denoise_step([small])
+    out = small.finish_chunk()
     assert out.shape == (4, 128, 128, 3)
     state = small._stream.state
     assert state.engine_size == (64, 64) and state.kv[0].frame_tokens == 16

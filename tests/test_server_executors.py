@@ -207,7 +207,8 @@ async def test_an_urgent_stream_preempts_a_relaxed_one_between_denoising_steps(
     await settle(loop)
     a.push(4)
     await settle(loop)  # a's slack is now far ahead of its playout (2 s of content, clock not moving)
-    assert loop.stats(a.sid)["tier"] in ("relaxed", "-")
+    loop.core.tick()
+    assert loop.stats(a.sid)["tier"] == "relaxed"
     a.push(4)
     loop.run_once()  # a's third chunk starts: its first step is on the engine now
     assert a.configs[-1].steps > 1 and loop.core.jobs
@@ -238,7 +239,8 @@ async def test_streams_with_one_point_share_a_batched_forward(engine_factory: An
     assert loop.executor.forwards < 2 * 3  # fewer forwards than chunks: rows shared forwards
     for s in (a, b):
         for got, want in zip(s.outputs, s.twin_outputs(engine_factory), strict=True):
-            np.testing.assert_array_equal(got, want)  # batching never mixes streams
+            # Batching never mixes streams; a batched matmul may round one grey level differently.
+            assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
 
 
 async def test_admission_refuses_a_stream_whose_first_chunk_would_be_late(

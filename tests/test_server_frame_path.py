@@ -134,10 +134,11 @@ async def test_runner_first_chunk_then_steady_chunks_with_trace_stamp() -> None:
             if runner.chunks == 2:
                 break
             await asyncio.sleep(0.01)
+        frames = list(playout._buffer)
         await runner.update(prompt="x")
         task.cancel()
     assert runner.chunks == 2 and processor.updates == [{"prompt": "x"}]
-    frames = list(playout._buffer)
+    assert playout.buffered == 0  # a prompt switch drops the old prompt's buffered output
     assert [f.meta.seq for f in frames if f.meta] == [0, 1, 2, 3, 4]
     for i, out in enumerate(frames):
         assert out.image.shape == (48, 64, 3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.fidelity import (
+    engine_capabilities,
+    missing_capabilities,
+    required_capabilities,
+    unsupported_reason,
+)
 from engine.serving.derived_profiles import SDV2_FPS, derived_h100_profile
 from engine.serving.fidelity import (
     FidelityConfig,
@@ -19,6 +26,7 @@ from engine.serving.fidelity import (
     bundled_profile,
     load_profile,
     pareto_frontier,
+    profile_device_type,
     quality_floor,
 )
 
@@ -118,3 +126,78 @@ def test_filtered_profile_keeps_only_supported_configs() -> None:
     assert dense_bf16.reference() == prof.reference()
     with pytest.raises(ValueError, match="passes the filter"):
         prof.filtered(lambda c: False)
+
+
+def test_engine_capabilities_say_what_runs_where() -> None:
+    assert engine_capabilities("cpu") == {"cpu", "bf16", "sparse-attention"}
+    assert engine_capabilities("cuda") == {"cuda", "bf16", "sparse-attention"}
+    assert "bf16" not in engine_capabilities("mps")  # sparse attention is plain torch: every device
+    fp8 = FidelityConfig(precision="fp8", attention_sparsity=0.6)
+    assert required_capabilities(fp8) == {"fp8-attention", "sparse-attention"}
+    assert required_capabilities(FidelityConfig(precision="fp32")) == frozenset()
+    for device in ("cpu", "cuda"):
+        assert missing_capabilities(fp8, device) == {"fp8-attention"}
+        reason = unsupported_reason(fp8, device)
+        assert reason is not None and "fp8 attention needs a kernel" in reason
+        assert unsupported_reason(FidelityConfig(attention_sparsity=0.9), device) is None
+    assert unsupported_reason(FidelityConfig(precision="bf16"), "mps") == "bf16 is not available on mps; use fp32"
+
+
+@pytest.mark.parametrize(("device", "kind"), [
+    ("H100-80GB", "cuda"), ("NVIDIA H100 80GB HBM3", "cuda"), ("NVIDIA GeForce RTX 4090", "cuda"),
+    ("Tesla T4", "cuda"), ("NVIDIA L40S", "cuda"), ("x86_64 cpu x2 threads", "cpu"), ("arm cpu x8 threads", "cpu"),
+])
+def test_profile_device_type_maps_profile_device_strings(device: str, kind: str) -> None:
+    assert profile_device_type(device) == kind
+
+
+def test_profile_device_type_refuses_unknown_devices() -> None:
+    with pytest.raises(ValueError, match="cannot tell which device type"):
+        profile_device_type("TPU v5e")
+
+
+def test_needs_round_trip_and_files_without_needs_still_load(tmp_path: Path) -> None:
+    prof = derived_h100_profile()
+    path = tmp_path / "p.json"
+    prof.save(path)
+    assert [p.needs for p in load_profile(path).points] == [p.needs for p in prof.points]
+    data = json.loads(path.read_text())
+    for raw in data["points"]:
+        del raw["needs"]
+    path.write_text(json.dumps(data))
+    old = load_profile(path)
+    assert all(p.needs == () for p in old.points)
+    # Without a listed need, an fp8 point still requires fp8 attention (its knob says so).
+    fp8 = next(p for p in old.points if p.config.precision == "fp8")
+    assert "fp8-attention" in fp8.requirements
+    data["points"][1]["needs"] = "cuda"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"points\[1\].*needs"):
+        load_profile(path)
+
+
+def test_runnable_keeps_only_points_the_capabilities_cover() -> None:
+    prof = derived_h100_profile()
+    dense = prof.runnable({"cuda", "bf16"})
+    assert dense.points and all(p.config.precision == "bf16" and p.config.attention_sparsity == 0.0
+                                for p in dense.points)
+    here = prof.engine_runnable()
+    assert len(here.points) == len(prof.points) - sum(p.config.precision == "fp8" for p in prof.points)
+    assert any(p.config.attention_sparsity > 0 for p in here.points)
+    with pytest.raises(ValueError, match="no single-stream configuration.*cuda"):
+        prof.runnable(engine_capabilities("cpu"))
+    exotic = ProfilePoint(FidelityConfig(steps=1), 0.1, 0.1, 90.0, 0.0, needs=("cuda", "flux-capacitor"))
+    widened = replace(prof, points=(*prof.points, exotic))
+    assert exotic not in widened.engine_runnable().points
+
+
+@pytest.mark.parametrize("name", ["wan2.1-1.3b_h100_480p", "wan2.1-1.3b_h100_512"])
+def test_bundled_h100_profiles_say_what_each_point_needs(name: str) -> None:
+    bundled = bundled_profile(name)
+    assert bundled.device_type == "cuda"
+    assert bundled.to_json() == derived_h100_profile(bundled.resolution).to_json()  # regenerated, not hand-edited
+    for p in bundled.points:
+        assert "cuda" in p.needs
+        assert ("fp8-attention" in p.needs) == (p.config.precision == "fp8")
+        assert ("sparse-attention" in p.needs) == (p.config.attention_sparsity > 0)
+    assert any("fp8" in note and "not have yet" in note for note in bundled.notes)

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from app.commands import simulate
+from engine.serving.fidelity import FidelityConfig, FidelityProfile, ProfilePoint, bundled_profile
+from engine.sim.runner import run_one, simulation_profile, workload_events
+from engine.sim.simulator import SimConfig
+from engine.sim.workload import WorkloadSpec
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -56,3 +61,33 @@ def test_bad_policy_name_is_reported(capsys: pytest.CaptureFixture[str]) -> None
     simulate.add_arguments(parser)
     assert simulate.run(parser.parse_args(["--policies", "magic", "--streams", "5"])) == 2
     assert "unknown policies" in capsys.readouterr().err
+
+
+def _fidelity_counts(profile: FidelityProfile) -> dict[str, int]:
+    """Chunks per config label under overload (4 GPUs for 40 streams): BMPR downshifts to fast points."""
+    events = workload_events(WorkloadSpec("steady", streams=40, rate=1.0, seed=0), profile)
+    return run_one("slackserve", profile, events, SimConfig(workers=4)).result.fidelity_counts
+
+
+def test_simulation_never_plans_with_fp8_points_on_the_h100_profile() -> None:
+    raw = bundled_profile()
+    assert any("/fp8/" in label for label in _fidelity_counts(raw)), "the unfiltered profile would use fp8"
+    counts = _fidelity_counts(simulation_profile())
+    assert counts and not any("/fp8/" in label for label in counts)
+    assert any("/sp0.6/" in label for label in counts)  # sparse points remain: the engine runs them
+
+
+def test_profile_point_needing_a_missing_capability_is_dropped(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    profile = bundled_profile()
+    # Faster and better than anything else: every policy would pick it if it were left in.
+    magic = ProfilePoint(FidelityConfig(steps=1, kv_window_frames=5), 0.05, 0.05, 99.0, 0.0, source="derived",
+                         needs=("cuda", "flux-capacitor"))
+    path = tmp_path / "magic.json"
+    replace(profile, points=(*profile.points, magic)).save(path)
+    loaded = simulation_profile(path)
+    assert magic.config not in {p.config for p in loaded.points}
+    assert magic.config.label() not in _fidelity_counts(loaded)
+    rc, out = run_cli(["--profile", str(path), "--workload", "steady", "--streams", "10",
+                       "--policies", "slackserve", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["policies"]["slackserve"]["mean_quality"] < 99.0

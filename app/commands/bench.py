@@ -1,7 +1,7 @@
 """`diffcast bench engine`: per-chunk latency and FPS of the engine, per configuration.
 
 Every row is measured in this one run, side by side, so ratios between rows are meaningful on the
-machine at hand. Streams x steps x sizes x {sequential, stream batch}.
+machine at hand. Streams x steps x sizes x attention sparsity x {sequential, stream batch}.
 """
 
 from __future__ import annotations
@@ -28,12 +28,26 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _sparsity_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions, got {text!r}") from None
+    if not values or any(not 0.0 <= v < 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"attention sparsity values must be in [0, 1), got {text!r}")
+    return values
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", choices=["engine"], help="what to benchmark")
     parser.add_argument("--model", default=None, help="'default' (embedded), 'tiny-random', or a model path")
     parser.add_argument("--sizes", default=None, help="comma-separated WxH list (default: the model's size)")
     parser.add_argument("--steps", type=_int_list, default=[1, 2], help="denoising steps to try, e.g. 1,2")
     parser.add_argument("--streams", type=_int_list, default=[1], help="concurrent streams batched together, e.g. 1,2,4")
+    parser.add_argument("--sparsity", type=_sparsity_list, default=[0.0],
+                        help="block-sparse attention levels to compare, e.g. 0,0.5,0.75 (default 0 = dense)")
+    parser.add_argument("--kv-window", type=int, default=None,
+                        help="KV window in latent frames (default: the model's); sparsity skips blocks of it")
     parser.add_argument("--stream-batch", action="store_true", help="also measure the pipelined stream batch")
     parser.add_argument("--chunks", type=int, default=12, help="measured chunks per row (after warm-up)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -46,10 +60,14 @@ def _clip(frames: int, width: int, height: int, seed: int) -> Any:
 
     rng = np.random.default_rng(seed)
     base = rng.integers(0, 256, size=(height, width * 2, 3), dtype=np.uint8)
-    return [np.ascontiguousarray(base[:, i * 2 : i * 2 + width]) for i in range(frames)]
+    # A pan 2 px per frame that wraps around, so any number of frames keeps the full width.
+    return [np.ascontiguousarray(np.roll(base, -2 * i, axis=1)[:, :width]) for i in range(frames)]
 
 
-def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks: int, stream_batch: bool) -> dict[str, Any]:
+def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks: int, stream_batch: bool,
+             sparsity: float = 0.0, kv_window: int | None = None) -> dict[str, Any]:
+    from dataclasses import replace
+
     import numpy as np
     import torch
 
@@ -58,8 +76,9 @@ def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks:
     from engine.streaming.stream_batch import StreamBatch
 
     rt = pipe.runtime
-    params = StreamParams(prompt="oil painting", steps=steps, size=size)
-    states = [rt.open(f"bench{i}", "oil painting", size, pipe.fidelity_for(params), seed=i) for i in range(streams)]
+    params = StreamParams(prompt="oil painting", steps=steps, size=size, kv_window_frames=kv_window)
+    fidelity = replace(pipe.fidelity_for(params), attention_sparsity=sparsity)
+    states = [rt.open(f"bench{i}", "oil painting", size, fidelity, seed=i) for i in range(streams)]
     per = pipe.chunk_frames
     total = pipe.first_chunk_frames + per * (chunks + 2 + steps)
     clips = [_clip(total, size[0], size[1], i) for i in range(streams)]
@@ -90,6 +109,8 @@ def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks:
         "size": list(size),
         "steps": steps,
         "streams": streams,
+        "sparsity": sparsity,
+        "kv_window": fidelity.kv_window_frames,
         "mode": "stream-batch" if stream_batch else "sequential",
         "chunk_ms": round(chunk_s * 1000, 2),
         "chunk_ms_p90": round(sorted(latencies)[int(0.9 * (len(latencies) - 1))] * 1000, 2),
@@ -127,8 +148,11 @@ def run(args: argparse.Namespace) -> int:
                 for stream_batch in modes:
                     if stream_batch and pipe.runtime.config.cache_mode != "per-step":
                         continue
-                    rows.append(_measure(pipe, size, steps, streams, args.chunks, stream_batch))
-                    log.debug("%s", rows[-1])
+                    # Sparsity innermost: dense and sparse rows of one setting run back to back.
+                    for sparsity in args.sparsity:
+                        rows.append(_measure(pipe, size, steps, streams, args.chunks, stream_batch, sparsity,
+                                             args.kv_window))
+                        log.debug("%s", rows[-1])
     report = {
         "model": pipe.name,
         "device": args.device,
@@ -140,11 +164,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     table = Table(title=f"diffcast engine bench: {pipe.name} on {args.device} ({report['threads']} threads)")
-    for col in ("size", "steps", "streams", "mode", "chunk ms", "p90 ms", "FPS/stream", "FPS total", "enc/DiT/dec/stab ms"):
+    for col in ("size", "steps", "streams", "window", "sparsity", "mode", "chunk ms", "p90 ms", "FPS/stream",
+                "FPS total", "enc/DiT/dec/stab ms"):
         table.add_column(col)
     for r in rows:
         stage = "/".join(str(r.get(k, "-")) for k in ("encode_ms", "dit_ms", "decode_ms", "stabilize_ms"))
-        table.add_row(f"{r['size'][0]}x{r['size'][1]}", str(r["steps"]), str(r["streams"]), r["mode"],
-                      str(r["chunk_ms"]), str(r["chunk_ms_p90"]), str(r["fps_per_stream"]), str(r["fps_total"]), stage)
+        table.add_row(f"{r['size'][0]}x{r['size'][1]}", str(r["steps"]), str(r["streams"]), str(r["kv_window"]),
+                      f"{r['sparsity']:g}", r["mode"], str(r["chunk_ms"]), str(r["chunk_ms_p90"]),
+                      str(r["fps_per_stream"]), str(r["fps_total"]), stage)
     Console().print(table)
     return 0

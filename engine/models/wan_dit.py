@@ -10,7 +10,9 @@ Wan checkpoints, so weights load without renaming); what makes it causal:
   which is the independent reference the cached path must reproduce;
 * temporal RoPE positions decoupled from cache positions (``rope_start``), per sample, so the runtime can
   wrap positions (RoPE reset) and batch streams that sit at different positions;
-* cross-attention K/V of the prompt computed once per prompt (:class:`PromptCache`).
+* cross-attention K/V of the prompt computed once per prompt (:class:`PromptCache`);
+* optional block-sparse cached attention (``sparsity``): each query frame attends to the sinks, its chunk
+  and only the best-scoring blocks of the other cached keys, gathered into smaller K/V (:class:`SparseLayout`).
 
 Token order is frame, row, column. Shapes: latents ``[B, C, F, H, W]``; attention tensors ``[B, S, heads,
 head_dim]`` (flash-attn's layout, so cached buffers feed it without copies).
@@ -488,6 +490,7 @@ class _SelfAttnContext:
     mask: Tensor | None = None
     cache: KVCache | None = None
     write: tuple[int, int] | None = None  # token slice in the cache buffers reserved for this forward
+    sparse: SparseLayout | None = None  # block-sparse cached attention; None = dense
 
 
 class WanBlock(nn.Module):
@@ -533,6 +536,8 @@ class WanBlock(nn.Module):
             kb[:, start:end] = k.to(kb.dtype)
             vb[:, start:end] = v.to(vb.dtype)
             k, v = kb[:, :end].to(q.dtype), vb[:, :end].to(q.dtype)
+            if sa.sparse is not None:
+                return at.o(block_sparse_attention(q, k, v, sa.sparse).flatten(2))
         return at.o(attention(q, k, v, sa.mask).flatten(2))
 
 
@@ -546,6 +551,97 @@ class WanHead(nn.Module):
     def forward(self, x: Tensor, e: Tensor) -> Tensor:
         shift, scale = (self.modulation.float()[None] + e[:, :, None]).unbind(2)
         return self.head(_modulate(x, shift, scale, e.shape[1], self.eps))
+
+
+# --------------------------------------------------------------------------------------------------
+# Block-sparse cached self-attention (portable reference: plain torch, any device)
+# --------------------------------------------------------------------------------------------------
+
+# Key block size in tokens. Small enough to follow content inside a frame (a 480p frame is 1,560 tokens),
+# large enough that scoring (one mean key per block) costs next to nothing beside the attention itself.
+SPARSE_BLOCK_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class SparseLayout:
+    """Which cached keys of one forward are always kept and which compete, as token offsets in the buffer.
+
+    A chunk attends to buffer tokens ``[0, end)``: sink frames, recent frames, then its own tokens. Keys
+    ``[0, sink)`` (the sinks) and ``[tail, end)`` (the recent tokens that do not fill a whole block, then
+    the chunk's own tokens) are always kept. ``[sink, tail)`` is ``blocks`` key blocks of ``block_tokens``
+    tokens; each query block (one latent frame of the chunk, ``query_tokens`` tokens) keeps ``keep`` of
+    them, per head.
+    """
+
+    sink: int
+    blocks: int
+    block_tokens: int
+    keep: int
+    query_tokens: int
+
+    @property
+    def tail(self) -> int:
+        return self.sink + self.blocks * self.block_tokens
+
+    @classmethod
+    def plan(cls, sparsity: float, block_tokens: int, sink_tokens: int, own_start: int,
+             frame_tokens: int) -> SparseLayout | None:
+        """The layout that skips ``floor(sparsity * blocks)`` blocks; None when that is none (then the dense
+        path runs, so a sparsity too small to skip a block is exactly sparsity 0)."""
+        blocks = max(0, own_start - sink_tokens) // block_tokens
+        skip = int(sparsity * blocks + 1e-9)  # 1e-9: 0.57 * 100 is 56.99999999999999 in floats; skip 57
+        if skip == 0:
+            return None
+        return cls(sink_tokens, blocks, block_tokens, blocks - skip, frame_tokens)
+
+
+def select_key_blocks(q: Tensor, k: Tensor, layout: SparseLayout) -> Tensor:
+    """The selectable blocks each query frame keeps, per head: block indices ``[B, heads, frames, keep]``.
+
+    A block's score is the dot product of the frame's mean query with the block's mean key (MoBA-style
+    pooling; both after RoPE, as the cache stores keys), computed in float32; the top ``keep`` survive,
+    listed in buffer order. Rows never mix: every score uses one row's queries and keys.
+    """
+    q_mean = q.float().unflatten(1, (-1, layout.query_tokens)).mean(2)  # [B, frames, heads, hd]
+    k_mean = k[:, layout.sink : layout.tail].float().unflatten(1, (layout.blocks, layout.block_tokens)).mean(2)
+    scores = torch.einsum("bfhd,bkhd->bhfk", q_mean, k_mean)
+    return scores.topk(layout.keep, dim=-1).indices.sort(dim=-1).values
+
+
+def kept_tokens(layout: SparseLayout, blocks: Tensor, end: int) -> Tensor:
+    """Buffer token indices each query frame attends to, ``[B, heads, frames, kept]``: the sinks, the
+    tokens of the selected ``blocks`` (from :func:`select_key_blocks`), then ``[tail, end)``."""
+    device = blocks.device
+    inside = torch.arange(layout.block_tokens, device=device)
+    chosen = (layout.sink + blocks[..., None] * layout.block_tokens + inside).flatten(-2)
+    lead = torch.arange(layout.sink, device=device).expand(*blocks.shape[:-1], -1)
+    tail = torch.arange(layout.tail, end, device=device).expand(*blocks.shape[:-1], -1)
+    return torch.cat([lead, chosen, tail], dim=-1)
+
+
+def gathered_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, blocks: Tensor) -> Tensor:
+    """Attention of each query frame to its kept keys only, ``[B, Sq, heads, hd]``.
+
+    The kept keys/values are gathered into smaller tensors first, so attention costs what is kept (a
+    masked dense attention would still pay for every key).
+    """
+    b, sq, heads, hd = q.shape
+    frames = sq // layout.query_tokens
+    tokens = kept_tokens(layout, blocks, k.shape[1])  # [B, heads, frames, kept]
+    rows = torch.arange(b, device=q.device).view(b, 1, 1, 1)
+    head = torch.arange(heads, device=q.device).view(1, heads, 1, 1)
+    # Advanced indexing copies whole head_dim vectors; (frame, head) pairs become the batch of one 4-D
+    # attention call, the shape fused SDPA kernels take.
+    k_kept = k[rows, tokens, head].flatten(1, 2)  # [B, heads*frames, kept, hd]
+    v_kept = v[rows, tokens, head].flatten(1, 2)
+    q_frames = q.transpose(1, 2).reshape(b, heads * frames, layout.query_tokens, hd)
+    out = F.scaled_dot_product_attention(q_frames, k_kept, v_kept)
+    return out.reshape(b, heads, sq, hd).transpose(1, 2)
+
+
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout) -> Tensor:
+    """Cached self-attention over the sinks, the chunk's own tokens and the best-scoring key blocks."""
+    return gathered_attention(q, k, v, layout, select_key_blocks(q, k, layout))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -626,24 +722,34 @@ class CausalWanDiT(nn.Module):
     @torch.no_grad()
     def forward(self, x: Tensor, timestep: Tensor, prompt: PromptCache, kv_cache: KVCache | None = None,
                 start_frame: int | Sequence[int] | Tensor = 0,
-                rope_start: int | Sequence[int] | Tensor | None = None) -> Tensor:
+                rope_start: int | Sequence[int] | Tensor | None = None, sparsity: float = 0.0,
+                sparse_block_tokens: int = SPARSE_BLOCK_TOKENS) -> Tensor:
         """Velocity for latent frames ``x`` ``[B, C, F, H, W]`` at per-frame ``timestep`` ``[B, F]`` (or ``[B]``).
 
         ``start_frame``: absolute frame index of x's first frame (cache bookkeeping, per row allowed).
         ``rope_start``: temporal RoPE position of x's first frame, per row allowed (default: start_frame).
         With ``kv_cache`` the frames attend to the visible cached frames and themselves, and their K/V are
         written into the cache; without, attention is bidirectional over x's own frames.
+        ``sparsity``: fraction of the cached key blocks (``sparse_block_tokens`` tokens each) that each
+        query frame skips (see :class:`SparseLayout`); sinks and the chunk's own tokens are always kept,
+        so without a cache there is nothing to skip. 0 runs the dense path.
         """
         batch = x.shape[0]
         starts = _per_row(start_frame, batch, "start_frame")
         ropes = starts if rope_start is None else _per_row(rope_start, batch, "rope_start")
         tokens, e, e0, grid = self._embed(x, timestep)
-        sa = self._cached_context(grid, starts, ropes, kv_cache, len(self.blocks), tokens.device)
+        sa = self._cached_context(grid, starts, ropes, kv_cache, len(self.blocks), tokens.device, sparsity,
+                                  sparse_block_tokens)
         return self._run(tokens, e, e0, grid, prompt, sa)
 
     def _cached_context(self, grid: tuple[int, int, int], starts: list[int], ropes: list[int],
-                        kv_cache: KVCache | None, layers: int, device: torch.device) -> _SelfAttnContext:
-        """RoPE tables for the rows' positions and, with a cache, its reserved write slice."""
+                        kv_cache: KVCache | None, layers: int, device: torch.device, sparsity: float,
+                        sparse_block_tokens: int) -> _SelfAttnContext:
+        """RoPE tables for the rows' positions and, with a cache, its reserved write slice and sparse layout."""
+        if not 0.0 <= sparsity < 1.0:
+            raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+        if sparse_block_tokens < 1:
+            raise ValueError(f"sparse_block_tokens must be >= 1, got {sparse_block_tokens}")
         cos, sin = rope_tables(self.config, ropes, *grid, device=device)
         sa = _SelfAttnContext(cos, sin)
         if kv_cache is not None:
@@ -653,6 +759,10 @@ class CausalWanDiT(nn.Module):
             if kv_cache.num_layers != layers:
                 raise ValueError(f"cache has {kv_cache.num_layers} layers, the blocks run {layers}")
             sa.cache, sa.write = kv_cache, kv_cache.reserve(starts, grid[0])
+            own_start = sa.write[0]
+            # Sink frames sit at the buffer start once written; before that the buffer holds fewer.
+            sinks = min(kv_cache.sink_frames * frame_tokens, own_start)
+            sa.sparse = SparseLayout.plan(sparsity, sparse_block_tokens, sinks, own_start, frame_tokens)
         return sa
 
     # -- stage helpers: the same forward in pieces (pipeline parallelism runs block ranges per rank) ----
@@ -665,12 +775,14 @@ class CausalWanDiT(nn.Module):
     @torch.no_grad()
     def run_blocks(self, tokens: Tensor, e0: Tensor, grid: tuple[int, int, int], prompt: PromptCache,
                    blocks: range, kv_cache: KVCache | None = None, start_frame: int | Sequence[int] = 0,
-                   rope_start: int | Sequence[int] | None = None) -> Tensor:
+                   rope_start: int | Sequence[int] | None = None, sparsity: float = 0.0,
+                   sparse_block_tokens: int = SPARSE_BLOCK_TOKENS) -> Tensor:
         """Run blocks ``blocks`` (a contiguous range) on tokens; returns the tokens after the last one.
 
         ``prompt`` and ``kv_cache`` hold exactly those blocks' layers: layer j is block ``blocks[j]``, so a
         pipeline stage keeps caches of its own blocks only. :meth:`embed`, then ``run_blocks`` over
-        consecutive ranges covering every block, then :meth:`head_out` computes what :meth:`forward` does.
+        consecutive ranges covering every block, then :meth:`head_out` computes what :meth:`forward` does
+        (``sparsity`` and ``sparse_block_tokens`` as there).
         """
         if blocks.step != 1 or not 0 <= blocks.start < blocks.stop <= len(self.blocks):
             raise ValueError(f"blocks must be a non-empty contiguous range inside [0, {len(self.blocks)}), got {blocks}")
@@ -682,7 +794,8 @@ class CausalWanDiT(nn.Module):
             )
         starts = _per_row(start_frame, batch, "start_frame")
         ropes = starts if rope_start is None else _per_row(rope_start, batch, "rope_start")
-        sa = self._cached_context(grid, starts, ropes, kv_cache, len(blocks), tokens.device)
+        sa = self._cached_context(grid, starts, ropes, kv_cache, len(blocks), tokens.device, sparsity,
+                                  sparse_block_tokens)
         for j, i in enumerate(blocks):
             tokens = self.blocks[i](tokens, e0, prompt.k[j], prompt.v[j], j, sa)
         return tokens

@@ -293,8 +293,9 @@ class PipelineRuntime:
             self.rebalance()
 
     def _build(self, m: int, rows: list[_Slot]) -> Message:
-        """Group the rows by cache fill level (one batched forward each) and describe them."""
-        groups: dict[tuple[int, int, str], list[tuple[int, dict[str, Any]]]] = {}
+        """Group the rows by cache fill level, precision and attention sparsity (one batched forward each)
+        and describe them."""
+        groups: dict[tuple[int, int, str, float], list[tuple[int, dict[str, Any]]]] = {}
         tensors: dict[str, Tensor] = {}
         self._sent[m] = rows
         for key, slot in enumerate(rows):
@@ -308,14 +309,15 @@ class PipelineRuntime:
                    "t_next": None if last else s.timesteps[s.step + 1], "frame": s.frame, "rope": s.rope,
                    "ver": slot.version, "geom": geom, "tau": s.tau, "size": st.size}
             cache = self.stage.cache_for(row)
-            fill = (cache.local_end, s.frame - cache.global_end[0], st.fidelity.precision)
+            fill = (cache.local_end, s.frame - cache.global_end[0], st.fidelity.precision,
+                    st.fidelity.attention_sparsity)
             groups.setdefault(fill, []).append((key, row))
             if not last:
                 tensors[f"noise.{key}"] = s.noises[s.step]
         meta_groups = []
-        for gi, ((_, _, precision), members) in enumerate(groups.items()):
+        for gi, ((_, _, precision, sparsity), members) in enumerate(groups.items()):
             tensors[f"x.{gi}"] = torch.cat([rows[key].chunk.x for key, _ in members])
-            meta_groups.append({"rows": [row for _, row in members], "precision": precision})
+            meta_groups.append({"rows": [row for _, row in members], "precision": precision, "sparsity": sparsity})
         for sid, version, text in self._new_prompts:
             tensors[f"ctx.{sid}.{version}"] = text
         prompts = [(sid, version) for sid, version, _ in self._new_prompts]

@@ -150,7 +150,9 @@ class Stage:
             prompt = prompts[0] if len(rows) == 1 else PromptCache.concat(prompts)
             with self.clock.measure(block_times):
                 tokens = self.dit.run_blocks(tokens, e0, grid, prompt, self.blocks, cache,
-                                             start_frame=[r["frame"] for r in rows], rope_start=[r["rope"] for r in rows])
+                                             start_frame=[r["frame"] for r in rows], rope_start=[r["rope"] for r in rows],
+                                             sparsity=group["sparsity"],
+                                             sparse_block_tokens=self.rt.config.sparse_block_tokens)
             if len(rows) > 1:
                 for r, part in zip(rows, cache.split(), strict=True):
                     self.kv[(r["sid"], r["step"])] = part

@@ -157,7 +157,7 @@ class EngineCore:
     # ---- admission and stream events ------------------------------------------------------------
     def arrive(self, stream_id: int, content_s: float, max_steps: int | None = None) -> Admission:
         now = self.clock()
-        admission = self.policy.admit(AdmissionRequest(stream_id, now, content_s), self.snapshot())
+        admission = self.policy.admit(AdmissionRequest(stream_id, now, content_s, max_steps), self.snapshot())
         if not admission.accepted or admission.worker_id is None:
             self.counters.admissions_refused += 1
             return admission
@@ -389,6 +389,7 @@ class EngineCore:
         for sid in job:
             self.ledger.abandon(sid, now)
             self.leave(sid)
+            self.forget(sid)
         self.kick(worker_id)
         return job
 

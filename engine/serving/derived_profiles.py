@@ -23,16 +23,29 @@ Every point carries ``source="derived"``. How the numbers are obtained (docs/sim
   and appendix A describe (steps and window cost most, fp8 and mild sparsity little). They are placeholders
   for the profiler's measured scores, not measurements.
 * State (KV cache) bytes = 2 (k, v) * 30 layers * 1536 * 2 bytes * tokens/frame * W frames.
+* Every point lists what it needs (``"needs"``): "cuda", plus "bf16", "fp8-attention" or
+  "sparse-attention" as its knobs require. fp8 points stay in the files (they are SlackServe's grid) but no
+  engine runs them yet, so planners drop them (``FidelityProfile.engine_runnable``).
+
+Regenerate the bundled files with ``python -m engine.serving.derived_profiles``.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from engine.serving.fidelity import FidelityConfig, FidelityProfile, ProfilePoint
+from engine.fidelity import required_capabilities
+from engine.serving.fidelity import (
+    BUNDLED_PROFILES,
+    FidelityConfig,
+    FidelityProfile,
+    ProfilePoint,
+    profile_device_type,
+)
 
 # Published single-H100 FPS for the 1.3B model at steps 1..4 (StreamDiffusionV2 Fig. 9 / tables).
 SDV2_FPS: dict[tuple[int, int], tuple[float, float, float, float]] = {
@@ -53,6 +66,8 @@ LOW_RES_PENALTY_PER_UNIT = 3.6  # 0.75x resolution (upscaled back) costs 0.9
 REFERENCE_QUALITY = 84.0
 SDV2_PIPELINE_FPS = {(832, 480): 40.0, (512, 512): 60.0}  # 4-GPU pipeline, 4 steps
 SDV2_PIPELINE_GPUS = 4
+DEVICE = "H100-80GB"
+BUNDLED = {"wan2.1-1.3b_h100_480p": (832, 480), "wan2.1-1.3b_h100_512": (512, 512)}
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,10 @@ def _attention_scale(cfg: FidelityConfig) -> float:
     return keys * prec * sparse
 
 
+def _needs(cfg: FidelityConfig) -> tuple[str, ...]:
+    return tuple(sorted({profile_device_type(DEVICE)} | required_capabilities(cfg)))
+
+
 def derive_point(
     cfg: FidelityConfig,
     resolution: tuple[int, int],
@@ -118,19 +137,22 @@ def derive_point(
         quality=quality,
         state_bytes=float(KV_BYTES_PER_TOKEN_FRAME * tokens_per_frame * cfg.kv_window_frames * cfg.stream_batch),
         source="derived",
+        needs=_needs(cfg),
     )
 
 
 def pipeline_point(batch: int, resolution: tuple[int, int]) -> ProfilePoint:
     single = derive_point(FidelityConfig(steps=4), resolution)
     fps = SDV2_PIPELINE_FPS[resolution]
+    config = FidelityConfig(steps=4, stream_batch=batch, gpus=SDV2_PIPELINE_GPUS)
     return ProfilePoint(
-        config=FidelityConfig(steps=4, stream_batch=batch, gpus=SDV2_PIPELINE_GPUS),
+        config=config,
         latency_s=max(single.latency_s, 12 * batch / fps),
         first_chunk_latency_s=max(single.first_chunk_latency_s, 9 * batch / fps),
         quality=single.quality,
         state_bytes=single.state_bytes * batch,
         source="derived",
+        needs=_needs(config),
     )
 
 
@@ -147,7 +169,7 @@ def derived_h100_profile(resolution: tuple[int, int] = (832, 480), fps: float = 
         points += [pipeline_point(b, resolution) for b in (1, 2, 3, 4)]
     return FidelityProfile(
         model="wan2.1-t2v-1.3b-causal",
-        device="H100-80GB",
+        device=DEVICE,
         resolution=resolution,
         chunk_latent_frames=3,
         chunk_pixel_frames=12,
@@ -156,5 +178,24 @@ def derived_h100_profile(resolution: tuple[int, int] = (832, 480), fps: float = 
         points=tuple(points),
         source="derived from StreamDiffusionV2 single-H100 FPS (480p, 512x512) and SlackServe's knob grid; "
         "quality is modelled, see docs/simulation.md",
-        notes=("replace with the profiler's measured JSON when available",),
+        notes=(
+            "replace with the profiler's measured JSON when available",
+            "fp8 points (needs fp8-attention) need an fp8 attention kernel (SageAttention or torch float8 on "
+            "CUDA) that the engine does not have yet: planners drop them (FidelityProfile.engine_runnable)",
+        ),
     )
+
+
+def write_bundled(directory: Path = BUNDLED_PROFILES) -> list[Path]:
+    """(Re)write the bundled derived profiles; returns the paths written."""
+    paths = []
+    for name, resolution in BUNDLED.items():
+        path = directory / f"{name}.json"
+        derived_h100_profile(resolution).save(path)
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    for written in write_bundled():
+        print(written)

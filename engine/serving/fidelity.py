@@ -10,21 +10,27 @@ File format (JSON, ``format = "diffcast-fidelity-profile/1"``)::
      "resolution": [832, 480], "chunk_latent_frames": 3, "chunk_pixel_frames": 12,
      "first_chunk_pixel_frames": 9, "fps": 16.0, "source": "derived: ...",
      "points": [{"config": {"steps": 4, ...}, "latency_s": 0.857, "first_chunk_latency_s": 0.74,
-                 "quality": 84.0, "state_bytes": 6.0e9, "source": "derived"}, ...]}
+                 "quality": 84.0, "state_bytes": 6.0e9, "source": "derived", "needs": ["bf16", "cuda"]}, ...]}
+
+``needs`` (optional, default none) names the capabilities a point needs (:mod:`engine.fidelity`: a device
+type such as "cuda", "bf16", "sparse-attention", "fp8-attention"); what its config's knobs need is implied
+whether listed or not. :meth:`FidelityProfile.engine_runnable` keeps the points the engine can run on the
+device the profile was made for, which is what every planner should use.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from engine.fidelity import PRECISIONS, FidelityConfig
+from engine.fidelity import PRECISIONS, FidelityConfig, engine_capabilities, required_capabilities
 
-__all__ = ["PRECISIONS", "FidelityConfig", "FidelityProfile", "ProfilePoint"]
+__all__ = ["PRECISIONS", "FidelityConfig", "FidelityProfile", "ProfilePoint", "profile_device_type"]
 
 PROFILE_FORMAT = "diffcast-fidelity-profile/1"
 BUNDLED_PROFILES = Path(__file__).parent / "profiles"
@@ -40,12 +46,21 @@ class ProfilePoint:
     quality: float
     state_bytes: float
     source: str = "measured"
+    needs: tuple[str, ...] = ()  # capabilities beyond the config's own (see requirements)
 
     def __post_init__(self) -> None:
         if self.latency_s <= 0 or self.first_chunk_latency_s <= 0:
             raise ValueError(f"latencies must be positive, got {self.latency_s}, {self.first_chunk_latency_s}")
         if self.state_bytes < 0:
             raise ValueError(f"state_bytes must be >= 0, got {self.state_bytes}")
+        if not all(isinstance(n, str) and n for n in self.needs):
+            raise ValueError(f"needs must be non-empty capability names, got {self.needs!r}")
+
+    @property
+    def requirements(self) -> frozenset[str]:
+        """Everything running this point takes: its ``needs`` plus what its knobs need, so a file that
+        lists no needs still cannot put an fp8 point before an engine without fp8 attention."""
+        return frozenset(self.needs) | required_capabilities(self.config)
 
 
 @dataclass(frozen=True)
@@ -83,6 +98,28 @@ class FidelityProfile:
         """The highest-quality single-stream point (ties: fastest): the static-fidelity default."""
         return max(self.per_stream(), key=lambda p: (p.quality, -p.latency_s))
 
+    @property
+    def device_type(self) -> str:
+        """The torch device type this profile was made on (see :func:`profile_device_type`)."""
+        return profile_device_type(self.device)
+
+    def runnable(self, capabilities: Iterable[str]) -> FidelityProfile:
+        """Only the points whose :attr:`ProfilePoint.requirements` ``capabilities`` cover."""
+        have = frozenset(capabilities)
+        points = tuple(p for p in self.points if p.requirements <= have)
+        if not any(p.config.stream_batch == 1 and p.config.gpus == 1 for p in points):
+            wanted = sorted(set().union(*(p.requirements for p in self.per_stream())) - have)
+            raise ValueError(
+                f"no single-stream configuration of {self.model}/{self.device} runs with capabilities "
+                f"{sorted(have)}; its points also need {wanted}"
+            )
+        return replace(self, points=points)
+
+    def engine_runnable(self) -> FidelityProfile:
+        """Only the points this engine can run on the device type the profile was made for (today: no
+        fp8 point anywhere); what a planner must use so it never routes a chunk to a missing knob."""
+        return self.runnable(engine_capabilities(self.device_type))
+
     def filtered(self, keep: Callable[[FidelityConfig], bool]) -> FidelityProfile:
         """Only the points whose config ``keep`` accepts, e.g. what the running engine supports
         (the current CPU engine rejects fp8 and sparse attention)."""
@@ -117,6 +154,7 @@ class FidelityProfile:
                     "quality": round(p.quality, 4),
                     "state_bytes": float(p.state_bytes),
                     "source": p.source,
+                    "needs": list(p.needs),
                 }
                 for p in self.points
             ],
@@ -155,6 +193,7 @@ def profile_from_json(data: dict[str, Any], where: str = "profile") -> FidelityP
                     quality=float(_require(raw, "quality", at)),
                     state_bytes=float(raw.get("state_bytes", 0.0)),
                     source=str(raw.get("source", "measured")),
+                    needs=tuple(_needs(raw.get("needs", []))),
                 )
             )
         except (TypeError, ValueError) as exc:
@@ -172,6 +211,32 @@ def profile_from_json(data: dict[str, Any], where: str = "profile") -> FidelityP
         source=str(data.get("source", "")),
         notes=tuple(data.get("notes", ())),
     )
+
+
+def _needs(raw: Any) -> list[str]:
+    if not isinstance(raw, list) or not all(isinstance(n, str) for n in raw):
+        raise ValueError(f"needs must be a list of capability names, got {raw!r}")
+    return raw
+
+
+# GPU model names as torch.cuda.get_device_name and the derived profiles write them: A100, H100, H200,
+# L4, L40S, T4, V100, B200, GH200 (one word of the name, e.g. "NVIDIA H100 80GB HBM3" or "H100-80GB").
+_CUDA_MODEL = re.compile(r"(?:a|b|h|l|t|v|gh|gb)\d{1,3}s?")
+_CUDA_WORDS = frozenset({"nvidia", "cuda", "geforce", "rtx", "tesla", "quadro"})
+
+
+def profile_device_type(device: str) -> str:
+    """The torch device type ("cpu" or "cuda") a profile's free-text ``device`` names.
+
+    The profiler writes ``"<processor> cpu xN threads"`` on CPU and the CUDA device name on GPU; the
+    derived profiles say ``"H100-80GB"``. The one mapping from that text to what the engine runs on.
+    """
+    words = re.split(r"[^a-z0-9]+", device.lower())
+    if "cpu" in words:
+        return "cpu"
+    if _CUDA_WORDS.intersection(words) or any(_CUDA_MODEL.fullmatch(w) for w in words):
+        return "cuda"
+    raise ValueError(f"cannot tell which device type profile device {device!r} is (expected a CPU or an NVIDIA GPU)")
 
 
 def load_profile(path: str | Path) -> FidelityProfile:

@@ -218,9 +218,10 @@ class SlackPolicy:
             if v.worker_id in by_worker:
                 by_worker[v.worker_id].append(v)
         newcomer = StreamView(req.stream_id, -1, s0, arrival_t=req.now, remaining_content_s=req.content_s,
-                              first_chunk=True)
+                              first_chunk=True, max_steps=req.max_steps)
         new_scored = self._score(newcomer)
-        fastest_first = self.router.frontier[self.router.fastest_ok].first_chunk_latency_s
+        router = self._router(req.max_steps)
+        fastest_first = router.frontier[router.fastest_ok].first_chunk_latency_s
         first_time = fastest_first if self.config.bmpr else new_scored.view.slack_s - new_scored.credit
 
         def wait(w: WorkerView) -> float:

@@ -65,6 +65,7 @@ class AdmissionRequest:
     stream_id: int
     now: float
     content_s: float
+    max_steps: int | None = None  # the user's step count, the ceiling of the stream's fidelity
 
 
 @dataclass(frozen=True, slots=True)

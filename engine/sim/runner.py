@@ -6,12 +6,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from tqdm import tqdm
 
 from engine.serving.autoscale import AutoscaleConfig
 from engine.serving.bmpr import BMPR
-from engine.serving.fidelity import FidelityProfile
+from engine.serving.fidelity import FidelityProfile, bundled_profile, load_profile
 from engine.serving.policy import ABLATION_LADDER, BASELINES, SlackPolicy, policy_presets
 from engine.sim.metrics import Summary, summarise
 from engine.sim.simulator import SimConfig, SimResult, Simulator
@@ -29,6 +30,18 @@ class Run:
     result: SimResult
     summary: Summary
     wall_s: float
+
+
+def simulation_profile(path: Path | None = None) -> FidelityProfile:
+    """The profile at ``path`` (default: the bundled 1.3B H100 480p one) reduced to the points the engine
+    runs on the device it was made for, so a simulation never plans with a knob that does not exist."""
+    profile = load_profile(path) if path is not None else bundled_profile()
+    runnable = profile.engine_runnable()
+    dropped = len(profile.points) - len(runnable.points)
+    if dropped:
+        log.info("profile %s/%s: %d of %d points need what the engine lacks on %s; simulating without them",
+                 profile.model, profile.device, dropped, len(profile.points), profile.device_type)
+    return runnable
 
 
 def advisory_autoscale(profile: FidelityProfile) -> AutoscaleConfig:

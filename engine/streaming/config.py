@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.models.wan_dit import SPARSE_BLOCK_TOKENS
 from engine.streaming.noise import NoiseControllerConfig
 from engine.streaming.stabilizer import StabilizerConfig
 
@@ -33,6 +34,8 @@ class RuntimeConfig:
     rope_refresh: bool = True
     rope_reset_frame: int = 50  # once the RoPE frame position passes this, wrap it back into the window
     noise: NoiseControllerConfig = field(default_factory=NoiseControllerConfig)
+    # Key block size of block-sparse attention (FidelityConfig.attention_sparsity > 0), in tokens.
+    sparse_block_tokens: int = SPARSE_BLOCK_TOKENS
     # Motion-compensated filter on the decoded frames (engine/streaming/stabilizer.py); None = off.
     # Off by default: the reference recipe is StreamDiffusionV2's; a model config turns it on.
     stabilizer: StabilizerConfig | None = None
@@ -48,5 +51,7 @@ class RuntimeConfig:
             raise ValueError("the KV window must hold the sinks plus one chunk")
         if self.cache_mode not in ("clean", "per-step"):
             raise ValueError(f"cache_mode must be 'clean' or 'per-step', got {self.cache_mode!r}")
+        if self.sparse_block_tokens < 1:
+            raise ValueError(f"sparse_block_tokens must be >= 1, got {self.sparse_block_tokens}")
         if self.rope_reset_frame <= self.kv_window_frames:
             raise ValueError("rope_reset_frame must exceed the KV window")

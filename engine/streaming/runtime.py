@@ -21,12 +21,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from engine.fidelity import FidelityConfig
+from engine.fidelity import FidelityConfig, unsupported_reason
 from engine.models.wan_dit import CausalWanDiT, KVCache, PromptCache
 from engine.sampling import NoiseSource, SamplerPreset, renoise, v2v_input, x0_from_velocity
 from engine.streaming.config import RuntimeConfig
@@ -220,10 +220,9 @@ class StreamRuntime:
     def check_fidelity(self, fidelity: FidelityConfig) -> None:
         if fidelity.steps > len(self.preset.steps):
             raise ValueError(f"steps={fidelity.steps} exceeds the {len(self.preset.steps)} steps of preset {self.preset.name}")
-        if fidelity.attention_sparsity != 0.0:
-            raise ValueError("this engine has no sparse attention; attention_sparsity must be 0")
-        if fidelity.precision == "fp8":
-            raise ValueError("fp8 attention is not available on this engine; use fp32 or bf16")
+        reason = unsupported_reason(fidelity, self.device.type)
+        if reason is not None:
+            raise ValueError(f"fidelity {fidelity.label()} cannot run here: {reason}")
         if fidelity.kv_window_frames < self.config.sink_frames + self.config.chunk_latent_frames:
             raise ValueError(
                 f"kv_window_frames={fidelity.kv_window_frames} cannot hold {self.config.sink_frames} sinks plus a chunk"
@@ -326,9 +325,11 @@ class StreamRuntime:
         t = torch.tensor([c.timesteps[c.step] for c in chunks], device=self.device, dtype=torch.float32)
         prompt = chunks[0].prompt if len(chunks) == 1 else PromptCache.concat([c.prompt for c in chunks])
         start, rope = [c.frame for c in chunks], [c.rope for c in chunks]
+        sparse = {"sparsity": self.shared_sparsity(c.state.fidelity for c in chunks),
+                  "sparse_block_tokens": self.config.sparse_block_tokens}
         with self.precision(chunks[0].state.fidelity.precision):
             with _batched_cache(caches) as (cache, written):
-                v = self.dit(x, t[:, None].expand(-1, f), prompt, cache, start_frame=start, rope_start=rope)
+                v = self.dit(x, t[:, None].expand(-1, f), prompt, cache, start_frame=start, rope_start=rope, **sparse)
             _write_back(chunks, written, per_step)
             sigma = self.schedule.sigma(t).to(self.device).view(-1, 1, 1, 1, 1)
             x0 = x0_from_velocity(x, v.to(x.dtype), sigma)
@@ -341,7 +342,7 @@ class StreamRuntime:
                 prompt = rows[0].prompt if len(rows) == 1 else PromptCache.concat([c.prompt for c in rows])
                 with _batched_cache([c.state.kv[0] for c in rows]) as (cache, written):
                     self.dit(clean, zero, prompt, cache, start_frame=[c.frame for c in rows],
-                             rope_start=[c.rope for c in rows])
+                             rope_start=[c.rope for c in rows], **sparse)
                 _write_back(rows, written, False)
         for i, c in enumerate(chunks):
             if per_step or c.step + 1 == len(c.timesteps):
@@ -517,6 +518,15 @@ class StreamRuntime:
         mode = "area" if frames.shape[-1] > w else "bilinear"
         out = torch.nn.functional.interpolate(frames.permute(1, 0, 2, 3).float(), size=(h, w), mode=mode)
         return out.permute(1, 0, 2, 3)
+
+    @staticmethod
+    def shared_sparsity(fidelities: Iterable[FidelityConfig]) -> float:
+        """The attention sparsity of one forward over streams at ``fidelities``: they must agree, since a
+        forward applies one key-selection rule to all its rows."""
+        sparsity = {f.attention_sparsity for f in fidelities}
+        if len(sparsity) != 1:
+            raise ValueError(f"streams batched together must share attention_sparsity, got {sorted(sparsity)}")
+        return sparsity.pop()
 
     @contextlib.contextmanager
     def precision(self, precision: str) -> Iterator[None]:

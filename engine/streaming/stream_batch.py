@@ -59,7 +59,8 @@ class StreamBatch:
         return done
 
     def _micro_step(self) -> list[ChunkResult | None]:
-        """Every chunk in flight takes one step: one forward per group of equal cache fill level."""
+        """Every chunk in flight takes one step: one forward per group of equal cache fill level,
+        precision and attention sparsity (``ChunkInFlight.batch_key``)."""
         groups: dict[tuple[object, ...], list[ChunkInFlight]] = {}
         for chunk in self.in_flight:
             groups.setdefault(chunk.batch_key(), []).append(chunk)
