@@ -45,10 +45,10 @@ class ChunkRate:
 def stream_row(session: Session, chunk_rate: float) -> dict[str, Any]:
     """One stream: its /metrics-facing stats plus tier, credit, fidelity and its engine load.
 
-    Under ``--policy slack`` the stats already carry the policy's own tier, credit and per-chunk
-    fidelity, and those are shown. Otherwise (``--policy fifo``, Ray workers) the same SlackServe
-    credit is computed here for display: C = P - (R + T) with P the playout slack and T the last
-    chunk's measured time; R (the rest of the chunk in flight) is not tracked, so taken as 0.
+    The stats carry the engine core's own tier, credit and per-chunk fidelity (every policy preset),
+    and those are shown. Before the core's first control tick has classified a stream, the same
+    SlackServe credit is computed here for display: C = P - (R + T) with P the playout slack and T the
+    last chunk's measured time; R (the rest of the chunk in flight) is not tracked, so taken as 0.
     """
     stats = session.stats()
     chunk_s = float(session.runner.chunk_seconds)

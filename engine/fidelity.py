@@ -22,7 +22,10 @@ class FidelityConfig:
     ``kv_window_frames`` counts latent frames kept in the rolling KV cache (sink frames included);
     ``precision`` is the attention compute precision (fp8 = SageAttention-style online quantisation,
     weights stay bf16 so switching needs no reload); ``attention_sparsity`` is the fraction of
-    attention blocks skipped; ``stream_batch`` is how many streams share one forward.
+    attention blocks skipped; ``stream_batch`` is how many streams share one forward; ``step_batch``
+    runs the denoising steps of a stream's successive chunks in one forward (StreamDiffusionV2's
+    "stream batch", engine/streaming/stream_batch.py): one forward per chunk instead of ``steps``, at
+    the price of ``steps - 1`` chunks of extra delay before a chunk's frames come out.
     """
 
     steps: int = 4
@@ -32,6 +35,7 @@ class FidelityConfig:
     attention_sparsity: float = 0.0
     stream_batch: int = 1
     gpus: int = 1
+    step_batch: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.steps <= 4:
@@ -48,11 +52,19 @@ class FidelityConfig:
             raise ValueError(f"stream_batch must be >= 1, got {self.stream_batch}")
         if self.gpus < 1:
             raise ValueError(f"gpus must be >= 1, got {self.gpus}")
+        if self.step_batch and self.steps < 2:
+            raise ValueError("step_batch needs 2 or more steps (it runs the steps of successive chunks together)")
+
+    @property
+    def sequential_steps(self) -> int:
+        """Forwards a worker runs one after another for one chunk: every step, or one with the step batch."""
+        return 1 if self.step_batch else self.steps
 
     def label(self) -> str:
         return (
             f"S{self.steps}/W{self.kv_window_frames}/x{self.resolution_scale:g}/{self.precision}"
             f"/sp{self.attention_sparsity:g}/b{self.stream_batch}" + (f"/g{self.gpus}" if self.gpus > 1 else "")
+            + ("/sb" if self.step_batch else "")
         )
 
 

@@ -92,6 +92,8 @@ class StreamParams:
     kv_window_frames: int | None = None
     resolution_scale: float = 1.0
     precision: str = "fp32"
+    attention_sparsity: float = 0.0
+    step_batch: bool = False  # a serving knob (executors batch a stream's steps); process() runs chunk by chunk
     stabilize: bool = True  # the temporal stabilizer, where the model's runtime config has one
 
     def __post_init__(self) -> None:
@@ -207,6 +209,8 @@ class Pipeline:
             kv_window_frames=params.kv_window_frames or self.runtime_for(params).config.kv_window_frames,
             resolution_scale=params.resolution_scale,
             precision=params.precision,
+            attention_sparsity=params.attention_sparsity,
+            step_batch=params.step_batch,
         )
 
     def open_stream(self, params: StreamParams, stream_id: str | None = None) -> Stream:
@@ -256,7 +260,9 @@ class Stream:
 
     @property
     def expected_frames(self) -> int:
-        return self.pipe.chunk_frames if self.state.chunks else self.pipe.first_chunk_frames
+        """Frames the next chunk entering needs: the first chunk of a stream is shorter (a chunk
+        counts from when it enters, so a step batch's chunks in flight count too)."""
+        return self.pipe.chunk_frames if self.state.frame else self.pipe.first_chunk_frames
 
     def process(self, frames: np.ndarray) -> np.ndarray:
         """V2V: uint8 RGB frames [T, H, W, 3] -> stylised uint8 RGB frames [T, h, w, 3]."""
@@ -287,6 +293,8 @@ class Stream:
         precision: str | None = None,
         stabilize: bool | None = None,
         resolution_scale: float | None = None,
+        attention_sparsity: float | None = None,
+        step_batch: bool | None = None,
     ) -> None:
         """Change controls; everything takes effect at the next chunk boundary, without a restart.
 
@@ -303,7 +311,8 @@ class Stream:
             changes["blend_mode"] = blend_mode
         for key, value in (("noise_scale", noise_scale), ("steps", steps), ("seed", seed),
                            ("kv_window_frames", kv_window_frames), ("precision", precision),
-                           ("stabilize", stabilize), ("resolution_scale", resolution_scale)):
+                           ("stabilize", stabilize), ("resolution_scale", resolution_scale),
+                           ("attention_sparsity", attention_sparsity), ("step_batch", step_batch)):
             if value is not None:
                 changes[key] = value
         new = self.params.with_(**changes)  # validates
@@ -325,6 +334,12 @@ class Stream:
 
             self.state.noise = NoiseSource(seed)
         self.params = new
+
+    def set_fidelity(self, config: FidelityConfig) -> None:
+        """Every per-chunk knob of ``config`` (what a serving policy picks), from the next chunk on."""
+        self.update(steps=config.steps, kv_window_frames=config.kv_window_frames, precision=config.precision,
+                    resolution_scale=config.resolution_scale, attention_sparsity=config.attention_sparsity,
+                    step_batch=config.step_batch)
 
     def reset(self) -> None:
         """Start over (fresh caches and noise) with the current controls."""

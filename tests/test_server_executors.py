@@ -329,3 +329,42 @@ async def test_simulator_and_live_server_run_the_same_engine_core(
     await settle(loop)
     assert a.outputs
     assert seen["Simulator"] == seen["StepExecutor"] == {"_dispatch", "step_done", "arrive", "tick"}
+
+
+async def test_step_batch_point_runs_one_forward_per_chunk_with_sequential_results(
+    engine_factory: Any, executor: ThreadPoolExecutor
+) -> None:
+    """StreamDiffusionV2's stream batch as a fidelity point: a chunk's 2 steps share forwards with the
+    next chunk's, one forward per chunk, the frames come out one chunk later, equal to sequential."""
+    clock = FakeClock()
+    loop = make_loop(engine_factory, executor, clock, policy="fifo")
+    loop.core.calibrate = False  # this test sets the policy's profile by hand
+    policy = loop.core.policy
+    base = next(p for p in policy.profile.points if p.config.steps == 2 and p.config.resolution_scale == 1.0
+                and p.config.precision == "fp32")
+    batched = replace(base, config=replace(base.config, step_batch=True))
+    loop.core.policy = type(policy)(replace(policy.profile, points=(batched,)), policy.config)
+    a = Stream(loop, engine_factory, clock, executor, steps=2, seed=7)
+    chunks, forwards = 12, []
+    for k in range(chunks):
+        a.push(1 if k == 0 else 4)
+        clock.now += 0.5
+        await settle(loop)
+        forwards.append(loop.executor.forwards)
+    assert all(c.step_batch and c.steps == 2 for c in a.configs)
+    assert len(a.outputs) == chunks - 1  # the newest chunk is still half-way through the step batch
+    # Once both step caches hold a full window (same fill level), one forward per chunk carries both
+    # chunks' steps; before that the two rows run as two forwards, as in StreamBatch.
+    assert np.diff(forwards)[-4:].tolist() == [1, 1, 1, 1], forwards
+    sequential = [replace(c, step_batch=False) for c in a.configs]
+    twin = engine_factory.open(a.settings)
+    for config, chunk, got in zip(sequential, a.chunks, a.outputs, strict=False):
+        twin.set_fidelity(config)
+        want = twin.process(chunk)
+        assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+    # Leaving the step batch: the chunk in flight finishes first, then chunks run step by step again.
+    loop.core.policy = type(policy)(replace(policy.profile, points=(base,)), policy.config)
+    a.push(4)
+    clock.now += 0.5
+    await settle(loop)
+    assert len(a.outputs) == chunks + 1

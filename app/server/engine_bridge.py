@@ -82,8 +82,9 @@ def per_chunk_fidelity(factory: ProcessorFactory) -> bool:
 class StepProcessor(Protocol):
     """A `StreamProcessor` the engine core drives through the chunk recipe's stages: its fidelity
     is set per chunk, its chunk runs one denoising step at a time (so a more urgent stream can run
-    between two steps), steps of several streams share one forward, and its state can be parked in
-    host memory and brought back bit-identically. Every call happens on the engine thread."""
+    between two steps), steps of several streams share one forward, with ``step_batch`` the steps of
+    its successive chunks share one forward too, and its state can be parked in host memory and
+    brought back bit-identically. Every call happens on the engine thread."""
 
     @property
     def first_chunk_frames(self) -> int: ...
@@ -104,29 +105,29 @@ class StepProcessor(Protocol):
         ...
 
     def begin_chunk(self, frames: np.ndarray) -> None:
-        """A new chunk enters (encode, noise); a chunk still parked from before is dropped."""
+        """A new chunk enters (encode, noise). Chunks still in the step batch finish first when the new
+        chunk cannot join them (another fidelity); their frames come out of :meth:`take_finished`."""
         ...
 
-    def has_chunk(self) -> bool:
-        """A chunk has entered and is not finished."""
+    def step_rows(self) -> list[tuple[Hashable, Any]]:
+        """The chunks that take a denoising step now (one, or every chunk of the step batch), each with
+        the key that says which rows may share a forward."""
         ...
 
-    def chunk_done(self) -> bool: ...
-
-    def batch_key(self) -> Hashable:
-        """Processors whose pending chunks have equal keys may take their next step in one forward."""
+    def denoise_rows(self, rows: Sequence[Any]) -> None:
+        """One forward moving every row (from ``step_rows`` of any processors of this engine) one step."""
         ...
 
-    def denoise_step(self, group: Sequence[StepProcessor]) -> None:
-        """One forward moving every processor's pending chunk in ``group`` (this one first) one step."""
+    def take_finished(self) -> list[np.ndarray]:
+        """Frames of every finished chunk, oldest first (decode, stabilizer): uint8 [T, H, W, 3] each."""
         ...
 
-    def finish_chunk(self) -> np.ndarray:
-        """The finished chunk's frames (decode, stabilizer): uint8 [T, H, W, 3]."""
+    def drop_chunks(self) -> None:
+        """Forget chunks in flight (the policy abandoned them); the stream's state stays as it is."""
         ...
 
     def offload(self) -> int:
-        """Move the stream's state (and a parked chunk) to host memory; returns its bytes."""
+        """Move the stream's state (and chunks in flight) to host memory; returns its bytes."""
         ...
 
     def restore(self) -> None:
@@ -144,8 +145,9 @@ class PipelineProcessor:
         self._stream = stream
         self._first = first_chunk_frames
         self._chunk = chunk_frames
-        self._pending: Any = None  # the runtime's ChunkInFlight between begin_chunk and finish_chunk
-        self._parked: bytes | None = None  # state and pending chunk while offloaded to host memory
+        self._queue: list[Any] = []  # the runtime's ChunkInFlight objects, oldest first
+        self._drained: list[np.ndarray] = []  # frames of chunks finished while making room
+        self._parked: bytes | None = None  # state and chunks in flight while offloaded to host memory
 
     @property
     def first_chunk_frames(self) -> int:
@@ -157,7 +159,7 @@ class PipelineProcessor:
 
     def process(self, frames: np.ndarray) -> np.ndarray:
         self._resident()
-        self._pending = None
+        self._queue, self._drained = [], []
         return np.asarray(self._stream.process(frames), dtype=np.uint8)
 
     def update(self, **changes: Any) -> None:
@@ -170,7 +172,7 @@ class PipelineProcessor:
 
     def reset(self) -> None:
         self._parked = None
-        self._pending = None
+        self._queue, self._drained = [], []
         self._stream.reset()
 
     def fidelity(self) -> FidelityConfig:
@@ -180,8 +182,7 @@ class PipelineProcessor:
 
     def set_fidelity(self, config: FidelityConfig) -> None:
         if config != self.fidelity():
-            self._stream.update(steps=config.steps, kv_window_frames=config.kv_window_frames,
-                                precision=config.precision, resolution_scale=config.resolution_scale)
+            self._stream.set_fidelity(config)
 
     # -- the chunk recipe's stages, driven by the engine core --------------------------------------
 
@@ -190,42 +191,50 @@ class PipelineProcessor:
 
         self._resident()
         stream = self._stream
-        self._pending = stream.runtime.enter_chunk(stream.state, frames_to_tensor(frames, stream.expected_frames))
+        fidelity = stream.state.fidelity
+        if self._queue and not (fidelity.step_batch and self._queue[-1].state.fidelity == fidelity):
+            # The new chunk cannot join the chunks in flight (another step count, size or knob, or no
+            # step batch): they finish first, without new input (StreamBatch.drain's rule).
+            self._drain()
+        chunk = stream.runtime.enter_chunk(stream.state, frames_to_tensor(frames, stream.expected_frames))
+        self._queue.append(chunk)
 
-    def has_chunk(self) -> bool:
-        return self._pending is not None and not self._pending.done
+    def step_rows(self) -> list[tuple[Hashable, Any]]:
+        runtime = self._stream.runtime
+        per_step = runtime.config.cache_mode == "per-step"
+        return [((id(runtime), c.batch_key(per_step)), c) for c in self._queue if not c.done]
 
-    def chunk_done(self) -> bool:
-        return self._pending is not None and self._pending.done
+    def denoise_rows(self, rows: Sequence[Any]) -> None:
+        self._stream.runtime.denoise_step(rows)
 
-    def batch_key(self) -> Hashable:
-        if self._pending is None:
-            raise ValueError("no chunk in flight")
-        return (id(self._stream.runtime), self._pending.batch_key(self._stream.runtime.config.cache_mode == "per-step"))
-
-    def denoise_step(self, group: Sequence[StepProcessor]) -> None:
-        chunks = []
-        for processor in group:
-            if not isinstance(processor, PipelineProcessor) or processor._pending is None:
-                raise TypeError(f"cannot step a {type(processor).__name__} with a PipelineProcessor")
-            chunks.append(processor._pending)
-        self._stream.runtime.denoise_step(chunks)
-
-    def finish_chunk(self) -> np.ndarray:
+    def take_finished(self) -> list[np.ndarray]:
         from engine.frames import tensor_to_frames
 
-        chunk, self._pending = self._pending, None
-        if chunk is None:
-            raise ValueError("no chunk in flight")
-        self._stream.last = self._stream.runtime.finish_chunk(chunk)
-        return tensor_to_frames(self._stream.last.frames)
+        done, self._drained = self._drained, []
+        while self._queue and self._queue[0].done:
+            self._stream.last = self._stream.runtime.finish_chunk(self._queue.pop(0))
+            done.append(tensor_to_frames(self._stream.last.frames))
+        return done
+
+    def drop_chunks(self) -> None:
+        self._queue = []
+
+    def _drain(self) -> None:
+        while rows := self.step_rows():
+            groups: dict[Hashable, list[Any]] = {}
+            for key, chunk in rows:
+                groups.setdefault(key, []).append(chunk)
+            for group in groups.values():
+                self.denoise_rows(group)
+        finished = self.take_finished()  # it empties self._drained first: extend the list after the call
+        self._drained.extend(finished)
 
     def offload(self) -> int:
         from engine.streaming.state import pack
 
         if self._parked is None:
-            self._parked = pack((self._stream.state, self._pending))
-            self._stream.state, self._pending = None, None
+            self._parked = pack((self._stream.state, self._queue))
+            self._stream.state, self._queue = None, []
         return len(self._parked)
 
     def restore(self) -> None:
@@ -240,7 +249,7 @@ class PipelineProcessor:
 
         if self._parked is None:
             return
-        self._stream.state, self._pending = unpack(self._parked, self._stream.runtime.device)
+        self._stream.state, self._queue = unpack(self._parked, self._stream.runtime.device)
         self._parked = None
 
 

@@ -23,6 +23,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor as ThreadExecutor
 from dataclasses import dataclass, field, replace
@@ -70,9 +71,11 @@ class LiveStream:
     runner: StreamRunner
     playout: Playout
     on_failure: Callable[[BaseException], None]  # its chunk raised on the engine: the session ends
-    frames: list[InputFrame] = field(default_factory=list)  # input of the chunk in flight
-    inputs: np.ndarray | None = None  # the same, decoded at the engine size
-    output: np.ndarray | None = None  # its finished frames, until the core says to show them
+    taken: list[InputFrame] = field(default_factory=list)  # input of a chunk about to enter
+    # Chunks in the engine, oldest first: their input frames and those decoded at the engine size (a
+    # step batch holds several; their outputs come out in this order).
+    in_engine: deque[tuple[list[InputFrame], np.ndarray]] = field(default_factory=deque)
+    ready: list[tuple[list[InputFrame], np.ndarray]] = field(default_factory=list)  # finished, not yet shown
     shown_at_switch: int = -1  # no cursor reports until a frame newer than this was played
 
 
@@ -113,9 +116,7 @@ class _LiveExecutor:
         for order in work.orders:
             stream = self.streams.get(order.stream_id)
             if stream is not None and order.new_chunk:
-                frames = stream.runner.next_chunk()
-                stream.frames = frames or []
-                stream.inputs = None
+                stream.taken = stream.runner.next_chunk() or []
 
     def _run(self, work: Work, job: Callable[[], None], steps: int = 1) -> None:
         """Run ``job`` on an engine thread; its wall time, per denoising step it covers, goes to the core."""
@@ -147,20 +148,30 @@ class _LiveExecutor:
             stream = self.streams.get(order.stream_id)
             if stream is not None and order.last_step:
                 stream.runner.chunk_seconds = seconds
-                content[order.stream_id] = len(stream.frames) / self.fps
+                content[order.stream_id] = sum(len(frames) for frames, _ in stream.ready) / self.fps
         result: StepResult = core.step_done(work.worker_id, seconds, content)
         for sid in result.delivered:
             stream = self.streams.get(sid)
-            if stream is not None and stream.output is not None:
-                stream.runner.deliver(stream.frames, stream.output)
-        for sid in (*result.delivered, *result.discarded):
+            if stream is not None:
+                for frames, out in stream.ready:
+                    stream.runner.deliver(frames, out)
+        for sid in (*result.delivered, *result.discarded, *result.abandoned):
             stream = self.streams.get(sid)
             if stream is not None:
-                stream.output, stream.frames, stream.inputs = None, [], None
-        for sid in result.delivered + result.discarded:
-            if core.ledger.entries.get(sid) is not None and core.ledger.entries[sid].left:
+                stream.ready = []
+        for sid in result.abandoned:
+            stream = self.streams.get(sid)
+            if stream is not None:
+                stream.in_engine.clear()
+                self._drop_chunks(stream)
+        for sid in (*result.delivered, *result.discarded, *result.abandoned):
+            entry = core.ledger.entries.get(sid)
+            if entry is not None and entry.left:
                 core.forget(sid)
         self.wakeup.set()
+
+    def _drop_chunks(self, stream: LiveStream) -> None:
+        """The engine forgets the stream's abandoned chunks (on the engine thread, after what is queued)."""
 
 
 class StepExecutor(_LiveExecutor):
@@ -174,6 +185,9 @@ class StepExecutor(_LiveExecutor):
         self._run(work, lambda: self._step(rows, evict, restore))
         return 0.0
 
+    def _drop_chunks(self, stream: LiveStream) -> None:
+        self.threads.submit(_step_processor(stream).drop_chunks)
+
     def _step(self, rows: Sequence[tuple[Any, LiveStream]], evict: Sequence[LiveStream],
               restore: Sequence[LiveStream]) -> None:
         """Engine thread: park, unpark, enter new chunks, one forward per batch group, finish."""
@@ -185,27 +199,32 @@ class StepExecutor(_LiveExecutor):
         for order, stream in rows:
             processor = _step_processor(stream)
             if order.new_chunk:
-                if not stream.frames:
+                if not stream.taken:
                     continue  # paused or reset between the readiness check and now
                 processor.set_fidelity(order.point.config)
-                stream.inputs = stream.runner.chunk_inputs(stream.frames)
-                processor.begin_chunk(stream.inputs)
+                inputs = stream.runner.chunk_inputs(stream.taken)
+                processor.begin_chunk(inputs)
+                stream.in_engine.append((stream.taken, inputs))
+                stream.taken = []
                 if self.delay_s:
                     time.sleep(self.delay_s)
-            elif not processor.has_chunk():
-                continue  # its chunk was dropped (a reset) while it waited between steps
-            active.append((order, stream, processor))
-        groups: dict[Hashable, list[StepProcessor]] = {}
-        for _, _, processor in active:
-            groups.setdefault(processor.batch_key(), []).append(processor)
+            active.append((stream, processor))
+        groups: dict[Hashable, list[tuple[StepProcessor, Any]]] = {}
+        for _, processor in active:
+            for key, row in processor.step_rows():
+                groups.setdefault(key, []).append((processor, row))
         for group in groups.values():
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
-            group[0].denoise_step(group)
+            group[0][0].denoise_rows([row for _, row in group])
             self.forwards += 1
-        for _, stream, processor in active:
-            if processor.chunk_done() and stream.inputs is not None:
-                stream.output = stream.runner.chunk_outputs(stream.inputs, processor.finish_chunk())
+        for stream, processor in active:
+            for out in processor.take_finished():
+                try:
+                    frames, inputs = stream.in_engine.popleft()
+                except IndexError:
+                    continue  # a chunk whose input was forgotten (a reset): nobody waits for it
+                stream.ready.append((frames, stream.runner.chunk_outputs(inputs, out)))
 
 
 class ChunkExecutor(_LiveExecutor):
@@ -225,12 +244,14 @@ class ChunkExecutor(_LiveExecutor):
 
     def _chunks(self, rows: Sequence[LiveStream], steps: int) -> None:
         for stream in rows:
-            if not stream.frames:
+            if not stream.taken:
                 continue
             if self.delay_s or self.step_delay_s:
                 time.sleep(self.delay_s + self.step_delay_s * steps)
-            stream.inputs = stream.runner.chunk_inputs(stream.frames)
-            stream.output = stream.runner.chunk_outputs(stream.inputs, stream.runner.processor.process(stream.inputs))
+            inputs = stream.runner.chunk_inputs(stream.taken)
+            out = stream.runner.chunk_outputs(inputs, stream.runner.processor.process(inputs))
+            stream.ready.append((stream.taken, out))
+            stream.taken = []
 
 
 def _step_processor(stream: LiveStream) -> StepProcessor:
@@ -291,6 +312,9 @@ class ServingLoop:
         elif event == "resume":
             self.core.resume(sid)
         elif event in ("prompt", "reset"):
+            if event == "reset":  # the engine forgets its chunks in flight: so do we
+                stream.in_engine.clear()
+                stream.ready = []
             # Buffered output of the old prompt is useless: the slack resets (SlackServe's prompt switch).
             stream.playout.discard_buffered()
             stream.shown_at_switch = stream.playout.frames_shown

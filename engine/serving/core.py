@@ -116,7 +116,8 @@ class StepResult:
     """What became of a finished step, for the executor: outputs to show, outputs to throw away."""
 
     delivered: tuple[int, ...] = ()  # chunks that finished under the stream's current prompt
-    discarded: tuple[int, ...] = ()  # finished or abandoned chunks nobody will see
+    discarded: tuple[int, ...] = ()  # finished chunks nobody will see (the prompt switched, the stream left)
+    abandoned: tuple[int, ...] = ()  # chunks dropped mid-way: the engine must drop their partial state
 
 
 @dataclass
@@ -278,7 +279,7 @@ class EngineCore:
             inflight = self.ledger.entries[sid].inflight
             if inflight is None:
                 self._count_start(sid, decision.point, len(decision.stream_ids))
-                orders.append(StepOrder(sid, decision.point, True, decision.point.config.steps == 1))
+                orders.append(StepOrder(sid, decision.point, True, decision.point.config.sequential_steps == 1))
             else:
                 orders.append(StepOrder(sid, inflight.point, False, inflight.steps_left == 1))
         now = self.clock()
@@ -348,7 +349,7 @@ class EngineCore:
             self.counters.abandoned += 1
             self.jobs.pop(worker_id)
             self.kick(worker_id)
-            return StepResult(discarded=job)
+            return StepResult(abandoned=job)
         if lead.steps_left > 0 and all(self.ledger.entries[sid].active for sid in job):
             worker = self._worker(worker_id)
             if worker is None:
@@ -365,7 +366,7 @@ class EngineCore:
                     self.ledger.leave(sid, running=False)
             self.counters.abandoned += len(job)
             self.kick(worker_id)
-            return StepResult(discarded=job)
+            return StepResult(abandoned=job)
         delivered: list[int] = []
         discarded: list[int] = []
         for sid in job:
@@ -374,6 +375,10 @@ class EngineCore:
             if content_s is not None and sid in content_s:
                 duration = content_s[sid]
             fresh = not entry.left and not self.ledger.is_stale(sid)
+            if duration <= 0 and not entry.left:
+                # A step batch filling up: the chunk is in the engine, its frames come out with a later one.
+                self.ledger.abandon(sid, now)
+                continue
             self.ledger.chunk_done(sid, now, duration)
             (delivered if fresh else discarded).append(sid)
             move = self.pending_rehomes.pop(sid, None)

@@ -129,7 +129,7 @@ class StreamLedger:
             e.inflight.step_started_t = now  # resuming a preempted chunk
             return
         total = point.first_chunk_latency_s if e.first_chunk else point.latency_s
-        steps = point.config.steps
+        steps = point.config.sequential_steps
         e.inflight = InFlight(point, total / steps, steps, e.tracker.epoch, now)
 
     def step_done(self, sid: int, now: float) -> None:

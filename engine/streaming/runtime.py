@@ -227,6 +227,8 @@ class StreamRuntime:
             raise ValueError(
                 f"kv_window_frames={fidelity.kv_window_frames} cannot hold {self.config.sink_frames} sinks plus a chunk"
             )
+        if fidelity.step_batch and self.config.cache_mode != "per-step":
+            raise ValueError("step_batch needs one KV cache per denoising step (cache_mode 'per-step')")
 
     def _check_size(self, size: tuple[int, int], fidelity: FidelityConfig) -> None:
         w, h = self.engine_size(size, fidelity)
