@@ -389,6 +389,23 @@ def _runtime_from_json(data: dict[str, Any]) -> RuntimeConfig:
     return RuntimeConfig(noise=noise, stabilizer=StabilizerConfig(**stabilizer) if stabilizer is not None else None, **data)
 
 
+def stream_recipe(config: dict[str, Any], name: str) -> tuple[SamplerPreset, RuntimeConfig]:
+    """The sampler preset and runtime configuration a diffcast model config asks for.
+
+    The one reading of a config's ``sampler`` and ``runtime`` fields: the loader below and the embedded
+    model's training-time streams (engine/embedded/model.py) both build their runtime from it, so the
+    decoder fine-tune streams exactly the recipe the product serves.
+    """
+    sampler = config.get("sampler", {})
+    preset = STREAMDIFFUSION_V2
+    if "steps" in sampler:
+        steps = tuple(float(s) for s in sampler["steps"])
+        default_steps = int(sampler.get("default_num_steps", min(preset.default_num_steps or len(steps), len(steps))))
+        preset = SamplerPreset(name, float(sampler.get("shift", preset.shift)), steps, warp=False,
+                               default_num_steps=default_steps)
+    return preset, _runtime_from_json(config.get("runtime", {}))
+
+
 def _load_diffcast_file(path: Path, device: str, dtype: torch.dtype) -> Pipeline:
     """One safetensors file (keys ``dit.*``, ``vae.*``) plus a JSON config beside it."""
     from safetensors.torch import load_file
@@ -417,19 +434,12 @@ def _load_diffcast_file(path: Path, device: str, dtype: torch.dtype) -> Pipeline
             )
     dit = dit.to(device=device, dtype=dtype).eval()
     vae = vae.to(device=device, dtype=dtype).eval()
-    sampler = config.get("sampler", {})
-    preset = STREAMDIFFUSION_V2
-    if "steps" in sampler:
-        steps = tuple(float(s) for s in sampler["steps"])
-        default_steps = int(sampler.get("default_num_steps", min(preset.default_num_steps or len(steps), len(steps))))
-        preset = SamplerPreset(path.stem, float(sampler.get("shift", preset.shift)), steps, warp=False,
-                               default_num_steps=default_steps)
+    preset, runtime = stream_recipe(config, path.stem)
     styles = None
     if config.get("prototypes"):
         names = tuple(config["prototypes"])
         protos = torch.nn.functional.normalize(torch.tensor([config["prototypes"][n] for n in names]), dim=-1)
         styles = StyleRegistry(names, protos, float(config.get("too_far_below", 0.35)))
-    runtime = _runtime_from_json(config.get("runtime", {}))
     text = load_text_encoder(config.get("text_encoder", "minilm"), device=device)
     size = tuple(config.get("size", (256, 256)))
     pipe = Pipeline(dit, vae, text, preset, runtime, (int(size[0]), int(size[1])), path.stem, styles,

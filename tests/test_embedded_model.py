@@ -11,16 +11,26 @@ from safetensors import safe_open
 
 from engine.embedded.clips import heldout_specs, render_clip
 from engine.embedded.evaluate import stylize_stream
-from engine.embedded.model import DEFAULT_CONFIG, EmbeddedModel
+from engine.embedded.model import DEFAULT_CONFIG, EmbeddedModel, EmbeddedStream
 from engine.embedded.styles import NOT_SHIPPED, pooled_embeddings
 from engine.embedded.teachers import TEACHERS, stylize_clip
-from engine.sampling import NoiseSource, noise_scale_to_timestep, v2v_input, x0_from_velocity
+from engine.frames import frames_to_tensor
+from engine.models.tiny_vae import TinyVAE
+from engine.models.wan_dit import CausalWanDiT
+from engine.pipeline import Pipeline, StreamParams
+from engine.sampling import FlowMatchSchedule, NoiseSource, v2v_input, x0_from_velocity
 
 
 @pytest.fixture(scope="module")
 def model() -> EmbeddedModel:
     torch.set_num_threads(1)
     return EmbeddedModel.load()
+
+
+@pytest.fixture(scope="module")
+def pipe() -> Pipeline:
+    torch.set_num_threads(1)
+    return Pipeline.load()
 
 
 def test_checkpoint_format() -> None:
@@ -36,17 +46,28 @@ def test_checkpoint_format() -> None:
     assert prefixes == {"vae", "dit"}
 
 
-def test_every_style_output_is_closest_to_its_own_teacher(model: EmbeddedModel) -> None:
-    frames = render_clip(heldout_specs()[4])[:5]  # a held-out source, first chunk (1 + 4 frames)
+def test_every_style_output_is_closest_to_its_own_teacher(model: EmbeddedModel, pipe: Pipeline) -> None:
+    frames = render_clip(heldout_specs()[4])[:5]  # a held-out source, the product's first two chunks (1 + 4 frames)
     teachers = {s: stylize_clip(frames, s).astype(np.float32) for s in TEACHERS}
     wrong = []
     for style, prompts in model.spec.styles.items():
-        out, _, _ = stylize_stream(model, frames, prompts[0])
+        out = stylize_stream(pipe, frames, prompts[0]).shipped
         dist = {s: float(np.mean((out.astype(np.float32) - t) ** 2)) for s, t in teachers.items()}
         nearest = min(dist, key=dist.__getitem__)
         if nearest != style:
             wrong.append(f"{prompts[0]!r} -> nearest {nearest} (MSE {dist[nearest]:.0f}), own {dist[style]:.0f}")
     assert not wrong, "; ".join(wrong)
+
+
+def test_the_evaluation_scores_what_a_product_stream_serves(pipe: Pipeline) -> None:
+    frames = render_clip(heldout_specs()[2])[:9]
+    run = stylize_stream(pipe, frames, "watercolor", seed=3)
+    stream = pipe.open_stream(StreamParams(prompt="watercolor", seed=3, steps=pipe.defaults.steps,
+                                           noise_scale=pipe.defaults.noise_scale))
+    served = np.concatenate([stream.process(frames[:1]), stream.process(frames[1:5]), stream.process(frames[5:9])])
+    assert np.array_equal(run.shipped, served)
+    assert run.noise_rates[-1] == stream.state.last_noise_rate
+    assert not np.array_equal(run.raw, run.shipped), "the default model's config enables the stabilizer"
 
 
 def test_prompt_resolution(model: EmbeddedModel) -> None:
@@ -57,24 +78,49 @@ def test_prompt_resolution(model: EmbeddedModel) -> None:
     assert "nearest" in far.message() and "pencil_sketch" in far.message()
 
 
-@torch.no_grad()
-def test_streaming_with_kv_cache_equals_one_masked_forward(model: EmbeddedModel) -> None:
-    """Chunk-by-chunk stylisation (KV cache, 2-frame window) equals the whole clip under the block-causal mask."""
-    frames = render_clip(heldout_specs()[0])[:13]
-    prompt = model.spec.styles["thermal"][0]
-    _, streamed, _ = stylize_stream(model, frames, prompt, seed=5, num_steps=1)
-
-    pixels = torch.from_numpy(frames).float().div(127.5).sub(1.0).permute(3, 0, 1, 2)[None]
-    z = model.vae.encode_chunk(pixels, model.vae.new_encoder_cache())
-    noise_source = NoiseSource(5)
+def _masked_reference(model: EmbeddedModel, z: torch.Tensor, context: torch.Tensor, seed: int,
+                      rates: list[float]) -> torch.Tensor:
+    """x̂₀ of latents z [1, C, K, h, w] from ONE forward over all K frames under the block-causal mask
+    with the model's KV window (1-step V2V): frame k noised at ``rates[k]`` with the k-th draw of
+    ``NoiseSource(seed)``, at timestep 1000·rate − 100 (StreamDiffusionV2's V2V first step)."""
+    noise_source = NoiseSource(seed)
     noise = torch.cat([noise_source.randn(z[:, :, :1].shape) for _ in range(z.shape[2])], dim=2)
-    s = model.spec.sampler.noise_scale
-    x = v2v_input(z, noise, s)
-    t = float(noise_scale_to_timestep(s))
-    context = pooled_embeddings([prompt])[:, None, :]
-    v = model.dit.forward_masked(x, torch.full((1, z.shape[2]), t), model.dit.encode_prompt(context), chunk_frames=1,
-                                 window_frames=model.spec.stream.kv_window_frames)
-    x0 = x0_from_velocity(x, v, model.schedule.sigma(t))
-    whole = model.vae.decode_chunk(x0, model.vae.new_decoder_cache())
+    x = torch.cat([v2v_input(z[:, :, k : k + 1], noise[:, :, k : k + 1], r) for k, r in enumerate(rates)], dim=2)
+    t = torch.tensor([[1000.0 * r - 100.0 for r in rates]])
+    dit: CausalWanDiT = model.dit
+    v = dit.forward_masked(x, t, dit.encode_prompt(context), chunk_frames=model.spec.stream.chunk_latent_frames,
+                           window_frames=model.spec.stream.kv_window_frames)
+    sigma = FlowMatchSchedule(model.spec.sampler.shift).sigma(t).view(1, 1, -1, 1, 1)
+    return x0_from_velocity(x, v, sigma)
+
+
+@torch.no_grad()
+def test_streaming_with_kv_cache_equals_one_masked_forward(model: EmbeddedModel, pipe: Pipeline) -> None:
+    """The product's chunk-by-chunk stream (1 frame, then 4; KV cache with a 2-frame window; motion-aware
+    noise) equals the whole clip under the block-causal mask, with each chunk's noise rate as streamed."""
+    frames = render_clip(heldout_specs()[0])[:13]  # 4 chunks: short enough that RoPE never wraps
+    prompt = model.spec.styles["thermal"][0]
+    run = stylize_stream(pipe, frames, prompt, seed=5, steps=1)
+    assert len(run.noise_rates) == 4 and len(set(run.noise_rates)) > 1, "the clip moves: the controller varies s"
+
+    vae: TinyVAE = model.vae
+    z = vae.encode_chunk(frames_to_tensor(frames)[None], vae.new_encoder_cache())
+    x0 = _masked_reference(model, z, pooled_embeddings([prompt])[:, None, :], 5, run.noise_rates)
+    whole = vae.decode_chunk(x0, vae.new_decoder_cache())
     reference = ((whole[0].permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5).round().byte().numpy()
-    assert np.abs(streamed.astype(int) - reference).max() <= 1
+    assert np.abs(run.raw.astype(int) - reference).max() <= 1
+
+
+@torch.no_grad()
+def test_training_time_streams_equal_one_masked_forward_per_row(model: EmbeddedModel) -> None:
+    """The decoder fine-tune's batched streams (one product stream per style row) equal, row by row, the
+    whole latent clip under the block-causal mask at the fixed noise scale."""
+    prompts = [model.spec.styles[s][0] for s in ("thermal", "cartoon", "sepia_film")]
+    torch.manual_seed(0)
+    z = torch.randn(1, model.spec.vae.latent_channels, 3, 8, 8)  # 3 latent frames of a 64x64 crop
+    s = model.spec.sampler.noise_scale
+    stream = EmbeddedStream(model.stream_runtime(), prompts, (64, 64), seed=11, noise_scale=s, num_steps=1)
+    streamed = stream.denoise(z.expand(len(prompts), -1, -1, -1, -1))
+    for b, prompt in enumerate(prompts):
+        reference = _masked_reference(model, z, pooled_embeddings([prompt])[:, None, :], 11, [s] * 3)
+        torch.testing.assert_close(streamed[b : b + 1], reference, rtol=0, atol=1e-4)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine.embedded import train
-from engine.embedded.model import SamplerSpec
+from engine.embedded.model import EmbeddedModel, EmbeddedSpec, EmbeddedStream, SamplerSpec
+from engine.embedded.styles import STYLE_PROMPTS
 from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
 from engine.models.wan_dit import CausalWanDiT
 from engine.sampling import FlowMatchSchedule
@@ -113,3 +114,21 @@ def test_style_probabilities_steer_which_styles_a_batch_holds(tmp_path: Path) ->
         assert torch.all(target == 1 + style)
     uniform = torch.cat([train._dit_batch(cfg, s, lat, emb, SamplerSpec(), schedule)[3] for s in range(6)])
     assert set(uniform.unique().tolist()) == {1.0, 2.0, 3.0}
+
+
+def test_decoder_data_streams_each_clip_with_every_style_as_its_own_stream(tmp_path: Path) -> None:
+    """Stage 5's data: each clip through the product runtime, all styles in one batch; a style's row is
+    what that style's stream alone gives (the batch mixes nothing), and the result is cached."""
+    vae = TinyVAE(TinyVAEConfig(latent_channels=8, enc_channels=8, dec_channels=8))
+    dit = _dit()
+    spec = EmbeddedSpec(vae=vae.config, dit=dit.config, styles={}, prototypes={})
+    model = EmbeddedModel(spec, vae, dit)
+    cfg = train.TrainConfig(workdir=tmp_path, seed=1)
+    lat = torch.randn(2, 1 + len(train.STYLE_NAMES), 8, 3, 4, 4).half()
+    pred = train.dit_predictions(cfg, lat, model)
+    assert pred.shape == (2, len(train.STYLE_NAMES), 8, 3, 4, 4)
+    style = len(train.STYLE_NAMES) - 1
+    alone = EmbeddedStream(model.stream_runtime(), [STYLE_PROMPTS[train.STYLE_NAMES[style]][0]], (32, 32),
+                           seed=1 * 100_003 + 1, noise_scale=spec.sampler.noise_scale, num_steps=1)
+    torch.testing.assert_close(pred[1, style], alone.denoise(lat[1, :1].float())[0].half(), rtol=0, atol=2e-3)
+    assert torch.equal(train.dit_predictions(cfg, lat, model), pred)

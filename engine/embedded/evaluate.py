@@ -7,9 +7,11 @@
   estimated on the *input* frames, mean absolute error in [0, 1] units; model vs teacher ratio;
 * speed: per-chunk encode / DiT / decode / stabilizer times of one 256x256 stream (4 pixel frames per chunk).
 
-The shipped output is the model's decoded frames through the temporal stabilizer the checkpoint's
-config enables (engine/streaming/stabilizer.py), as ``serve`` and ``stylize`` run it; the model's own
-frames before the stabilizer are scored too ("raw"), from the same run.
+Every clip streams through the product: ``engine.pipeline.Pipeline`` loaded from the checkpoint, chunked
+as a live stream is (1 frame, then 4 at a time), through ``StreamRuntime``'s public stages (motion-aware
+noise, VAE encode, DiT, decode, temporal stabilizer). One run yields both the shipped output (the
+stabilizer the checkpoint's config enables, as ``serve`` and ``stylize`` show it) and the model's own
+decoded frames before it ("raw").
 
 Prints a table and writes ``metrics.json`` (and the picture grid) so the model card can quote them.
 """
@@ -21,6 +23,7 @@ import json
 import logging
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +34,10 @@ from skimage.metrics import structural_similarity
 from tqdm import tqdm
 
 from engine.embedded.clips import ClipSpec, heldout_specs, render_clip
-from engine.embedded.model import DEFAULT_CONFIG, EmbeddedModel
+from engine.embedded.model import DEFAULT_CONFIG, EmbeddedSpec
 from engine.embedded.teachers import stylize_clip
 from engine.frames import frames_to_tensor, tensor_to_frames
-from engine.streaming.stabilizer import StabilizerState, TemporalStabilizer
+from engine.pipeline import Pipeline, StreamParams
 
 log = logging.getLogger(__name__)
 
@@ -42,28 +45,48 @@ log = logging.getLogger(__name__)
 Timings = tuple[float, float, float, float]  # encode, DiT, decode, stabilizer (seconds per chunk)
 
 
-def stylize_stream(model: EmbeddedModel, frames: np.ndarray, prompt: str, seed: int = 0, num_steps: int | None = None,
-                   noise_scale: float | None = None) -> tuple[np.ndarray, np.ndarray, list[Timings]]:
-    """Run a clip (1 + 4k frames) through a stream chunk by chunk: 1 + 4 frames first, then 4 at a time.
+@dataclass(frozen=True)
+class StreamedClip:
+    """One clip streamed through the product, every frame of it in both versions."""
 
-    Returns (shipped output = stabilised, the model's raw output, per-chunk timings).
+    shipped: np.ndarray  # uint8 [T, H, W, 3]: after the temporal stabilizer (what a user sees)
+    raw: np.ndarray  # uint8 [T, H, W, 3]: the model's own decoded frames, same run
+    timings: list[Timings]  # per chunk
+    noise_rates: list[float]  # per chunk: the motion-aware controller's V2V noise rate
+
+
+def stylize_stream(pipe: Pipeline, frames: np.ndarray, prompt: str, seed: int = 0, steps: int | None = None,
+                   noise_scale: float | None = None) -> StreamedClip:
+    """Stream a clip (uint8 [T, H, W, 3]) chunk by chunk as the product does: ``pipe.first_chunk_frames``
+    (1) first, then ``pipe.chunk_frames`` (4) at a time; a trailing partial chunk is an error.
+
+    ``steps`` / ``noise_scale`` default to the model's own (its config's sampler). The stages are
+    those of ``StreamRuntime.step``, called one by one so that the decoded frames can be kept before
+    the stabilizer and each stage timed.
     """
-    if frames.shape[0] % 4 != 1:
-        raise ValueError(f"clip needs 1 + 4k frames, got {frames.shape[0]}")
-    stream = model.open_stream(prompt, seed=seed, num_steps=num_steps, noise_scale=noise_scale)
-    stabilizer, state = TemporalStabilizer(model.spec.stabilizer), StabilizerState()
-    outs, raws, timings = [], [], []
-    bounds = [0, min(5, frames.shape[0])] + list(range(9, frames.shape[0] + 1, 4))
-    for a, b in zip(bounds[:-1], bounds[1:], strict=False):
-        pixels = frames_to_tensor(frames[a:b])[None]
-        raw = stream.process(pixels).clamp(-1, 1)
-        started = time.perf_counter()
-        out = stabilizer(state, pixels[0], raw[0])[None]
-        t = stream.last_timings
-        timings.append((t.encode_s, t.dit_s, t.decode_s, time.perf_counter() - started))
-        outs.append(tensor_to_frames(out[0]))
-        raws.append(tensor_to_frames(raw[0]))
-    return np.concatenate(outs), np.concatenate(raws), timings
+    if (frames.shape[0] - pipe.first_chunk_frames) % pipe.chunk_frames:
+        raise ValueError(f"clip needs {pipe.first_chunk_frames} + {pipe.chunk_frames}k frames, got {frames.shape[0]}")
+    stream = pipe.open_stream(StreamParams(
+        prompt=prompt, seed=seed, steps=pipe.defaults.steps if steps is None else steps,
+        noise_scale=pipe.defaults.noise_scale if noise_scale is None else noise_scale))
+    runtime, state = stream.runtime, stream.state
+    bounds = [0, *range(pipe.first_chunk_frames, frames.shape[0] + 1, pipe.chunk_frames)]
+    shipped, raw, timings, rates = [], [], [], []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        pixels = frames_to_tensor(frames[a:b], stream.expected_frames)
+        t0 = time.perf_counter()
+        chunk = runtime.enter_chunk(state, pixels)
+        t1 = time.perf_counter()
+        runtime.run_to_end([chunk])
+        t2 = time.perf_counter()
+        decoded = runtime.decode_chunk(chunk)
+        t3 = time.perf_counter()
+        out = runtime.stabilize(state, pixels, decoded, chunk.restart)
+        timings.append((t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3))
+        shipped.append(tensor_to_frames(out.frames))
+        raw.append(tensor_to_frames(decoded.frames))
+        rates.append(decoded.noise_rate)
+    return StreamedClip(np.concatenate(shipped), np.concatenate(raw), timings, rates)
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -96,10 +119,11 @@ def warp_error(output: np.ndarray, flows: list[np.ndarray]) -> float:
     return float(np.mean(errs))
 
 
-def evaluate(model: EmbeddedModel, clips: int | None = None, grid_path: Path | None = None,
-             num_steps: int | None = None, noise_scale: float | None = None) -> dict[str, Any]:
+def evaluate(pipe: Pipeline, prompts: dict[str, str], clips: int | None = None, grid_path: Path | None = None,
+             steps: int | None = None, noise_scale: float | None = None) -> dict[str, Any]:
+    """Score every style (``prompts``: style name -> the prompt that asks for it) on the held-out clips."""
     specs = heldout_specs()[:clips]
-    styles = list(model.spec.styles)
+    styles = list(prompts)
     keys = ("psnr", "ssim", "warp_model", "warp_teacher", "psnr_raw", "warp_raw")
     per: dict[str, dict[str, list[float]]] = {s: {k: [] for k in keys} for s in styles}
     all_timings: list[Timings] = []
@@ -109,15 +133,15 @@ def evaluate(model: EmbeddedModel, clips: int | None = None, grid_path: Path | N
         flows = input_flows(frames)
         for style in styles:
             teacher = stylize_clip(frames, style)
-            out, raw, timings = stylize_stream(model, frames, model.spec.styles[style][0], seed=ci,
-                                               num_steps=num_steps, noise_scale=noise_scale)
-            all_timings += timings[1:]  # steady-state chunks (the first holds the 1-frame warm-up group)
+            run = stylize_stream(pipe, frames, prompts[style], seed=ci, steps=steps, noise_scale=noise_scale)
+            out = run.shipped
+            all_timings += run.timings[1:]  # steady-state chunks (the first is the 1-frame warm-up)
             per[style]["psnr"].append(psnr(out, teacher))
             per[style]["ssim"].append(ssim(out, teacher))
             per[style]["warp_model"].append(warp_error(out, flows))
             per[style]["warp_teacher"].append(warp_error(teacher, flows))
-            per[style]["psnr_raw"].append(psnr(raw, teacher))
-            per[style]["warp_raw"].append(warp_error(raw, flows))
+            per[style]["psnr_raw"].append(psnr(run.raw, teacher))
+            per[style]["warp_raw"].append(warp_error(run.raw, flows))
             if ci == 0 and grid_path is not None:
                 k = len(frames) // 2
                 grid_rows.append(np.concatenate([frames[k], teacher[k], out[k]], axis=1))
@@ -143,17 +167,18 @@ def _timing_summary(timings: list[Timings]) -> dict[str, float]:
     return {"encode": enc, "dit": dit, "decode": dec, "stabilize": stab, "total": enc + dit + dec + stab}
 
 
-def benchmark(model: EmbeddedModel, threads: int, chunks: int = 30) -> dict[str, float]:
+def benchmark(pipe: Pipeline, prompt: str, threads: int, chunks: int = 30) -> dict[str, float]:
     """Per-chunk times of one 256x256 stream (median over ``chunks`` steady-state chunks)."""
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        frames = render_clip(ClipSpec(heldout_specs()[0].source, heldout_specs()[0].motion, 1 + 4 * (chunks + 1)))
-        _, _, timings = stylize_stream(model, frames, model.spec.styles[next(iter(model.spec.styles))][0])
+        spec = heldout_specs()[0]
+        frames = render_clip(ClipSpec(spec.source, spec.motion, pipe.first_chunk_frames + pipe.chunk_frames * chunks))
+        timings = stylize_stream(pipe, frames, prompt).timings
     finally:
         torch.set_num_threads(prev)
     out = _timing_summary(timings[1:])
-    out["fps"] = 4000.0 / out["total"]
+    out["fps"] = 1000.0 * pipe.chunk_frames / out["total"]
     out["threads"] = threads
     return out
 
@@ -179,16 +204,19 @@ def main() -> None:
     parser.add_argument("--grid", type=Path, default=None, help="write the input|teacher|model grid PNG here")
     parser.add_argument("--clips", type=int, default=None, help="evaluate only the first N held-out clips")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the config's)")
-    parser.add_argument("--noise-scale", type=float, default=None, help="V2V noise scale s (default: the config's)")
+    parser.add_argument("--noise-scale", type=float, default=None,
+                        help="V2V noise strength s, the motion-aware controller's ceiling (default: the config's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the fidelity pass")
     parser.add_argument("--bench-threads", type=int, nargs="*", default=[1, 2])
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     torch.set_num_threads(args.threads)
-    model = EmbeddedModel.load(args.config)
+    pipe = Pipeline.load(args.config.with_suffix(".safetensors"))
+    # The styles and the prompt each is asked for by: the first phrasing it was trained on.
+    prompts = {style: phrasings[0] for style, phrasings in EmbeddedSpec.from_json(args.config.read_text()).styles.items()}
     started = time.time()
-    result = evaluate(model, args.clips, args.grid, args.steps, args.noise_scale)
-    result["speed"] = [benchmark(model, t) for t in args.bench_threads]
+    result = evaluate(pipe, prompts, args.clips, args.grid, args.steps, args.noise_scale)
+    result["speed"] = [benchmark(pipe, next(iter(prompts.values())), t) for t in args.bench_threads]
     result["eval_seconds"] = time.time() - started
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "metrics.json").write_text(json.dumps(result, indent=1))

@@ -1,18 +1,13 @@
-"""The embedded default model at inference: checkpoint format, loading, and chunk-by-chunk stylisation.
+"""The embedded default model: checkpoint format, loading, prompt -> style resolution, batched streams.
 
 Checkpoint = ``default.safetensors`` (tensors ``vae.*`` = TinyVAE state, ``dit.*`` = CausalWanDiT state)
-+ ``default.json`` (``EmbeddedSpec``). Streaming recipe per chunk (StreamDiffusionV2 V2V, 1 latent frame
-= 4 pixel frames; the first chunk is 1 pixel frame... or 1 + 4k):
++ ``default.json`` (``EmbeddedSpec``; its ``to_json`` also writes the ``sampler.steps`` and ``runtime``
+views that engine/pipeline.py reads).
 
-    z  = vae.encode_chunk(frames)                      normalised latents
-    x  = v2v_input(z, ε, s)                            s·ε + (1 − s)·z, s = noise_scale
-    t₁ = noise_scale_to_timestep(s); v = dit(x, t₁, prompt, kv_cache, start_frame=k)
-    x̂₀ = x − σ(t₁)·v                                   σ from FlowMatchSchedule(shift)
-    (optional refinement: x = renoise(x̂₀, ε′, σ(t₂)); x̂₀ = x − σ(t₂)·dit(x, t₂, ...), same cache slot)
-    frames_out = vae.decode_chunk(x̂₀)
-
-The product path adds the temporal stabilizer the spec configures (``spec.stabilizer``,
-engine/streaming/stabilizer.py) after the decoder; ``evaluate.stylize_stream`` applies it the same way.
+This module has no chunk recipe of its own: every stream of this model, at inference
+(``engine.pipeline.Pipeline.load()``) and while training (``EmbeddedStream``, the decoder fine-tune's
+data), runs through the product's ``StreamRuntime`` (engine/streaming/runtime.py), configured from the
+same JSON fields (``engine.pipeline.stream_recipe``).
 
 The DiT is conditioned on the L2-normalised pooled MiniLM embedding of the prompt, as a 1-row context.
 """
@@ -21,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,17 +25,14 @@ import torch
 from safetensors.torch import load_file
 
 from engine.embedded.styles import StyleMatch, match_style, pooled_embeddings
-from engine.models.tiny_vae import TinyVAE, TinyVAECache, TinyVAEConfig
-from engine.models.wan_dit import CausalWanDiT, KVCache, PromptCache, WanDiTConfig
-from engine.sampling import (
-    FlowMatchSchedule,
-    NoiseSource,
-    noise_scale_to_timestep,
-    renoise,
-    v2v_input,
-    x0_from_velocity,
-)
+from engine.fidelity import FidelityConfig
+from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
+from engine.models.wan_dit import CausalWanDiT, WanDiTConfig
+from engine.pipeline import stream_recipe
+from engine.sampling import noise_scale_to_timestep
+from engine.streaming.runtime import PromptEncoder, StreamRuntime
 from engine.streaming.stabilizer import StabilizerConfig
+from engine.text import load_text_encoder
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 DEFAULT_CONFIG = WEIGHTS_DIR / "default.json"
@@ -84,7 +76,7 @@ class EmbeddedSpec:
         # Derived views for engine/pipeline.py's loader (StreamDiffusionV2 preset steps, RuntimeConfig
         # fields, stream size); from_json ignores them, the fields above are the source of truth.
         sp = self.sampler
-        data["sampler"]["steps"] = timesteps_for(sp, sp.noise_scale, 1 + len(sp.refine_timesteps))
+        data["sampler"]["steps"] = [float(noise_scale_to_timestep(sp.noise_scale)), *sp.refine_timesteps]
         data["runtime"] = {
             "chunk_latent_frames": self.stream.chunk_latent_frames,
             "kv_window_frames": self.stream.kv_window_frames,
@@ -122,18 +114,11 @@ class EmbeddedSpec:
         )
 
 
-def timesteps_for(spec: SamplerSpec, noise_scale: float, num_steps: int) -> list[float]:
-    if not 1 <= num_steps <= 1 + len(spec.refine_timesteps):
-        raise ValueError(f"num_steps must be in [1, {1 + len(spec.refine_timesteps)}], got {num_steps}")
-    return [float(noise_scale_to_timestep(noise_scale))] + list(spec.refine_timesteps[: num_steps - 1])
-
-
 class EmbeddedModel:
     """Tiny VAE + tiny causal DiT + MiniLM conditioning, loaded from the shipped checkpoint."""
 
     def __init__(self, spec: EmbeddedSpec, vae: TinyVAE, dit: CausalWanDiT) -> None:
         self.spec, self.vae, self.dit = spec, vae.eval(), dit.eval()
-        self.schedule = FlowMatchSchedule(spec.sampler.shift)
         self.style_names = list(spec.prototypes)
         self.protos = torch.tensor([spec.prototypes[n] for n in self.style_names])
 
@@ -154,70 +139,44 @@ class EmbeddedModel:
         return match_style(prompt, pooled_embeddings([prompt])[0], self.style_names, self.protos,
                            self.spec.too_far_below)
 
-    def open_stream(self, prompt: str, seed: int = 0, noise_scale: float | None = None,
-                    num_steps: int | None = None) -> EmbeddedStream:
-        context = pooled_embeddings([prompt])[:, None, :]
-        return EmbeddedStream(self, self.dit.encode_prompt(context), seed,
-                              self.spec.sampler.noise_scale if noise_scale is None else noise_scale,
-                              self.spec.sampler.default_num_steps if num_steps is None else num_steps)
-
-
-@dataclass
-class ChunkTimings:
-    encode_s: float
-    dit_s: float
-    decode_s: float
+    def stream_runtime(self) -> StreamRuntime:
+        """The product's runtime over this model's modules, configured as ``Pipeline.load`` would configure
+        it from this spec's JSON (the training stages hold the modules in memory, not in a file)."""
+        preset, config = stream_recipe(json.loads(self.spec.to_json()), "embedded")
+        prompts = PromptEncoder(load_text_encoder(self.spec.text_encoder), self.spec.text_conditioning)
+        return StreamRuntime(self.dit, self.vae, prompts, preset, config)
 
 
 class EmbeddedStream:
-    """State of one stream: VAE caches, DiT KV cache, prompt K/V, noise; ``process`` one chunk at a time."""
+    """Streams of one latent clip under several prompts at once (row b of the batch under ``prompts[b]``):
+    what the decoder fine-tune (engine/embedded/train.py, stage 5) decodes.
 
-    def __init__(self, model: EmbeddedModel, prompt: PromptCache, seed: int, noise_scale: float,
-                 num_steps: int) -> None:
-        self.model, self.prompt = model, prompt
-        self.noise = NoiseSource(seed)
-        self.timesteps = timesteps_for(model.spec.sampler, noise_scale, num_steps)
-        self.noise_scale = noise_scale
-        self.enc: TinyVAECache = model.vae.new_encoder_cache()
-        self.dec: TinyVAECache = model.vae.new_decoder_cache()
-        self.kv: KVCache | None = None
-        self.frame = 0  # latent frames generated so far
-        self.last_timings = ChunkTimings(0.0, 0.0, 0.0)
+    Every row is a product stream (``StreamRuntime.open``, seeded ``seed`` like a user's) and every
+    chunk goes through ``StreamRuntime.denoise_latents`` in one batched forward per step, so training
+    sees exactly the chunk recipe the product serves: KV cache, RoPE, noise draws, per-step caches.
+    The input is latents, not pixels, so there is no motion to measure: the noise rate is the fixed
+    ``noise_scale`` (the motion-aware controller's rate on a static scene).
+    """
 
-    @torch.no_grad()
-    def process(self, frames: torch.Tensor) -> torch.Tensor:
-        """Pixel frames [B, 3, T, H, W] in [-1, 1] (T = 1 + 4k first, then 4k) -> stylised frames."""
-        m = self.model
-        t0 = time.perf_counter()
-        z = m.vae.encode_chunk(frames, self.enc)
-        t1 = time.perf_counter()
-        x0 = self.denoise(z)
-        t2 = time.perf_counter()
-        pixels = m.vae.decode_chunk(x0, self.dec)
-        t3 = time.perf_counter()
-        self.last_timings = ChunkTimings(t1 - t0, t2 - t1, t3 - t2)
-        return pixels
+    def __init__(self, runtime: StreamRuntime, prompts: Sequence[str], size: tuple[int, int], seed: int,
+                 noise_scale: float, num_steps: int) -> None:
+        fidelity = FidelityConfig(steps=num_steps, kv_window_frames=runtime.config.kv_window_frames,
+                                  precision="fp32")
+        self.runtime, self.noise_scale = runtime, noise_scale
+        self.states = [runtime.open(f"row{b}", prompt, size, fidelity, seed=seed, noise_scale=noise_scale)
+                       for b, prompt in enumerate(prompts)]
 
     @torch.no_grad()
     def denoise(self, z: torch.Tensor) -> torch.Tensor:
-        """Input latents [B, C, K, h, w] -> stylised latents x̂₀, one latent frame at a time through the KV cache."""
-        m = self.model
-        if self.kv is None:
-            ph, pw = m.spec.dit.patch_size[1:]
-            st = m.spec.stream
-            self.kv = m.dit.new_kv_cache(z.shape[0], (z.shape[3] // ph) * (z.shape[4] // pw),
-                                         st.kv_window_frames, st.sink_frames)
+        """Input latents [B, C, K, h, w] -> stylised latents x̂₀, one chunk of latent frames at a time."""
+        if z.shape[0] != len(self.states):
+            raise ValueError(f"{z.shape[0]} latent rows for {len(self.states)} streams")
+        f = self.runtime.config.chunk_latent_frames
+        if z.shape[2] % f:
+            raise ValueError(f"{z.shape[2]} latent frames do not split into chunks of {f}")
+        rates = [self.noise_scale] * len(self.states)
         out = []
-        for k in range(z.shape[2]):
-            zk = z[:, :, k : k + 1]
-            x = v2v_input(zk, self.noise.randn(zk.shape), self.noise_scale)
-            x0 = zk
-            for i, t in enumerate(self.timesteps):
-                if i:
-                    x = renoise(x0, self.noise.randn(zk.shape), m.schedule.sigma(t))
-                v = m.dit(x, torch.full((zk.shape[0], 1), t), self.prompt, kv_cache=self.kv,
-                          start_frame=self.frame, rope_start=self.frame % 512)
-                x0 = x0_from_velocity(x, v, m.schedule.sigma(t))
-            out.append(x0)
-            self.frame += 1
+        for k in range(0, z.shape[2], f):
+            chunk = [z[b : b + 1, :, k : k + f] for b in range(len(self.states))]
+            out.append(self.runtime.denoise_latents(self.states, chunk, rates))
         return torch.cat(out, dim=2)

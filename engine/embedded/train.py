@@ -433,22 +433,28 @@ def _dit_phase(cfg: TrainConfig, dit: CausalWanDiT, vae: TinyVAE, lat: torch.Ten
 
 
 @torch.no_grad()
-def dit_predictions(cfg: TrainConfig, lat: torch.Tensor, emb: torch.Tensor, model: EmbeddedModel) -> torch.Tensor:
+def dit_predictions(cfg: TrainConfig, lat: torch.Tensor, model: EmbeddedModel) -> torch.Tensor:
     """The frozen DiT's stylised latents of every clip crop, float16 [clips, styles, C, 3, h, w].
 
-    Each clip is streamed exactly as at inference (one latent frame at a time, KV cache, V2V noise at
-    the default noise scale), all styles at once as a batch, each under its first phrasing.
+    Each clip is streamed through the product's runtime (``EmbeddedStream``: one latent frame at a
+    time, KV cache, V2V noise at the default noise scale), all styles at once as a batch, each under
+    its first phrasing.
     """
     path = cfg.workdir / "predictions.pt"
     if path.exists():
         return cast(torch.Tensor, torch.load(path, map_location="cpu"))
     n_clips, n_variants = lat.shape[:2]
     styles = n_variants - 1
-    prompt = model.dit.encode_prompt(emb[:, 0][:, None, :])
+    if styles != len(STYLE_NAMES):
+        raise ValueError(f"latents hold {styles} styles, the teachers {len(STYLE_NAMES)}")
+    prompts = [STYLE_PROMPTS[name][0] for name in STYLE_NAMES]
+    size = (lat.shape[-1] * model.vae.spatial_compression, lat.shape[-2] * model.vae.spatial_compression)
+    runtime = model.stream_runtime()
     sampler = model.spec.sampler
     out = torch.empty(n_clips, styles, *lat.shape[2:], dtype=torch.float16)
     for i in tqdm(range(n_clips), desc="decoder data: DiT predictions"):
-        stream = EmbeddedStream(model, prompt, cfg.seed * 100_003 + i, sampler.noise_scale, sampler.default_num_steps)
+        stream = EmbeddedStream(runtime, prompts, size, cfg.seed * 100_003 + i, sampler.noise_scale,
+                                sampler.default_num_steps)
         out[i] = stream.denoise(lat[i, 0].float()[None].expand(styles, -1, -1, -1, -1)).half()
     torch.save(out, path)
     return out
@@ -472,8 +478,7 @@ def _decoder_batch(cfg: TrainConfig, step: int, frames: np.ndarray, lat: torch.T
     return torch.stack(zs), torch.stack(xs)
 
 
-def finetune_decoder(cfg: TrainConfig, frames: np.ndarray, lat: torch.Tensor, emb: torch.Tensor,
-                     model: EmbeddedModel) -> TinyVAE:
+def finetune_decoder(cfg: TrainConfig, frames: np.ndarray, lat: torch.Tensor, model: EmbeddedModel) -> TinyVAE:
     """Fine-tune the decoder (only) on the DiT's stylised latents against the teachers' frames."""
     ckpt_path, final_path = cfg.workdir / "decoder_ckpt.pt", cfg.workdir / "decoder_final.pt"
     vae = model.vae
@@ -481,7 +486,7 @@ def finetune_decoder(cfg: TrainConfig, frames: np.ndarray, lat: torch.Tensor, em
     if final is not None:
         vae.load_state_dict(final["model"])
         return vae.eval()
-    pred = dit_predictions(cfg, lat, emb, model)
+    pred = dit_predictions(cfg, lat, model)
     decoder = [vae.dec_in, vae.dec_memory, vae.dec_body, vae.dec_lin]
     params = [p for m in decoder for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.decoder_lr, weight_decay=0.0)
@@ -547,7 +552,7 @@ def train_default(cfg: TrainConfig, out_dir: Path) -> Path:
     emb = pooled_embeddings(phrasings).reshape(len(names), -1, 384)
     sampler, stream = SamplerSpec(), StreamSpec()
     dit = train_dit(cfg, vae, lat, emb, tiny_dit_config(vae.latent_channels), sampler)
-    vae = finetune_decoder(cfg, frames, lat, emb, EmbeddedModel(build_spec(vae, dit, sampler, stream, emb), vae, dit))
+    vae = finetune_decoder(cfg, frames, lat, EmbeddedModel(build_spec(vae, dit, sampler, stream, emb), vae, dit))
     elapsed = time.time() - started
     log.info("trained in %.1f min (this run; resumed stages not counted)", elapsed / 60)
     metrics = {"train_config": {k: str(v) for k, v in asdict(cfg).items()}, "train_minutes_this_run": elapsed / 60}
