@@ -4,7 +4,8 @@ For one model at one frame size, each candidate ``FidelityConfig`` (denoising st
 sampler preset, KV window, resolution scale, attention precision) runs the same synthetic camera
 clip with the same seed:
 
-* latency: wall time of one V2V chunk (encode + DiT + decode + the stabilizer where the model enables it, ``Stream.process``), the median over
+* latency: wall time of one V2V chunk (encode + DiT + decode + the stabilizer where the model enables it, ``Stream.process``;
+  with the step batch, one ``StreamBatch.push``: one forward carrying every chunk in flight), the median over
   ``chunks`` chunks after ``warmup`` chunks (enough to fill the largest KV window, so the attention
   cost is the steady-state one); the first-chunk latency is the median of ``first_repeats`` fresh
   first chunks. Configs are run *interleaved* chunk by chunk, so load from other processes on a
@@ -29,7 +30,7 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,10 @@ from skimage.metrics import structural_similarity
 from tqdm import tqdm
 
 from engine.fidelity import required_capabilities
-from engine.pipeline import Pipeline, Stream, StreamParams
+from engine.frames import frames_to_tensor, tensor_to_frames
+from engine.pipeline import Pipeline, StreamParams
 from engine.serving.fidelity import FidelityConfig, FidelityProfile, ProfilePoint
+from engine.streaming.stream_batch import StreamBatch
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,12 @@ class ProfileRun:
     scales: tuple[float, ...] | None = None
     precisions: tuple[str, ...] = ("fp32", "bf16")
     steps: tuple[int, ...] | None = None
+    # Variants measured on top of the grid, at the runtime's default window and fp32 for every step
+    # count and scale (the grid times these would multiply the run time): block-sparse attention at
+    # each of these sparsities, and the step batch (steps >= 2; only where the runtime keeps one KV
+    # cache per step).
+    sparsities: tuple[float, ...] = ()
+    step_batch: bool = False
 
     def __post_init__(self) -> None:
         if self.chunks < 1:
@@ -103,9 +112,16 @@ def candidate_configs(pipe: Pipeline, size: tuple[int, int], run: ProfileRun) ->
             scales.append(scale)
     configs = []
     for s, w, scale, precision in itertools.product(steps, windows, scales, run.precisions):
-        config = FidelityConfig(steps=s, kv_window_frames=w, resolution_scale=scale, precision=precision)
+        configs.append(FidelityConfig(steps=s, kv_window_frames=w, resolution_scale=scale, precision=precision))
+    base = FidelityConfig(kv_window_frames=cfg.kv_window_frames, precision="fp32")
+    variants = [replace(base, attention_sparsity=sparsity) for sparsity in run.sparsities if sparsity > 0]
+    if run.step_batch and cfg.cache_mode == "per-step":
+        variants.append(replace(base, step_batch=True))
+    for s, scale, variant in itertools.product(steps, scales, variants):
+        if s >= 2 or not variant.step_batch:
+            configs.append(replace(variant, steps=s, resolution_scale=scale))
+    for config in configs:
         runtime.check_fidelity(config)  # a clear error for a knob value this engine cannot run
-        configs.append(config)
     if not configs:
         raise ValueError(f"no fidelity configuration of this engine is valid at size {size}")
     precision_rank = {p: i for i, p in enumerate(("bf16", "fp32"))}
@@ -130,17 +146,29 @@ def synthetic_clip(size: tuple[int, int], frames: int, seed: int) -> np.ndarray:
     return out
 
 
-def _open(pipe: Pipeline, config: FidelityConfig, size: tuple[int, int], seed: int) -> Stream:
-    return pipe.open_stream(StreamParams(
-        prompt=PROFILE_PROMPT, steps=config.steps, seed=seed, size=size, kv_window_frames=config.kv_window_frames,
-        resolution_scale=config.resolution_scale, precision=config.precision,
-    ))
+class _Measured:
+    """One config's stream: ``process`` times one chunk in and returns the frames that came out (with
+    the step batch, an older chunk's, or none while it fills; ``drain`` returns the rest)."""
 
+    def __init__(self, pipe: Pipeline, config: FidelityConfig, size: tuple[int, int], seed: int) -> None:
+        self.stream = pipe.open_stream(StreamParams(
+            prompt=PROFILE_PROMPT, steps=config.steps, seed=seed, size=size, kv_window_frames=config.kv_window_frames,
+            resolution_scale=config.resolution_scale, precision=config.precision,
+            attention_sparsity=config.attention_sparsity,
+        ))
+        self.batch = StreamBatch(pipe.runtime, [self.stream.state]) if config.step_batch else None
 
-def _timed(stream: Stream, frames: np.ndarray) -> tuple[float, np.ndarray]:
-    t0 = time.perf_counter()
-    out = stream.process(frames)
-    return time.perf_counter() - t0, out
+    def process(self, frames: np.ndarray) -> tuple[float, list[np.ndarray]]:
+        t0 = time.perf_counter()
+        if self.batch is None:
+            out = [self.stream.process(frames)]
+        else:
+            done = self.batch.push([frames_to_tensor(frames, self.stream.expected_frames)])[0]
+            out = [] if done is None else [tensor_to_frames(done.frames)]
+        return time.perf_counter() - t0, out
+
+    def drain(self) -> list[np.ndarray]:
+        return [tensor_to_frames(r.frames) for r in self.batch.drain()] if self.batch is not None else []
 
 
 def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = None,
@@ -154,26 +182,28 @@ def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = N
     first_input, rest = clip[:first_n], clip[first_n:]
 
     # Untimed warm-up of the whole path (allocator, kernels, text encoder caches).
-    probe = _open(pipe, configs[0], size, run.seed)
+    probe = _Measured(pipe, configs[0], size, run.seed)
     probe.process(first_input)
     probe.process(rest[:chunk_n])
 
     first_times: dict[FidelityConfig, list[float]] = {c: [] for c in configs}
     for _ in range(run.first_repeats):
         for c in configs:
-            first_times[c].append(_timed(_open(pipe, c, size, run.seed), first_input)[0])
+            first_times[c].append(_Measured(pipe, c, size, run.seed).process(first_input)[0])
 
-    streams = {c: _open(pipe, c, size, run.seed) for c in configs}
-    outputs: dict[FidelityConfig, list[np.ndarray]] = {c: [streams[c].process(first_input)] for c in configs}
+    streams = {c: _Measured(pipe, c, size, run.seed) for c in configs}
+    outputs: dict[FidelityConfig, list[np.ndarray]] = {c: streams[c].process(first_input)[1] for c in configs}
     chunk_times: dict[FidelityConfig, list[float]] = {c: [] for c in configs}
     total = warmup + run.chunks
     for k in tqdm(range(total), desc=f"profiling {len(configs)} configs", unit="chunk"):
         frames = rest[k * chunk_n : (k + 1) * chunk_n]
         for c in configs:  # interleaved: background load hits every config alike
-            seconds, out = _timed(streams[c], frames)
-            outputs[c].append(out)
+            seconds, out = streams[c].process(frames)
+            outputs[c].extend(out)
             if k >= warmup:
                 chunk_times[c].append(seconds)
+    for c in configs:
+        outputs[c].extend(streams[c].drain())
 
     clips = {c: np.concatenate(outputs[c]) for c in configs}
     reference = clips[configs[0]]
@@ -184,7 +214,7 @@ def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = N
             latency_s=statistics.median(chunk_times[c]),
             first_chunk_latency_s=statistics.median(first_times[c]),
             quality=psnr(clips[c], reference),
-            state_bytes=float(streams[c].state.nbytes()),
+            state_bytes=float(streams[c].stream.state.nbytes()),
             source="measured",
             needs=tuple(sorted({pipe.runtime.device.type} | required_capabilities(c))),
         ))

@@ -63,3 +63,17 @@ def test_candidates_cover_the_engine_knobs(engine_factory: Any) -> None:
 def test_cli_rejects_a_bad_size() -> None:
     with pytest.raises(SystemExit):
         main(["profile", "--size", "128by128"])
+
+
+def test_step_batch_and_sparse_variants_are_measured_through_their_engine_paths(engine_factory: Any) -> None:
+    pipe = engine_factory.pipeline
+    batched = FidelityConfig(steps=2, kv_window_frames=6, precision="fp32", step_batch=True)
+    sparse = FidelityConfig(steps=2, kv_window_frames=6, precision="fp32", attention_sparsity=0.5)
+    result = profile_pipeline(pipe, ProfileRun(chunks=2, warmup=1, first_repeats=1), configs=[REFERENCE, batched, sparse])
+    profile = result.profile
+    # The step batch computes what sequential chunks compute (the frames only come out later).
+    assert profile.find(batched).quality > 45
+    assert "sparse-attention" in profile.find(sparse).needs
+    configs = candidate_configs(pipe, pipe.default_size, ProfileRun(sparsities=(0.5,), step_batch=True))
+    assert any(c.step_batch for c in configs) and all(c.steps >= 2 for c in configs if c.step_batch)
+    assert any(c.attention_sparsity == 0.5 for c in configs)

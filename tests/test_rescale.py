@@ -246,10 +246,10 @@ def test_processor_set_fidelity_runs_the_next_chunk_smaller(pipe: Pipeline) -> N
     assert small.fidelity().resolution_scale == 0.5
     for proc in (small, full):
         proc.begin_chunk(_moving(4, 1))
-    assert small.batch_key() != full.batch_key()  # never batched with the full-size stream
-    while small.has_chunk():
-        small.denoise_step([small])
-    out = small.finish_chunk()
+    assert small.step_rows()[0][0] != full.step_rows()[0][0]  # never batched with the full-size stream
+    while rows := small.step_rows():
+        small.denoise_rows([row for _, row in rows])
+    (out,) = small.take_finished()
     assert out.shape == (4, 128, 128, 3)
     state = small._stream.state
     assert state.engine_size == (64, 64) and state.kv[0].frame_tokens == 16

@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scales", type=_floats, default=None, help="resolution scales (default 1,0.75,0.5)")
     parser.add_argument("--steps", type=_ints, default=None, help="denoising steps (default: 1..the preset's)")
     parser.add_argument("--precisions", default="fp32,bf16", help="attention precisions (default fp32,bf16)")
+    parser.add_argument("--sparsity", type=_floats, default=(), metavar="S,...",
+                        help="also measure block-sparse attention at these sparsities (default window, fp32)")
+    parser.add_argument("--step-batch", action="store_true",
+                        help="also measure the step batch (steps of successive chunks in one forward; default window, fp32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
 
@@ -67,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         pipe = Pipeline.load(model)
         spec = ProfileRun(size=args.size, chunks=args.chunks, warmup=args.warmup, fps=args.fps, seed=args.seed,
                           windows=args.windows, scales=args.scales, steps=args.steps,
-                          precisions=tuple(p.strip() for p in args.precisions.split(",") if p.strip()))
+                          precisions=tuple(p.strip() for p in args.precisions.split(",") if p.strip()),
+                          sparsities=args.sparsity, step_batch=args.step_batch)
         result = profile_pipeline(pipe, spec, model_name=model)
     except ModelNotAvailableError as exc:
         log.error("%s", exc)

@@ -131,6 +131,8 @@ class StreamStats:
     chunks: int = 0
     downshifts: int = 0  # chunks whose point has lower quality than the previous chunk's
     degraded_chunks: int = 0  # chunks below the stream's best allowed point
+    reduced_resolution_chunks: int = 0  # chunks the engine ran below the stream's full resolution
+    step_batch_chunks: int = 0  # chunks whose steps shared forwards with the next chunks' (step batch)
     batch: int = 1
 
 
@@ -307,6 +309,8 @@ class EngineCore:
             stats.downshifts += 1
         if point.quality < top:
             stats.degraded_chunks += 1
+        stats.reduced_resolution_chunks += int(point.config.resolution_scale < 1.0)
+        stats.step_batch_chunks += int(point.config.step_batch)
         stats.point, stats.top_quality, stats.batch = point, top, batch
         stats.chunks += 1
 

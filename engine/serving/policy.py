@@ -267,9 +267,11 @@ class SlackPolicy:
             if not may_preempt:
                 return Dispatch(worker.worker_id, tuple(s.view.stream_id for s in in_flight), running.point)
         if self.config.max_batch > 1 and self.config.ordering is Ordering.FIFO:
-            # StreamDiffusionV2's stream batching: the first streams in arrival order, one forward.
-            chosen = [s for s in scored if s.view.inflight_point is None][: self.config.max_batch] or [best]
-            point = self._batch_points[len(chosen)] if chosen[0].view.inflight_point is None else chosen[0].point
+            # StreamDiffusionV2's stream batching: the first streams in arrival order that run at the
+            # same (fixed) fidelity, one forward.
+            fresh = [s for s in scored if s.view.inflight_point is None]
+            chosen = [s for s in fresh if s.point == fresh[0].point][: self.config.max_batch] if fresh else [best]
+            point = self.batch_point(chosen[0].point, len(chosen)) if fresh else best.point
         elif self.config.max_batch > 1 and best.view.inflight_point is None:
             # Cross-user batching: streams whose next chunk BMPR sends to the lead's point join its
             # forward, in queue order (the executor splits rows whose caches are not at one fill level).
