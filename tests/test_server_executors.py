@@ -123,7 +123,14 @@ def make_loop(factory: Any, executor: ThreadPoolExecutor, clock: FakeClock, **co
 async def test_executor_feeds_ledger_chunk_times_and_cursor(engine_factory: Any, executor: ThreadPoolExecutor) -> None:
     clock = FakeClock()
     loop = make_loop(engine_factory, executor, clock)
+    # A profile whose first chunks take 0.2 s, so the slack arithmetic below has room (hand clock), and
+    # no step batch, so every chunk's frames come out in the chunk's own step.
+    loop.core.calibrate = False
+    policy = loop.policy
+    policy = type(policy)(policy.profile.filtered(lambda c: not c.step_batch), policy.config)
+    loop.core.policy = policy.rescaled(0.2 / policy.reference.first_chunk_latency_s)
     s0 = loop.policy.initial_slack_s
+    assert s0 == pytest.approx(0.8)
     a = Stream(loop, engine_factory, clock, executor)
     tracker = loop.core.ledger.entries[a.sid].tracker
 
@@ -368,3 +375,29 @@ async def test_step_batch_point_runs_one_forward_per_chunk_with_sequential_resul
     clock.now += 0.5
     await settle(loop)
     assert len(a.outputs) == chunks + 1
+
+
+async def test_a_stream_short_on_slack_downshifts_resolution_before_it_stalls(
+    engine_factory: Any, executor: ThreadPoolExecutor
+) -> None:
+    clock = FakeClock()
+    loop = make_loop(engine_factory, executor, clock)
+    loop.core.calibrate = False  # the hand-driven clock measures no real time
+    a = Stream(loop, engine_factory, clock, executor, steps=4, seed=8)
+    a.push(1)
+    await settle(loop)
+    assert a.configs[0].resolution_scale == 1.0  # plenty of slack: the best point, full resolution
+    tracker = loop.core.ledger.entries[a.sid].tracker
+    top = loop.policy.top_point(4)
+    # Time passes until less than two chunk times of playout are left: URGENT, not yet stalled.
+    clock.now = tracker.generated_s + tracker.initial_slack_s - 1.5 * top.latency_s
+    assert 0 < tracker.slack(clock.now) < 2 * top.latency_s
+    a.push(4)
+    await settle(loop)
+    chosen = a.configs[-1]
+    assert chosen.resolution_scale < 1.0 and loop.core.stats[a.sid].point.quality < top.quality
+    assert tracker.stalls == []  # it downshifted before the viewer froze
+    state = a.processor._stream.state
+    assert state.engine_size == loop.executor.streams[a.sid].runner.processor._stream.runtime.engine_size(
+        state.size, chosen)  # the engine really ran the smaller size
+    assert loop.stats(a.sid)["reduced_resolution_chunks"] == 1

@@ -100,7 +100,6 @@ async def test_slack_policy_downshifts_instead_of_stalling(live_server: Callable
         assert v.stats["policy"] == "slackserve" and v.stats["tier"] in ("urgent", "normal", "relaxed")
         # Downshifted (per stats): chunks ran below the best config; the current config may already be back up.
         assert v.stats["degraded_chunks"] > 0 and v.stats["fidelity_steps"] is not None
-        assert v.stats["reduced_resolution_chunks"] > 0  # the resolution knob is one it really turned
         assert v.late_frozen_s < 0.25 * MEASURE_S / 2  # no growing stall
     for v in fifo:
         # FIFO turns: each stream at its own fixed fidelity (its 4 steps), never downshifted.

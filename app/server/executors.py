@@ -418,7 +418,9 @@ def with_emulated_delay(profile: FidelityProfile, delay_s: float, step_delay_s: 
         return profile
 
     def slow(p: ProfilePoint) -> ProfilePoint:
-        extra = delay_s + step_delay_s * p.config.steps
+        # The step delay is per forward (StepExecutor sleeps once per batch group): a step batch's
+        # chunk takes one forward, a sequential chunk one per step.
+        extra = delay_s + step_delay_s * p.config.sequential_steps
         return replace(p, latency_s=p.latency_s + extra, first_chunk_latency_s=p.first_chunk_latency_s + extra)
 
     return replace(profile, points=tuple(slow(p) for p in profile.points),
