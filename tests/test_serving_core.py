@@ -96,13 +96,14 @@ def test_state_slots_evict_the_highest_credit_stream_and_restore_it() -> None:
 
 
 def test_step_preemption_parks_a_relaxed_chunk_for_a_newcomer() -> None:
-    early = arrivals(1, frames=641)
+    early = arrivals(1, frames=2561)
     # Newcomers at staggered times: some arrive while the first stream's chunk has steps to go.
-    late = [TraceEvent(6.0 + 0.7 * k + 0.013 * k, EventKind.ARRIVE, 9 + k, frames=33, fps=PROFILE.fps) for k in range(5)]
-    # An engine 5x faster than the camera: the first stream runs far ahead of its playout (RELAXED);
+    late = [TraceEvent(2.0 + 0.7 * k + 0.0013 * k, EventKind.ARRIVE, 9 + k, frames=33, fps=PROFILE.fps) for k in range(5)]
+    # The engine is faster than the camera: the first stream runs far ahead of its playout (RELAXED);
     # at the reference fidelity (no BMPR, so a newcomer cannot look relaxed by picking a faster point)
     # a newcomer's credit is 3 chunk times (NORMAL): it goes first, even mid-chunk.
-    sim = run(SlackPolicy(PROFILE, resolve_preset("credit-only")).rescaled(0.2), early + late)
+    assert PROFILE.reference().latency_s < PROFILE.chunk_duration_s
+    sim = run(SlackPolicy(PROFILE, resolve_preset("credit-only")), early + late)
     assert sim.core.counters.preemptions >= 1
     preempting = [w for w in sim.works if w.preempted]
     assert preempting and all(w.preempted == (0,) and w.orders[0].stream_id >= 9 for w in preempting)

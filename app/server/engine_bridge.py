@@ -192,7 +192,7 @@ class PipelineProcessor:
         self._resident()
         stream = self._stream
         fidelity = stream.state.fidelity
-        if self._queue and not (fidelity.step_batch and self._queue[-1].state.fidelity == fidelity):
+        if self._queue and not (fidelity.step_batch and self._queue[-1].fidelity == fidelity):
             # The new chunk cannot join the chunks in flight (another step count, size or knob, or no
             # step batch): they finish first, without new input (StreamBatch.drain's rule).
             self._drain()

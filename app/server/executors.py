@@ -36,7 +36,7 @@ from app.server.engine_bridge import ProcessorFactory, StepProcessor, parallel_c
 from app.server.frame_path import InputFrame, Playout, StreamRunner
 from app.server.session import CapacityError
 from engine.fidelity import engine_capabilities
-from engine.serving.core import EngineCore, StepResult, Work
+from engine.serving.core import Clock, EngineCore, StepResult, Work
 from engine.serving.fidelity import (
     BUNDLED_PROFILES,
     FidelityProfile,
@@ -50,7 +50,6 @@ from engine.serving.snapshot import Rehome, WorkerView
 
 log = logging.getLogger(__name__)
 
-Clock = Callable[[], float]
 LIVE_CONTENT_S = 365 * 86400.0  # a live stream has no known end
 LIVE_PROFILE = "tiny-random_cpu_128"  # measured on this repository's CPU box (docs/service.md, "Live policy")
 POLL_S = 0.005  # idle wait for input when no stream has a chunk ready

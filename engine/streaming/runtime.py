@@ -113,6 +113,7 @@ class ChunkInFlight:
     tau: float | None  # adaptive sink refresh threshold after each forward (None: no refresh)
     inputs: torch.Tensor | None  # the chunk as sent (the stabilizer follows its motion); None for T2V
     restart: bool  # a hard prompt switch came before it: the stabilizer starts a fresh history
+    fidelity: FidelityConfig  # the stream's fidelity when it entered (it keeps it until it finishes)
     step: int = 0
     refreshed: bool = False
 
@@ -130,7 +131,7 @@ class ChunkInFlight:
         cache = self.state.kv[self.step if per_step else 0] if self.state.kv else None
         fill = (cache.local_end, self.frame - cache.global_end[0], cache.frame_tokens, cache.window_frames) \
             if cache is not None else None
-        fid = self.state.fidelity
+        fid = self.fidelity
         return (fid.precision, fid.attention_sparsity, tuple(self.x.shape[1:]), fill)
 
 
@@ -304,7 +305,7 @@ class StreamRuntime:
         elif self.config.sink_refresh:
             tau = self.config.sink_tau
         chunk = ChunkInFlight(state, x, timesteps, noises, state.prompt, state.frame, state.rope_frame, rate, tau,
-                              inputs, restart)
+                              inputs, restart, state.fidelity)
         state.frame += x.shape[2]
         state.rope_frame += x.shape[2]
         return chunk
@@ -327,9 +328,9 @@ class StreamRuntime:
         t = torch.tensor([c.timesteps[c.step] for c in chunks], device=self.device, dtype=torch.float32)
         prompt = chunks[0].prompt if len(chunks) == 1 else PromptCache.concat([c.prompt for c in chunks])
         start, rope = [c.frame for c in chunks], [c.rope for c in chunks]
-        sparse = {"sparsity": self.shared_sparsity(c.state.fidelity for c in chunks),
+        sparse = {"sparsity": self.shared_sparsity(c.fidelity for c in chunks),
                   "sparse_block_tokens": self.config.sparse_block_tokens}
-        with self.precision(chunks[0].state.fidelity.precision):
+        with self.precision(chunks[0].fidelity.precision):
             with _batched_cache(caches) as (cache, written):
                 v = self.dit(x, t[:, None].expand(-1, f), prompt, cache, start_frame=start, rope_start=rope, **sparse)
             _write_back(chunks, written, per_step)
