@@ -191,7 +191,7 @@ def whep_frames(server: str, stream_id: str, token: str | None = None, timeout_s
         from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
         from aiortc.mediastreams import MediaStreamError
 
-        from app.server.probe import http
+        from app.client import http
 
         pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         pc.addTransceiver("video", direction="recvonly")

@@ -1,7 +1,7 @@
 """Live-service benchmark: 1, 2 and 4 concurrent streams through a real `diffcast serve` process.
 
 For each stream count it starts synthetic WebRTC clients (streams the server's admission control
-refuses are counted, the rest measured) (app.server.probe: moving frames with
+refuses are counted, the rest measured) (app.client: moving frames with
 frame IDs drawn into the pixels), lets them run, and reports per stream, averaged over streams:
 output FPS (new frames per second at the client), TTFF (offer sent -> first stylized frame
 decoded), glass-to-glass latency p50/p95 (client capture -> client decode, via the server's trace
@@ -32,9 +32,9 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from app.client import CodedCamera, http, open_session  # noqa: E402
 from app.server.framecode import MAX_ID  # noqa: E402
 from app.server.ice import allow_loopback_candidates  # noqa: E402
-from app.server.probe import CodedCamera, http, open_session  # noqa: E402
 
 WARMUP_S = 3.0  # excluded from FPS and latency: the first chunk and the playout clock settling
 

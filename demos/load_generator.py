@@ -1,6 +1,6 @@
 """Multi-user load generator: synthetic WebRTC users against a running diffcast server.
 
-Each user is a real aiortc peer (app.server.probe): a paced synthetic camera with frame IDs drawn
+Each user is a real aiortc peer (app.client): a paced synthetic camera with frame IDs drawn
 into its pixels, a control data channel, and a probe on the stylized track that comes back. Users
 arrive at random (Poisson, --rate per second), stay --duration seconds, and switch prompts now and
 then, like people trying styles. Refused users (503 at capacity) are counted, not retried.
@@ -29,9 +29,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.client import CodedCamera, http, open_session  # noqa: E402
 from app.server.framecode import MAX_ID  # noqa: E402
 from app.server.ice import allow_loopback_candidates  # noqa: E402
-from app.server.probe import CodedCamera, http, open_session  # noqa: E402
 
 PROMPTS = ("oil painting", "watercolor sketch", "anime cel shading", "cyberpunk neon city", "charcoal drawing")
 

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCRtpSender, RTCSessionDescription  # noqa: E402
 from aiortc.mediastreams import AudioStreamTrack  # noqa: E402
 
+from app.client import CodedCamera, http  # noqa: E402
 from app.server.ice import allow_loopback_candidates  # noqa: E402
-from app.server.probe import CodedCamera, http  # noqa: E402
 from app.virtualcam import whep_frames  # noqa: E402
 
 OBS_VIDEO = ("video/H264", "42e01f")  # OBS's WHIP output: H.264 constrained baseline, level 3.1

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.server.probe import pattern_frame  # noqa: E402
+from app.client import pattern_frame  # noqa: E402
 from engine.pipeline import DEFAULT_MODEL, Pipeline, StreamParams  # noqa: E402
 from engine.video_io import VideoWriter, read_frames, stylize_file  # noqa: E402
 

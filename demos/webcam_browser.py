@@ -21,7 +21,7 @@ from urllib.parse import urljoin
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.cli import main as diffcast  # noqa: E402
-from app.server.probe import http  # noqa: E402
+from app.client import http  # noqa: E402
 
 PAGES = {"page": "/", "playground": "/playground/", "dashboard": "/dashboard"}
 

@@ -14,12 +14,11 @@ import pytest
 import torch
 from _runtime_fixtures import HashTextEncoder, clip, fidelity
 
-from app.server.engine_bridge import StreamSettings
+from app.server.engine_bridge import RankFactory, StreamSettings
 from engine.frames import tensor_to_frames
 from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.models.wan_vae import WanVAE, WanVAEConfig
-from engine.parallel.pipeline import PipelineRuntime
-from engine.parallel.service import ParallelFactory
+from engine.parallel.ring import RingRuntime
 from engine.pipeline import Pipeline, StreamParams
 from engine.sampling import STREAMDIFFUSION_V2
 from engine.streaming.config import RuntimeConfig
@@ -81,28 +80,28 @@ class Scenario:
             out[state.stream_id], refreshes[state.stream_id] = frames_out, state.sink_refreshes
         return out, refreshes
 
-    def __call__(self, pipe: PipelineRuntime) -> dict[str, object]:
-        states = [pipe.open(f"s{i}", PROMPTS[i], (32, 32), fidelity(steps=self.steps), seed=3 + i)
+    def __call__(self, ring: RingRuntime) -> dict[str, object]:
+        states = [ring.open(f"s{i}", PROMPTS[i], (32, 32), fidelity(steps=self.steps), seed=3 + i)
                   for i in range(self.streams)]
         clips = [clip(self.chunks, seed=i) for i in range(self.streams)]
         out: dict[str, list[torch.Tensor]] = {s.stream_id: [] for s in states}
-        ranges_before = [(r.start, r.stop) for r in pipe.ranges]
+        ranges_before = [(r.start, r.stop) for r in ring.ranges]
         for c in range(self.chunks):
             if c == self.switch_at:
-                pipe.set_prompt(states[0], "pencil sketch", refresh_sinks=self.refresh_on_switch)
+                ring.set_prompt(states[0], "pencil sketch", refresh_sinks=self.refresh_on_switch)
             if c == self.rebalance_at:
-                pipe.rebalance([range(a, b) for a, b in self.rebalance_to])
-            for state, result in pipe.push(states, [frames[c] for frames in clips]):
+                ring.rebalance([range(a, b) for a, b in self.rebalance_to])
+            for state, result in ring.push(states, [frames[c] for frames in clips]):
                 out[state.stream_id].append(result.frames)
-        for state, result in pipe.drain():
+        for state, result in ring.drain():
             out[state.stream_id].append(result.frames)
         return {
             "frames": out,
             "sink_refreshes": {s.stream_id: s.sink_refreshes for s in states},
-            "depth": pipe.depth,
+            "depth": ring.depth,
             "ranges_before": ranges_before,
-            "ranges_after": [(r.start, r.stop) for r in pipe.ranges],
-            "forwards": pipe.forwards,
+            "ranges_after": [(r.start, r.stop) for r in ring.ranges],
+            "forwards": ring.forwards,
         }
 
 
@@ -118,7 +117,7 @@ def uint8_clip(chunks: int) -> list[np.ndarray]:
 
 @dataclass(frozen=True)
 class ServiceScenario:
-    """The server's StreamProcessor seam over the pipeline: chunks in, the same chunks' frames out."""
+    """The server's StreamProcessor seam over the ranks (RankFactory): chunks in, the same chunks' frames out."""
 
     chunks: int = 5
     switch_at: int = 3
@@ -132,12 +131,12 @@ class ServiceScenario:
             out.append(stream.process(frames))
         return out
 
-    def __call__(self, pipe: PipelineRuntime) -> dict[str, object]:
-        factory = ParallelFactory(pipe, tiny_pipeline(pipe.rt))
+    def __call__(self, ring: RingRuntime) -> dict[str, object]:
+        factory = RankFactory(ring, tiny_pipeline(ring.rt))
         processor = factory.open(StreamSettings(prompt="oil painting", steps=2, seed=5))
         out = []
         for c, frames in enumerate(uint8_clip(self.chunks)):
             if c == self.switch_at:
                 processor.update(prompt="pencil sketch")
             out.append(processor.process(frames))
-        return {"frames": out, "rebalances": pipe.rebalances, "ranges": [(r.start, r.stop) for r in pipe.ranges]}
+        return {"frames": out, "rebalances": ring.rebalances, "ranges": [(r.start, r.stop) for r in ring.ranges]}

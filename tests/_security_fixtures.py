@@ -14,7 +14,7 @@ import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 from conftest import running_server
 
-from app.server.probe import CodedCamera
+from app.client import CodedCamera
 from app.server.session import SessionManager
 
 REMOTE = "203.0.113.7"  # TEST-NET-3: a client that is not on this machine
@@ -89,10 +89,10 @@ def tiny_factory() -> Any:
     about the service's edge, not the model, and must stay fast."""
     import torch
 
-    from app.server.engine_bridge import PipelineFactory
+    from app.server.engine_bridge import InProcessFactory
 
     torch.set_num_threads(1)
-    return PipelineFactory.load("tiny-random")
+    return InProcessFactory.load("tiny-random")
 
 
 @contextmanager

@@ -9,7 +9,7 @@ import asyncio
 import json
 import sys
 
-from app.server.probe import CodedCamera, open_session
+from app.client import CodedCamera, open_session
 
 
 async def main(url: str) -> None:

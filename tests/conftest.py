@@ -59,10 +59,10 @@ def engine_factory(engine_model: str) -> Any:
     """The real engine pipeline, loaded once per test session."""
     import torch
 
-    from app.server.engine_bridge import PipelineFactory
+    from app.server.engine_bridge import InProcessFactory
 
     torch.set_num_threads(1)
-    return PipelineFactory.load(engine_model)
+    return InProcessFactory.load(engine_model)
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def write_y4m(path: Path, frames: list[np.ndarray], fps: int = 30) -> Path:
 @pytest.fixture(scope="session")
 def camera_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two seconds of moving synthetic video (loops in Chromium's fake camera)."""
-    from app.server.probe import pattern_frame
+    from app.client import pattern_frame
 
     frames = [pattern_frame(i, (320, 240)) for i in range(60)]
     return write_y4m(tmp_path_factory.mktemp("camera") / "camera.y4m", frames)

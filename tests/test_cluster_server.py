@@ -2,7 +2,7 @@
 other worker, and across the death of the worker it then lives on (same session, bounded gap).
 
 Two clients: the page in headless Chromium (the product path), and the aiortc probe the other service
-tests use (app.server.probe), whose frame IDs drawn into the camera frames are carried onto the output
+tests use (app.client), whose frame IDs drawn into the camera frames are carried onto the output
 frames (trace_stamp), so every frame it decodes is traced back to a frame it sent and the time between
 new output frames shows any gap. The browser test only re-homes; the probe test also kills a worker.
 """
@@ -21,10 +21,10 @@ import ray
 from conftest import running_server
 from test_browser_page import CHROMIUM_FLAGS
 
+from app.client import CodedCamera, ProbeSession, http, open_session
 from app.server.app import create_app
 from app.server.config import ServerConfig
 from app.server.engine_bridge import RayFactory
-from app.server.probe import CodedCamera, ProbeSession, http, open_session
 from engine.cluster.controller import ClusterConfig, ClusterController
 
 FRAMES_AFTER = 8  # new output frames the client must see after each event

@@ -14,7 +14,7 @@ import pytest
 from test_browser_page import CHROMIUM_FLAGS
 from test_obs_whip import aio  # noqa: F401  (fixture: an asyncio loop in a thread for aiortc)
 
-from app.server.probe import CodedCamera, http, open_session
+from app.client import CodedCamera, http, open_session
 from engine.serving.credit import Tier
 
 

@@ -11,7 +11,7 @@ from contextlib import AbstractContextManager
 
 from aiortc import AudioStreamTrack, RTCConfiguration, RTCPeerConnection, RTCRtpSender, RTCSessionDescription
 
-from app.server.probe import CodedCamera, OutputProbe, http
+from app.client import CodedCamera, OutputProbe, http
 
 SDP = {"Content-Type": "application/sdp"}
 

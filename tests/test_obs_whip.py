@@ -22,7 +22,7 @@ from aiortc.mediastreams import AudioStreamTrack
 from aiortc.sdp import SessionDescription
 from test_browser_page import CHROMIUM_FLAGS
 
-from app.server.probe import CodedCamera, http
+from app.client import CodedCamera, http
 
 pytestmark = pytest.mark.browser
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import test_browser_page
 
+from app.client import http, pattern_frame
 from app.playground import Controls
-from app.server.probe import http, pattern_frame
 from engine.pipeline import StreamParams
 from engine.video_io import VideoWriter
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from _runtime_fixtures import clip, fidelity, tiny_runtime
 
-from app.server.engine_bridge import PipelineFactory, PipelineProcessor, StreamSettings
+from app.server.engine_bridge import InProcessFactory, InProcessProcessor, StreamSettings
 from engine.models.tiny_vae import TinyVAECache
 from engine.models.wan_dit import (
     CONFIGS,
@@ -237,9 +237,9 @@ def test_update_refuses_a_scale_outside_its_range_and_changes_nothing(pipe: Pipe
 
 
 def test_processor_set_fidelity_runs_the_next_chunk_smaller(pipe: Pipeline) -> None:
-    factory = PipelineFactory(pipe)
+    factory = InProcessFactory(pipe)
     small, full = factory.open(StreamSettings(seed=1)), factory.open(StreamSettings(seed=1))
-    assert isinstance(small, PipelineProcessor) and isinstance(full, PipelineProcessor)
+    assert isinstance(small, InProcessProcessor) and isinstance(full, InProcessProcessor)
     for proc in (small, full):
         proc.process(_moving(1, 0))
     small.set_fidelity(dataclasses.replace(small.fidelity(), resolution_scale=0.5))
@@ -260,10 +260,10 @@ def test_pipeline_parallel_refuses_a_mid_stream_scale_change() -> None:
     from _parallel_fixtures import TinyFactory
 
     from engine.parallel.comm import Channel
-    from engine.parallel.pipeline import PipelineRuntime
+    from engine.parallel.ring import RingRuntime
 
     rt = TinyFactory(layers=2)()
-    ring = PipelineRuntime(rt, Channel(torch.device("cpu")), 1, [range(0, 2)])
+    ring = RingRuntime(rt, Channel(torch.device("cpu")), 1, [range(0, 2)])
     state = ring.open("s", "oil painting", (32, 32), fidelity(steps=1))
     half = dataclasses.replace(state.fidelity, resolution_scale=0.5)
     ring.set_fidelity(state, half)  # before the first chunk nothing is cached yet: allowed

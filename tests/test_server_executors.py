@@ -29,10 +29,10 @@ def engine_factory() -> Any:
     has 4 steps and the bundled tiny-random profile, and they are about scheduling, not pictures."""
     import torch
 
-    from app.server.engine_bridge import PipelineFactory
+    from app.server.engine_bridge import InProcessFactory
 
     torch.set_num_threads(1)
-    return PipelineFactory.load("tiny-random")
+    return InProcessFactory.load("tiny-random")
 
 
 FPS = 8.0

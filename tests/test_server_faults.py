@@ -26,9 +26,9 @@ import pytest
 import websockets
 from _security_fixtures import served, tiny_factory  # noqa: F401
 
-from app.server.engine_bridge import PipelineProcessor, StreamSettings
+from app.client import CodedCamera, http, open_session, pattern_frame
+from app.server.engine_bridge import InProcessProcessor, StreamSettings
 from app.server.frame_path import encode_jpeg
-from app.server.probe import CodedCamera, http, open_session, pattern_frame
 from app.server.session import SessionManager
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,10 +116,10 @@ async def test_killed_webrtc_publisher_is_noticed_by_the_input_watchdog(tiny_fac
     assert 2.0 <= closed_s < 2.0 + 2.0  # the watchdog's timeout, polled 4x per timeout
 
 
-class FailingProcessor(PipelineProcessor):
+class FailingProcessor(InProcessProcessor):
     """The real engine, except that streams whose prompt is "explode" throw from their 3rd chunk on."""
 
-    def __init__(self, inner: PipelineProcessor, explode: bool) -> None:
+    def __init__(self, inner: InProcessProcessor, explode: bool) -> None:
         super().__init__(inner._stream, inner.first_chunk_frames, inner.chunk_frames)
         self.explode = explode
         self.chunks = 0

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
+from app.client import CodedCamera, http, open_session
 from app.server.framecode import MAX_ID
-from app.server.probe import CodedCamera, http, open_session
 
 
 async def test_two_streams_isolated(live_server: Callable[..., AbstractContextManager[str]]) -> None:

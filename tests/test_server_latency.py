@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager
 import numpy as np
 import pytest
 
-from app.server.probe import CodedCamera, http, open_session
+from app.client import CodedCamera, http, open_session
 
 
 async def _wait_for(condition: Callable[[], bool], timeout_s: float) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 
-from app.server.probe import CodedCamera, ProbeSession, http, open_session
+from app.client import CodedCamera, ProbeSession, http, open_session
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +29,10 @@ def engine_factory() -> Any:
     has 4 steps and the bundled tiny-random profile, and they are about scheduling, not pictures."""
     import torch
 
-    from app.server.engine_bridge import PipelineFactory
+    from app.server.engine_bridge import InProcessFactory
 
     torch.set_num_threads(1)
-    return PipelineFactory.load("tiny-random")
+    return InProcessFactory.load("tiny-random")
 
 
 FPS = 4.0  # fixed playout rate = the content rate the policy plans for

@@ -8,8 +8,8 @@ import aioice.ice
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 
+from app.client import CodedCamera
 from app.server.ice import allow_loopback_candidates, strip_candidates
-from app.server.probe import CodedCamera
 from app.server.sdp import OfferError, check_offer
 
 

@@ -1,5 +1,5 @@
 """Block-sparse cached self-attention: the gathered computation equals masked dense attention over the
-kept blocks, sparsity 0 is the dense path, and the runtime, stream batch and pipeline run the knob.
+kept blocks, sparsity 0 is the dense path, and the runtime, stream batch and ring (pipeline ranks) run the knob.
 
 The independent reference is ``F.scaled_dot_product_attention`` over *all* cached keys with a boolean mask
 built here from the selected block indices and the layout's arithmetic (not from ``kept_tokens``).
@@ -27,7 +27,7 @@ from engine.models.wan_dit import (
     select_key_blocks,
 )
 from engine.parallel.comm import Channel
-from engine.parallel.pipeline import PipelineRuntime
+from engine.parallel.ring import RingRuntime
 from engine.streaming.stream_batch import StreamBatch
 
 CFG = CONFIGS["tiny"]
@@ -239,7 +239,7 @@ def test_stream_batch_with_sparse_attention_equals_sequential() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def test_pipeline_groups_rows_by_sparsity_and_matches_the_runtime() -> None:
+def test_ring_groups_rows_by_sparsity_and_matches_the_runtime() -> None:
     """One rank in-process: two streams at different sparsity in one micro-step run as two groups."""
     rt = tiny_runtime(sparse_block_tokens=2)
     chunks = clip(6)
@@ -248,13 +248,13 @@ def test_pipeline_groups_rows_by_sparsity_and_matches_the_runtime() -> None:
     for i, sp in enumerate(levels):
         state = rt.open(f"r{i}", "oil painting", SIZE, sparse_fidelity(sp), seed=4)
         expected.append([rt.step(state, c).frames for c in chunks])
-    pipe = PipelineRuntime(rt, Channel(torch.device("cpu")), 1, [range(CFG.num_layers)])
-    states = [pipe.open(f"p{i}", "oil painting", SIZE, sparse_fidelity(sp), seed=4) for i, sp in enumerate(levels)]
+    ring = RingRuntime(rt, Channel(torch.device("cpu")), 1, [range(CFG.num_layers)])
+    states = [ring.open(f"p{i}", "oil painting", SIZE, sparse_fidelity(sp), seed=4) for i, sp in enumerate(levels)]
     got: dict[str, list[torch.Tensor]] = {s.stream_id: [] for s in states}
     for c in chunks:
-        for state, result in pipe.push(states, [c, c]):
+        for state, result in ring.push(states, [c, c]):
             got[state.stream_id].append(result.frames)
-    for state, result in pipe.drain():
+    for state, result in ring.drain():
         got[state.stream_id].append(result.frames)
     for i, state in enumerate(states):
         for a, b in zip(got[state.stream_id], expected[i], strict=True):

@@ -17,7 +17,7 @@ from pyvirtualcam.camera import BACKENDS
 from pyvirtualcam.util import encode_fourcc
 
 from app.cli import main
-from app.server.probe import CodedCamera, open_session, pattern_frame
+from app.client import CodedCamera, open_session, pattern_frame
 from app.virtualcam import setup_message
 from engine.pipeline import Pipeline, StreamParams
 from engine.video_io import VideoWriter, read_frames

@@ -108,48 +108,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from app.server.app import create_app
+    from app.server.app import serve
     from app.server.config import ServerConfig
     from engine.pipeline import ModelNotAvailableError
 
-    if args.max_streams < 1:
-        raise SystemExit(f"--max-streams must be at least 1, got {args.max_streams}")
+    try:
+        config = ServerConfig.from_args(args)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if args.threads > 0:
         import torch
 
         torch.set_num_threads(args.threads)
-    config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        model=args.model,
-        device=args.device,
-        max_streams=args.max_streams,
-        max_viewers=args.max_viewers,
-        ice_servers=tuple(args.ice_server),
-        ice_username=args.ice_username,
-        ice_credential=args.ice_credential,
-        allow_loopback_candidates=args.allow_loopback_candidates,
-        token=args.token,
-        max_prompt_chars=args.max_prompt_chars,
-        api_token=args.api_token,
-        allowed_origins=tuple(args.allowed_origin),
-        private_viewing=args.private_viewing,
-        max_body_bytes=args.max_body_bytes,
-        max_streams_per_client=args.max_streams_per_client,
-        max_messages_per_s=args.max_messages_per_s,
-        input_timeout_s=args.input_timeout_s,
-        max_fps=args.max_fps,
-        engine_delay_ms=args.engine_delay_ms,
-        engine_step_delay_ms=args.engine_step_delay_ms,
-        policy=args.policy,
-        state_slots=args.state_slots,
-        profile=args.profile,
-        max_batch=args.max_batch,
-        trace_stamp=args.trace_stamp,
-        break_ice=args.break_ice,
-    )
     if (args.ray or args.ray_address) and args.workers < 1:
         raise SystemExit(f"--workers must be at least 1, got {args.workers}")
     if args.gpus != 1:
@@ -157,9 +127,9 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--gpus must be at least 1, got {args.gpus}")
         if args.ray or args.ray_address:
             raise SystemExit("--gpus N (pipeline ranks) cannot be combined with --ray")
-        from engine.parallel.service import serve_parallel
+        from app.server.ranks import serve_ranks
 
-        serve_parallel(config, args.gpus, max(args.threads, 1))
+        serve_ranks(config, args.gpus, max(args.threads, 1))
         return 0
     try:
         factory = None
@@ -167,12 +137,8 @@ def run(args: argparse.Namespace) -> int:
             from app.server.engine_bridge import RayFactory
 
             factory = RayFactory.start(args.model, args.device, args.workers, args.ray_address, max(args.threads, 1))
-        app = create_app(config, factory=factory)
+        serve(config, factory)
     except ModelNotAvailableError as exc:
         log.error("%s", exc)
         return 2
-    log.info("serving on http://%s:%d/", args.host, args.port)
-    # ws_max_size: a WebSocket message over the frame limit closes the socket (1009) before it is buffered.
-    uvicorn.run(app, host=args.host, port=args.port, ws="websockets-sansio", log_level="info",
-                ws_max_size=config.max_frame_bytes + 4096, timeout_graceful_shutdown=10)
     return 0

@@ -18,7 +18,7 @@ from prometheus_client import generate_latest
 from app.dashboard import dashboard_router
 from app.server.config import ServerConfig
 from app.server.control import ControlError, StreamOptions, options_from_query
-from app.server.engine_bridge import PipelineFactory, ProcessorFactory
+from app.server.engine_bridge import InProcessFactory, ProcessorFactory
 from app.server.executors import build_serving_loop
 from app.server.gateway import Gateway
 from app.server.ice import allow_loopback_candidates, browser_ice_servers
@@ -70,7 +70,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     if config.allow_loopback_candidates:
         allow_loopback_candidates()
     if factory is None:
-        factory = PipelineFactory.load(config.model, config.device)
+        factory = InProcessFactory.load(config.model, config.device)
     config = with_model_defaults(config, factory)
     manager = SessionManager(factory, config)
     manager.loop = build_serving_loop(config, factory, manager.executor)
@@ -213,3 +213,15 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
+
+
+def serve(config: ServerConfig, factory: ProcessorFactory | None = None) -> None:
+    """Build the app on ``factory`` (see :func:`create_app`) and serve it until stopped: the one
+    place `diffcast serve` runs uvicorn, in process and in rank 0 of ``--gpus N`` alike."""
+    import uvicorn
+
+    app = create_app(config, factory)
+    log.info("serving on http://%s:%d/", config.host, config.port)
+    # ws_max_size: a WebSocket message over the frame limit closes the socket (1009) before it is buffered.
+    uvicorn.run(app, host=config.host, port=config.port, ws="websockets-sansio", log_level="info",
+                ws_max_size=config.max_frame_bytes + 4096, timeout_graceful_shutdown=10)

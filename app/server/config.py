@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 # The generic (StreamDiffusionV2-style) operating point: stream defaults for a model that names none.
 GENERIC_NOISE_SCALE = 0.8
 GENERIC_STEPS = 2
-
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,44 @@ class ServerConfig:
         "charcoal drawing",
         "claymation",
     )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerConfig:
+        """The config `diffcast serve`'s flags describe (app/commands/serve.py adds them); the engine
+        launch flags (--gpus, --ray, --workers, --threads) are the command's own. Raises ValueError
+        with a plain-words message for a value out of range."""
+        if args.max_streams < 1:
+            raise ValueError(f"--max-streams must be at least 1, got {args.max_streams}")
+        return cls(
+            host=args.host,
+            port=args.port,
+            model=args.model,
+            device=args.device,
+            max_streams=args.max_streams,
+            max_viewers=args.max_viewers,
+            ice_servers=tuple(args.ice_server),
+            ice_username=args.ice_username,
+            ice_credential=args.ice_credential,
+            allow_loopback_candidates=args.allow_loopback_candidates,
+            token=args.token,
+            max_prompt_chars=args.max_prompt_chars,
+            api_token=args.api_token,
+            allowed_origins=tuple(args.allowed_origin),
+            private_viewing=args.private_viewing,
+            max_body_bytes=args.max_body_bytes,
+            max_streams_per_client=args.max_streams_per_client,
+            max_messages_per_s=args.max_messages_per_s,
+            input_timeout_s=args.input_timeout_s,
+            max_fps=args.max_fps,
+            engine_delay_ms=args.engine_delay_ms,
+            engine_step_delay_ms=args.engine_step_delay_ms,
+            policy=args.policy,
+            state_slots=args.state_slots,
+            profile=args.profile,
+            max_batch=args.max_batch,
+            trace_stamp=args.trace_stamp,
+            break_ice=args.break_ice,
+        )
 
     def stream_defaults(self) -> tuple[float, int]:
         """(noise scale, steps) for a stream whose client gives none: the configured (or, after

@@ -1,4 +1,8 @@
-"""The small protocol the frame path drives, and its adapter over `engine.pipeline`.
+"""The small protocol the frame path drives, and its adapters over the engines.
+
+Three engines sit behind it: in process (`InProcessFactory`, over `engine.pipeline`), the DiT split
+over pipeline ranks (`RankFactory`, over `engine.parallel.ring`, for `diffcast serve --gpus N`) and
+Ray worker actors (`RayFactory`, over `engine.cluster`).
 
 The server never touches torch: it hands uint8 RGB chunks to a `StreamProcessor` on the one
 engine thread and gets uint8 RGB chunks back. Keeping this seam narrow lets the frame path be
@@ -8,16 +12,22 @@ exercised with the real tiny model in tests and lets other engines plug in.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from engine.serving.fidelity import FidelityConfig
+
+if TYPE_CHECKING:
+    from engine.parallel.ring import RingRuntime
+    from engine.pipeline import Pipeline, StreamParams
+    from engine.streaming.state import StreamState
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +148,7 @@ class StepProcessor(Protocol):
     def offloaded(self) -> bool: ...
 
 
-class PipelineProcessor:
+class InProcessProcessor:
     """A `StepProcessor` over one `engine.pipeline` stream and its runtime's chunk stages."""
 
     def __init__(self, stream: Any, first_chunk_frames: int, chunk_frames: int) -> None:
@@ -253,7 +263,7 @@ class PipelineProcessor:
         self._parked = None
 
 
-class PipelineFactory:
+class InProcessFactory:
     """Opens streams on one loaded `engine.pipeline.Pipeline`."""
 
     per_chunk_fidelity = True  # its processors are StepProcessors
@@ -262,7 +272,7 @@ class PipelineFactory:
         self._pipe = pipeline
 
     @classmethod
-    def load(cls, model: str | None, device: str = "cpu") -> PipelineFactory:
+    def load(cls, model: str | None, device: str = "cpu") -> InProcessFactory:
         from engine.pipeline import Pipeline
 
         t0 = time.perf_counter()
@@ -284,7 +294,126 @@ class PipelineFactory:
         from engine.pipeline import StreamParams
 
         stream = self._pipe.open_stream(StreamParams(**asdict(settings)))
-        return PipelineProcessor(stream, int(self._pipe.first_chunk_frames), int(self._pipe.chunk_frames))
+        return InProcessProcessor(stream, int(self._pipe.first_chunk_frames), int(self._pipe.chunk_frames))
+
+
+class RankProcessor:
+    """One stream on the pipeline ranks (a `StreamProcessor`); every call runs on the engine thread.
+
+    The seam is synchronous (one chunk in, the same chunk's frames out), so each ``process`` call
+    pushes its chunk and drains the ring: streams are served correctly through the ranks, but
+    micro-steps of different calls do not overlap yet (no throughput gain over one rank until the
+    frame path can take chunks back later than it hands them in).
+    """
+
+    def __init__(self, factory: RankFactory, params: StreamParams) -> None:
+        self._factory = factory
+        self.params = params
+        self.id = uuid.uuid4().hex
+        self.state = factory.open_state(self.id, params)
+
+    @property
+    def first_chunk_frames(self) -> int:
+        return int(self._factory.pipeline.first_chunk_frames)
+
+    @property
+    def chunk_frames(self) -> int:
+        return int(self._factory.pipeline.chunk_frames)
+
+    def process(self, frames: np.ndarray) -> np.ndarray:
+        from engine.frames import frames_to_tensor, tensor_to_frames
+
+        self._factory.close_dropped()
+        expected = self.chunk_frames if self.state.chunks else self.first_chunk_frames
+        ring = self._factory.ring
+        done = ring.push([self.state], [frames_to_tensor(frames, expected)]) + ring.drain()
+        mine = [result for state, result in done if state is self.state]
+        if len(mine) != 1:
+            raise RuntimeError(f"the pipeline returned {len(mine)} chunks for stream {self.id}, expected 1")
+        return tensor_to_frames(mine[0].frames)
+
+    def update(self, **changes: Any) -> None:
+        """The controls of `engine.pipeline.Stream.update`; a step-count change restarts the stream
+        (the ring keeps one KV cache per step on every rank)."""
+        from engine.sampling import NoiseSource
+
+        transition_chunks = int(changes.pop("transition_chunks", 0))
+        refresh_sinks = bool(changes.pop("refresh_sinks", False))
+        changes = {k: v for k, v in changes.items() if v is not None}
+        if isinstance(changes.get("prompt"), list):
+            changes["prompt"] = tuple(changes["prompt"])
+        if "prompt" in changes:
+            changes.setdefault("prompt_weights", None)
+        if changes.get("prompt_weights") is not None:
+            changes["prompt_weights"] = tuple(changes["prompt_weights"])
+        seed = changes.get("seed")
+        new = self.params.with_(**changes)  # validates
+        pipeline, ring = self._factory.pipeline, self._factory.ring
+        fidelity = pipeline.fidelity_for(new)
+        ring.rt.check_fidelity(fidelity)
+        if new.steps != self.params.steps:
+            self.params = new
+            self.reset()
+            return
+        if {"prompt", "prompt_weights", "blend_mode"} & changes.keys():
+            ring.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
+                            transition_chunks=transition_chunks, refresh_sinks=refresh_sinks)
+        ring.set_fidelity(self.state, fidelity)
+        self.state.noise_scale = new.noise_scale
+        self.state.stabilize = new.stabilize
+        if seed is not None and seed != self.params.seed:
+            self.state.noise = NoiseSource(seed)
+        self.params = new
+
+    def reset(self) -> None:
+        self._factory.ring.close_stream(self.state)
+        self.state = self._factory.open_state(self.id, self.params)
+
+
+class RankFactory:
+    """Opens streams on a running :class:`engine.parallel.ring.RingRuntime` (rank 0 of
+    `diffcast serve --gpus N`, app/server/ranks.py); ``pipeline`` is the same model loaded in this
+    rank, for its default size, chunk lengths and fidelity mapping."""
+
+    def __init__(self, ring: RingRuntime, pipeline: Pipeline) -> None:
+        self.ring = ring
+        self.pipeline = pipeline
+        self._states: dict[str, StreamState] = {}
+        self._dropped: list[str] = []
+        self._lock = threading.Lock()
+
+    @property
+    def size(self) -> tuple[int, int]:
+        width, height = self.pipeline.default_size
+        return int(width), int(height)
+
+    def open(self, settings: StreamSettings) -> RankProcessor:
+        from engine.pipeline import StreamParams
+
+        processor = RankProcessor(self, StreamParams(prompt=settings.prompt, noise_scale=settings.noise_scale,
+                                                     steps=settings.steps, seed=settings.seed,
+                                                     stabilize=settings.stabilize))
+        # The processor protocol has no close: a dropped session's stream leaves the ranks at the next
+        # chunk of any stream (on the engine thread, never from the garbage collector's thread).
+        weakref.finalize(processor, self._drop, processor.id)
+        return processor
+
+    def open_state(self, stream_id: str, params: StreamParams) -> StreamState:
+        state = self._states[stream_id] = self.ring.open(
+            stream_id, list(params.prompts), params.size or self.pipeline.default_size,
+            self.pipeline.fidelity_for(params), seed=params.seed, weights=params.prompt_weights,
+            blend_mode=params.blend_mode, noise_scale=params.noise_scale, stabilize=params.stabilize)
+        return state
+
+    def close_dropped(self) -> None:
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        for stream_id in dropped:
+            self.ring.close_stream(self._states.pop(stream_id))
+
+    def _drop(self, stream_id: str) -> None:
+        with self._lock:
+            self._dropped.append(stream_id)
 
 
 class RayProcessor:

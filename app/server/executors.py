@@ -3,7 +3,7 @@
 The core decides; an executor carries the decision out on a real engine and tells the core when the
 step is over. Here:
 
-* ``StepExecutor`` — the in-process engine (`PipelineFactory`, one worker): every ``Work`` is ONE
+* ``StepExecutor`` — the in-process engine (`InProcessFactory`, one worker): every ``Work`` is ONE
   denoising step of one or more streams' chunks on the engine thread. A new chunk takes its input
   from the stream's assembler and enters (encode, noise) first; the last step decodes and
   stabilises. Streams whose steps the policy groups share one forward (split by cache fill level);

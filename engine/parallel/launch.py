@@ -1,10 +1,10 @@
 """Spawning the pipeline ranks: one process per rank, torch.distributed on this machine.
 
-``run_pipeline(factory, program, world)`` starts ``world`` processes (torch.multiprocessing, spawn),
+``run_ring(factory, program, world)`` starts ``world`` processes (torch.multiprocessing, spawn),
 joins them into a process group (NCCL on GPUs, gloo on CPU; rendezvous through a file, gloo's
 connections on the loopback interface with ports the OS picks), builds the model in each from
 ``factory`` (a picklable callable: device -> StreamRuntime), runs ``program`` on rank 0 with the
-:class:`PipelineRuntime` while ranks 1..N-1 serve their stages, and returns what ``program``
+:class:`RingRuntime` while ranks 1..N-1 serve their stages, and returns what ``program``
 returned. Every rank builds the same model from the same factory, so weights agree without a
 broadcast (random test models seed themselves).
 """
@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from engine.parallel.comm import Channel
 from engine.parallel.partition import even_ranges
-from engine.parallel.pipeline import PipelineOptions, PipelineRuntime
+from engine.parallel.ring import RingOptions, RingRuntime
 from engine.parallel.stage import StageWorker
 from engine.streaming.runtime import StreamRuntime
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RuntimeFactory = Callable[[torch.device], StreamRuntime]
-Program = Callable[[PipelineRuntime], Any]
+Program = Callable[[RingRuntime], Any]
 
 
 _LOADED: dict[tuple[str | None, str], Pipeline] = {}
@@ -45,7 +45,7 @@ _LOADED: dict[tuple[str | None, str], Pipeline] = {}
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """Factory for :func:`run_pipeline`: ``Pipeline.load(model)``'s runtime on the rank's device.
+    """Factory for :func:`run_ring`: ``Pipeline.load(model)``'s runtime on the rank's device.
 
     The loaded :class:`Pipeline` stays reachable in the rank's process through
     :func:`loaded_pipeline` (the service needs its default size and chunk lengths).
@@ -87,11 +87,11 @@ def check_world(world: int, device: str) -> None:
             raise ValueError(f"{world} GPU ranks asked for but only {torch.cuda.device_count()} GPUs are visible")
 
 
-def run_pipeline(factory: RuntimeFactory, program: Program, world: int, device: str = "cpu",
-                 options: PipelineOptions | None = None, threads: int = 1, timeout_s: float = 300.0) -> Any:
-    """Run ``program(pipeline)`` on rank 0 of a fresh ``world``-rank pipeline; returns its result."""
+def run_ring(factory: RuntimeFactory, program: Program, world: int, device: str = "cpu",
+             options: RingOptions | None = None, threads: int = 1, timeout_s: float = 300.0) -> Any:
+    """Run ``program(ring)`` on rank 0 of a fresh ``world``-rank ring; returns its result."""
     check_world(world, device)
-    options = options or PipelineOptions()
+    options = options or RingOptions()
     with tempfile.TemporaryDirectory(prefix="diffcast-pipeline-") as tmp:
         result_path = Path(tmp) / "result.pt"
         ranks = mp.start_processes(
@@ -127,7 +127,7 @@ def _stop_ranks(processes: list[Any], grace_s: float = 10.0) -> None:
 
 
 def _rank_main(rank: int, world: int, store_path: str, factory: RuntimeFactory, program: Program, device: str,
-               options: PipelineOptions, threads: int, timeout_s: float, result_path: str) -> None:
+               options: RingOptions, threads: int, timeout_s: float, result_path: str) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo on the loopback interface
@@ -150,9 +150,9 @@ def _rank_main(rank: int, world: int, store_path: str, factory: RuntimeFactory, 
                   else even_ranges(num_blocks, world))
         channel = Channel(dev)
         if rank == 0:
-            pipe = PipelineRuntime(runtime, channel, world, ranges, options)
-            result = program(pipe)
-            pipe.shutdown()
+            ring = RingRuntime(runtime, channel, world, ranges, options)
+            result = program(ring)
+            ring.shutdown()
             buf = io.BytesIO()
             torch.save(result, buf)
             Path(result_path).write_bytes(buf.getvalue())

@@ -3,7 +3,7 @@
 :class:`Stage` runs a micro-step through the rank's blocks (rank 0 also embeds, the last rank also
 runs the head, x̂₀, re-noise and VAE decode) and moves blocks on a rebalance; :class:`StageWorker`
 is the loop of ranks 1..N-1. The schedule and the driver on rank 0 are in
-:mod:`engine.parallel.pipeline`.
+:mod:`engine.parallel.ring`.
 """
 
 from __future__ import annotations

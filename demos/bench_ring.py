@@ -9,8 +9,8 @@ micro-step. The single-process engine (``StreamRuntime.step``, one thread) is th
 On a CPU machine the ranks share the cores, so more ranks cannot compute more: what this measures
 there is the pipeline's overhead (serialisation, gloo transfers, process contention), not speed-up.
 
-    .venv/bin/python demos/bench_pipeline.py                 # 1 -> 2 -> 4 ranks, CPU
-    .venv/bin/python demos/bench_pipeline.py --ranks 1 2 --chunks 16 --json
+    .venv/bin/python demos/bench_ring.py                 # 1 -> 2 -> 4 ranks, CPU
+    .venv/bin/python demos/bench_ring.py --ranks 1 2 --chunks 16 --json
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 from engine.models.wan_dit import CONFIGS, CausalWanDiT  # noqa: E402
 from engine.models.wan_vae import WanVAE, WanVAEConfig  # noqa: E402
-from engine.parallel.launch import run_pipeline  # noqa: E402
+from engine.parallel.launch import run_ring  # noqa: E402
 from engine.parallel.partition import stage_times  # noqa: E402
-from engine.parallel.pipeline import PipelineOptions, PipelineRuntime  # noqa: E402
+from engine.parallel.ring import RingOptions, RingRuntime  # noqa: E402
 from engine.sampling import STREAMDIFFUSION_V2  # noqa: E402
 from engine.serving.fidelity import FidelityConfig  # noqa: E402
 from engine.streaming.config import RuntimeConfig  # noqa: E402
@@ -93,28 +93,28 @@ class BenchProgram:
     size: int
     steps: int
 
-    def __call__(self, pipe: PipelineRuntime) -> dict[str, Any]:
-        state = pipe.open("bench", "oil painting", (self.size, self.size),
+    def __call__(self, ring: RingRuntime) -> dict[str, Any]:
+        state = ring.open("bench", "oil painting", (self.size, self.size),
                           FidelityConfig(steps=self.steps, kv_window_frames=6, precision="fp32"))
         inputs = clip(self.warmup + self.chunks, self.size)
         for frames in inputs[: self.warmup]:
-            pipe.push([state], [frames])
-        forwards = pipe.forwards
+            ring.push([state], [frames])
+        forwards = ring.forwards
         out_frames = 0
         t0 = time.perf_counter()
         for frames in inputs[self.warmup :]:
-            out_frames += sum(r.frames.shape[1] for _, r in pipe.push([state], [frames]))
+            out_frames += sum(r.frames.shape[1] for _, r in ring.push([state], [frames]))
         elapsed = time.perf_counter() - t0
-        sched = pipe.scheduler
-        stages = stage_times(pipe.ranges, sched.block_costs or [], sched.fixed_costs or []) if sched.block_costs else []
+        sched = ring.scheduler
+        stages = stage_times(ring.ranges, sched.block_costs or [], sched.fixed_costs or []) if sched.block_costs else []
         return {
-            "ranks": pipe.world,
-            "depth": pipe.depth,
-            "rebalances": pipe.rebalances,
+            "ranks": ring.world,
+            "depth": ring.depth,
+            "rebalances": ring.rebalances,
             "fps": out_frames / elapsed,
             "ms_per_chunk": 1000 * elapsed / self.chunks,
-            "forwards": pipe.forwards - forwards,
-            "ranges": [(r.start, r.stop) for r in pipe.ranges],
+            "forwards": ring.forwards - forwards,
+            "ranges": [(r.start, r.stop) for r in ring.ranges],
             "stage_ms": [round(1000 * t, 1) for t in stages],  # the scheduler's smoothed estimates
         }
 
@@ -162,8 +162,8 @@ def main() -> int:
         if world == 0:
             rows.append(baseline(model, program))
         else:
-            options = PipelineOptions(rebalance_every=args.rebalance_every)
-            rows.append(run_pipeline(model, program, world, device=args.device, options=options))
+            options = RingOptions(rebalance_every=args.rebalance_every)
+            rows.append(run_ring(model, program, world, device=args.device, options=options))
     setup = {"device": args.device, "layers": args.layers, "dim": args.dim, "size": args.size, "steps": args.steps,
              "chunks": args.chunks, "sink_refresh": args.sink_refresh, "rebalance_every": args.rebalance_every, "threads_per_rank": 1}
     if args.json:

@@ -1,7 +1,7 @@
 """Pipeline-parallel DiT over gloo CPU ranks: outputs equal the single-process engine's.
 
 The reference is :meth:`StreamRuntime.step` chunk after chunk in this process (same tiny random
-model, seeds and inputs); the pipeline spawns real ranks (torch.multiprocessing, 127.0.0.1, a free
+model, seeds and inputs); the ring spawns real ranks (torch.multiprocessing, 127.0.0.1, a free
 port) that split the blocks, pass activations with isend/recv and move blocks on a rebalance.
 Batched rows vs. single-row forwards differ by fp32 rounding only, hence atol 1e-5.
 """
@@ -20,8 +20,8 @@ from _parallel_fixtures import (
 from _runtime_fixtures import clip, fidelity
 
 from engine.models.wan_dit import CONFIGS, CausalWanDiT
-from engine.parallel.launch import run_pipeline
-from engine.parallel.pipeline import PipelineOptions
+from engine.parallel.launch import run_ring
+from engine.parallel.ring import RingOptions
 
 
 def assert_same_streams(expected: dict[str, list[torch.Tensor]], got: dict[str, list[torch.Tensor]]) -> None:
@@ -66,7 +66,7 @@ def test_two_ranks_match_single_process_with_switch_and_rebalance() -> None:
     scenario = Scenario(chunks=9, steps=2, switch_at=4, rebalance_at=6, rebalance_to=((0, 1), (1, 4)))
     expected, refreshes = scenario.reference(factory())
     assert refreshes["s0"] > 0  # the sink decisions matter in this run
-    got = run_pipeline(factory, scenario, world=2, options=PipelineOptions(weights="own"))
+    got = run_ring(factory, scenario, world=2, options=RingOptions(weights="own"))
     assert got["ranges_before"] == [(0, 2), (2, 4)] and got["ranges_after"] == [(0, 1), (1, 4)]
     assert got["sink_refreshes"] == refreshes
     assert_same_streams(expected, got["frames"])
@@ -81,7 +81,7 @@ def test_four_ranks_overlap_and_match_single_process() -> None:
                         rebalance_to=((0, 1), (1, 2), (2, 3), (3, 6)))
     expected, refreshes = scenario.reference(factory())
     assert refreshes == {"s0": 1, "s1": 0}
-    got = run_pipeline(factory, scenario, world=4)
+    got = run_ring(factory, scenario, world=4)
     assert got["depth"] == 4
     assert got["ranges_before"] == [(0, 2), (2, 4), (4, 5), (5, 6)]
     assert got["sink_refreshes"] == refreshes
@@ -90,16 +90,16 @@ def test_four_ranks_overlap_and_match_single_process() -> None:
     assert got["forwards"] == 9 + 4
 
 
-def test_pipeline_rejects_bad_ranges() -> None:
+def test_ring_rejects_bad_ranges() -> None:
     rt = TinyFactory(layers=4)()
     from engine.parallel.comm import Channel
-    from engine.parallel.pipeline import PipelineRuntime
+    from engine.parallel.ring import RingRuntime
 
     with pytest.raises(ValueError, match="rank 1 has range\\(3, 4\\)"):
-        PipelineRuntime(rt, Channel(torch.device("cpu")), 2, [range(0, 2), range(3, 4)])
-    pipe = PipelineRuntime(rt, Channel(torch.device("cpu")), 1, [range(0, 4)])
-    state = pipe.open("s", "oil painting", (32, 32), fidelity(steps=2))
-    pipe.push([state], [clip(1)[0]])
-    pipe.set_fidelity(state, fidelity(steps=1))
+        RingRuntime(rt, Channel(torch.device("cpu")), 2, [range(0, 2), range(3, 4)])
+    ring = RingRuntime(rt, Channel(torch.device("cpu")), 1, [range(0, 4)])
+    state = ring.open("s", "oil painting", (32, 32), fidelity(steps=2))
+    ring.push([state], [clip(1)[0]])
+    ring.set_fidelity(state, fidelity(steps=1))
     with pytest.raises(ValueError, match="changed its step count to 1"):
-        pipe.push([state], [clip(2)[1]])
+        ring.push([state], [clip(2)[1]])

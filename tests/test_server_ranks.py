@@ -19,8 +19,8 @@ from _parallel_fixtures import (
     one_thread,  # noqa: F401  (autouse fixture)
 )
 
-from engine.parallel.launch import run_pipeline
-from engine.parallel.pipeline import PipelineOptions
+from engine.parallel.launch import run_ring
+from engine.parallel.ring import RingOptions
 
 
 def test_processor_over_two_ranks_matches_the_pipeline_api() -> None:
@@ -29,7 +29,7 @@ def test_processor_over_two_ranks_matches_the_pipeline_api() -> None:
     factory = TinyFactory(layers=4, sink_refresh=True)
     scenario = ServiceScenario(chunks=5, switch_at=3)
     expected = scenario.reference(factory())
-    result = run_pipeline(factory, scenario, world=2, options=PipelineOptions(rebalance_every=1, min_gain=0.0))
+    result = run_ring(factory, scenario, world=2, options=RingOptions(rebalance_every=1, min_gain=0.0))
     got = result["frames"]
     assert result["rebalances"] >= 1  # VAE decode makes the last stage slower: blocks moved (7 in a trial run)
     assert [g.shape for g in got] == [e.shape for e in expected]
@@ -68,7 +68,7 @@ async def test_serve_gpus_streams_through_two_cpu_ranks(tmp_path: Path) -> None:
     frames back (trace-stamped IDs prove they are its own frames), SIGTERM stops every rank."""
     from conftest import free_port
 
-    from app.server.probe import CodedCamera, http, open_session
+    from app.client import CodedCamera, http, open_session
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -22,7 +22,7 @@ make just their micro-steps barriers. Each rank adds its blocks' partial dot pro
 the message; the last rank decides and the decision travels with the next micro-step.
 
 Each rank owns the KV caches (and the prompt cross-attention K/V) of its own blocks for every stream.
-:meth:`PipelineRuntime.rebalance` drains the ring, then moves blocks between ranks with P2P: their
+:meth:`RingRuntime.rebalance` drains the ring, then moves blocks between ranks with P2P: their
 KV caches, and their weights when ranks hold only their own blocks (``weights="own"``). A rank's
 compute and its share of the state live in :mod:`engine.parallel.stage`; see docs/parallel.md.
 """
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class PipelineOptions:
+class RingOptions:
     """How the ranks split the model.
 
     weights: "all" = every rank keeps the whole DiT (a rebalance moves only KV caches); "own" = a rank
@@ -87,7 +87,7 @@ class _Slot:
         return self.chunk.state
 
 
-class PipelineRuntime:
+class RingRuntime:
     """Rank 0's side: streams enter here, micro-steps leave for the ring, finished chunks come back.
 
     Same controls as :class:`StreamRuntime` (``open``, ``set_prompt``, ``set_fidelity``); chunks go in
@@ -96,7 +96,7 @@ class PipelineRuntime:
     """
 
     def __init__(self, runtime: StreamRuntime, channel: Channel, world: int, ranges: Sequence[range],
-                 options: PipelineOptions = PipelineOptions()) -> None:
+                 options: RingOptions = RingOptions()) -> None:
         if runtime.config.cache_mode != "per-step":
             raise ValueError("the pipeline needs cache_mode='per-step' (one KV cache per denoising step)")
         self.rt = runtime

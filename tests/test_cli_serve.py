@@ -1,0 +1,73 @@
+"""`diffcast serve`: its flags become one ServerConfig, and every engine runs behind the same server."""
+
+from __future__ import annotations
+
+import signal
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from app.cli import build_parser
+from app.server.config import ServerConfig
+
+
+def test_flag_defaults_are_the_config_defaults() -> None:
+    """A flag whose default drifts from its ServerConfig field would make `diffcast serve` and the
+    tests run different servers."""
+    args = build_parser().parse_args(["serve"])
+    assert ServerConfig.from_args(args) == ServerConfig()
+
+
+def test_repeatable_flags_become_tuples() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--ice-server", "stun:a:3478", "--ice-server", "turn:b:3478", "--allowed-origin", "https://x.org",
+         "--policy", "fifo", "--max-batch", "2", "--trace-stamp"]
+    )
+    config = ServerConfig.from_args(args)
+    assert config.ice_servers == ("stun:a:3478", "turn:b:3478")
+    assert config.allowed_origins == ("https://x.org",)
+    assert (config.policy, config.max_batch, config.trace_stamp) == ("fifo", 2, True)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--max-streams", "0"], "--max-streams must be at least 1, got 0"),
+     (["--state-slots", "-1"], "state_slots must be >= 0, got -1")],
+)
+def test_bad_values_exit_with_a_plain_message(argv: list[str], message: str) -> None:
+    args = build_parser().parse_args(["serve", *argv])
+    with pytest.raises(SystemExit, match=message):
+        args._run(args)
+
+
+def test_rank_zero_runs_the_same_server(monkeypatch: pytest.MonkeyPatch, engine_factory: Any) -> None:
+    """`--gpus N` and the single-process path both reach uvicorn through `app.server.app.serve`, with
+    the same options (WebSocket frame limit, graceful shutdown). The ranks are not spawned here: the
+    rank-0 program runs in this process on a stand-in ring."""
+    import uvicorn
+
+    import app.server.ranks as ranks
+    from app.server.app import serve
+    from app.server.engine_bridge import RankFactory
+
+    runs: list[tuple[Any, dict[str, Any]]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: runs.append((app, options)))
+    monkeypatch.setattr(ranks, "loaded_pipeline", lambda model, device: engine_factory.pipeline)
+    ring = SimpleNamespace(rt=SimpleNamespace(device="cpu"), world=2)
+    monkeypatch.setattr(ranks, "run_ring", lambda factory, program, world, **options: program(ring))
+    config = ServerConfig(port=9123, max_frame_bytes=1 << 16)
+
+    serve(config, engine_factory)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        ranks.serve_ranks(config, 2)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+    (single_app, single), (rank_app, rank) = runs
+    assert single == rank
+    assert single["port"] == 9123 and single["ws_max_size"] == (1 << 16) + 4096
+    assert single["timeout_graceful_shutdown"] == 10
+    assert isinstance(rank_app.state.manager.factory, RankFactory)
+    assert rank_app.state.manager.factory.ring is ring
