@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--profile", default=None, metavar="FILE",
-        help="fidelity profile for --policy slack (default: the bundled one; write one with `diffcast profile`)",
+        help="fidelity profile the policy plans with (default: the bundled one; write one with `diffcast profile`)",
     )
     parser.add_argument("--max-batch", type=int, default=4, help="most streams per batched forward (default 4)")
     parser.add_argument(
