@@ -17,7 +17,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Hashable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -191,6 +191,8 @@ class InProcessProcessor:
         return config
 
     def set_fidelity(self, config: FidelityConfig) -> None:
+        # How many streams share a forward, and on how many devices, is the executor's business.
+        config = replace(config, stream_batch=1, gpus=1)
         if config != self.fidelity():
             self._stream.set_fidelity(config)
 

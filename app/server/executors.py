@@ -433,9 +433,12 @@ def live_policy_config(name: str, max_batch: int, step_wise: bool) -> PolicyConf
     whole chunks behind ``process`` (Ray, ranks) keep each stream's own fidelity, unbatched, with no
     step preemption: those need the step-wise executor."""
     preset = resolve_preset(name)
-    batch = preset.max_batch
-    if preset.bmpr or preset.ordering is Ordering.FIFO:
-        batch = max(1, min(max_batch, max(batch, max_batch if preset.bmpr else batch)))
+    if preset.bmpr:
+        batch = max_batch  # cross-user batches of streams routed to the same point
+    elif preset.ordering is Ordering.FIFO:
+        batch = min(preset.max_batch, max_batch)  # StreamDiffusionV2's stream batching
+    else:
+        batch = preset.max_batch
     live = replace(preset, gpus_per_worker=1, max_batch=batch, rehoming=False)
     if not step_wise:
         live = replace(live, bmpr=False, step_preemption=False, max_batch=1)
