@@ -58,13 +58,16 @@ def default_model() -> str:
 
 
 @contextmanager
-def server_process(model: str, port: int, threads: int, max_streams: int) -> Iterator[str]:
+def server_process(model: str, port: int, threads: int, max_streams: int, device: str = "cpu",
+                   profile: str | None = None) -> Iterator[str]:
     command = [
         sys.executable, "-m", "app.cli", "serve", "--model", model, "--port", str(port),
         "--allow-loopback-candidates", "--trace-stamp", "--max-streams", str(max_streams),
         "--max-streams-per-client", str(max_streams),  # every client here comes from 127.0.0.1
-        "--threads", str(threads),
+        "--threads", str(threads), "--device", device,
     ]
+    if profile is not None:
+        command += ["--profile", profile]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -154,6 +157,8 @@ def main() -> int:
     parser.add_argument("--fps", type=float, default=30.0, help="camera frame rate of each client")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in the server")
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--device", default="cpu", help="the server's torch device (default cpu)")
+    parser.add_argument("--profile", default=None, help="fidelity profile for the server's policy (default: bundled)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -161,7 +166,7 @@ def main() -> int:
     allow_loopback_candidates()  # the clients run on the same machine as the server
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     results = []
-    with server_process(model, args.port, args.threads, max(args.streams)) as url:
+    with server_process(model, args.port, args.threads, max(args.streams), args.device, args.profile) as url:
         for count in args.streams:
             results.append(asyncio.run(run_streams(url, count, args.seconds, args.fps)))
     if args.json:

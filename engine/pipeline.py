@@ -2,7 +2,7 @@
 
     from engine.pipeline import Pipeline, StreamParams
 
-    pipe = Pipeline.load()                        # the embedded default model (or a path, or "tiny-random")
+    pipe = Pipeline.load()                        # the embedded default model (or a path, "tiny-random", "random:...")
     stream = pipe.open_stream(StreamParams(prompt="oil painting", steps=2, noise_scale=0.8, seed=0))
     out = stream.process(frames)                  # uint8 [T, H, W, 3] RGB -> uint8 [T, h, w, 3] RGB
     stream.update(prompt="pencil sketch", transition_chunks=2)   # no restart
@@ -176,6 +176,8 @@ class Pipeline:
     @classmethod
     def load(cls, model: str | Path | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Pipeline:
         """``None``: the embedded default; ``"tiny-random"``: a tiny random-weight model (tests);
+        ``"random:wan2.1-1.3b"`` / ``"random:wan2.1-14b"`` / ``"random:tiny"``: the Wan 2.1 architecture
+        with random weights and no download (engine/random_model.py; on ``device="meta"`` shapes only);
         a ``.safetensors`` file with a ``.json`` beside it (diffcast format); or a model directory
         with a ``diffcast.json`` manifest pointing at real Wan/CausVid/StreamDiffusionV2 files."""
         if model is None or str(model) == "default":
@@ -188,13 +190,16 @@ class Pipeline:
             return _load_diffcast_file(DEFAULT_MODEL, device, dtype)
         if str(model) == "tiny-random":
             return _tiny_random(device, dtype)
+        if str(model).startswith("random:"):
+            return _random_weights(str(model), device, dtype)
         path = Path(model)
         if path.is_file() and path.suffix == ".safetensors" and path.with_suffix(".json").is_file():
             return _load_diffcast_file(path, device, dtype)
         if path.is_dir() and (path / "diffcast.json").is_file():
             return _load_manifest(path, device, dtype)
         raise ModelNotAvailableError(
-            f"cannot load model {model!r}: expected 'default', 'tiny-random', a diffcast .safetensors file "
+            f"cannot load model {model!r}: expected 'default', 'tiny-random', 'random:wan2.1-1.3b' (or another "
+            "random: model), a diffcast .safetensors file "
             "with its .json beside it, or a directory with a diffcast.json manifest (see docs/api.md)"
         )
 
@@ -380,6 +385,34 @@ def _tiny_random(device: str, dtype: torch.dtype) -> Pipeline:
     text = load_text_encoder("minilm", device=device)
     runtime = RuntimeConfig()
     return Pipeline(dit, vae, text, STREAMDIFFUSION_V2, runtime, (128, 128), "tiny-random")
+
+
+def _random_weights(spec: str, device: str, dtype: torch.dtype) -> Pipeline:
+    """A ``random:`` model: the real Wan 2.1 DiT and VAE at full size with random weights, the hashed
+    umT5-shaped text stand-in, StreamDiffusionV2's recipe (the manifest defaults) at the model's size.
+
+    Refused up front, before anything is allocated, where the weights do not fit the device's free memory.
+    """
+    from engine.devices import available_memory_bytes, resolve_device
+    from engine.random_model import build_dit, build_vae, materialise_problem, random_model
+    from engine.text import CachedTextEncoder, HashedTextEncoder
+
+    try:
+        model = random_model(spec)
+        if torch.device(device).type == "cuda":
+            resolve_device(str(device))  # a clear error where CUDA is missing
+    except (KeyError, ValueError) as exc:
+        raise ModelNotAvailableError(exc.args[0]) from None
+    problem = materialise_problem(model, dtype, available_memory_bytes(device), str(device))
+    if problem is not None:
+        raise ModelNotAvailableError(problem)
+    dit = build_dit(model.dit, device, dtype)
+    vae = build_vae(model.vae, device, dtype)
+    # The stand-in's rows go where the DiT reads them (meta has no data: the text stays on the CPU there).
+    text_device = "cpu" if torch.device(device).type == "meta" else device
+    text = CachedTextEncoder(HashedTextEncoder(model.dit.text_dim, model.dit.text_len, text_device))
+    log.info("built %s with random weights (%s on %s)", spec, dtype, device)
+    return Pipeline(dit, vae, text, STREAMDIFFUSION_V2, RuntimeConfig(), model.size, spec)
 
 
 def _runtime_from_json(data: dict[str, Any]) -> RuntimeConfig:

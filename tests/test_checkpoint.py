@@ -268,4 +268,4 @@ def test_config_cannot_be_guessed_for_unknown_shapes(tmp_path):
         load_wan_dit(tmp_path / "odd.safetensors")
     assert load_wan_dit(tmp_path / "odd.safetensors", config=odd).config == odd
     with pytest.raises(CheckpointError, match="unknown config"):
-        load_wan_dit(tmp_path / "odd.safetensors", config="wan-14b")
+        load_wan_dit(tmp_path / "odd.safetensors", config="wan2.2-5b")  # no such config (wan-14b is one)

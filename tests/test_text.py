@@ -8,6 +8,7 @@ from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 
 from engine.text import (
     CachedTextEncoder,
+    HashedTextEncoder,
     MiniLMTextEncoder,
     TextEncoder,
     UMT5TextEncoder,
@@ -120,3 +121,19 @@ def test_umt5_missing_files_are_reported(tmp_path: Path) -> None:
         UMT5TextEncoder(tmp_path)
     with pytest.raises(ValueError, match="'minilm' or the path"):
         load_text_encoder(str(tmp_path / "nowhere"))
+
+
+def test_hashed_stand_in_has_umt5_xxl_output_shape_and_is_deterministic() -> None:
+    encoder = HashedTextEncoder()
+    assert isinstance(encoder, TextEncoder)
+    tokens = encoder.encode(["oil painting", "pencil sketch, high contrast"])
+    assert tokens.shape == (2, 512, 4096) and tokens.dtype == torch.float32
+    assert tokens[0, :3].abs().sum(-1).gt(0).all() and tokens[0, 3:].abs().sum() == 0  # 2 words + </s>, then zeros
+    assert tokens[1, :6].abs().sum(-1).gt(0).all() and tokens[1, 6:].abs().sum() == 0  # "," is a token too
+    torch.testing.assert_close(HashedTextEncoder().encode(["oil painting"])[0], tokens[0], rtol=0, atol=0)
+    torch.testing.assert_close(tokens[0, 0], HashedTextEncoder().encode(["oil"])[0, 0], rtol=0, atol=0)  # per token
+    assert not torch.equal(tokens[0, 0], tokens[1, 0])
+    pooled = encoder.pooled(["oil painting"])
+    assert pooled.shape == (1, 4096) and float(pooled.norm()) == pytest.approx(1.0)
+    long = encoder.encode(["word " * 2000])
+    assert long.shape == (1, 512, 4096) and long[0, -1].abs().sum() > 0  # truncated to 511 words + </s>

@@ -13,7 +13,15 @@ import pytest
 import torch
 from _dit_fixtures import dit_single_thread  # noqa: F401  (autouse fixture)
 
-from engine.models.wan_dit import CONFIGS, CausalWanDiT, KVCache, PromptCache, WanDiTConfig
+from engine.models.wan_dit import (
+    CONFIGS,
+    CausalWanDiT,
+    KVCache,
+    PromptCache,
+    WanDiTConfig,
+    attention_backend,
+    attention_kernel,
+)
 
 CFG = CONFIGS["tiny"]
 H = W = 8  # 4x4 patches -> 16 tokens per frame keeps every test fast
@@ -287,3 +295,33 @@ def test_wan_1_3b_builds_on_meta():
     assert cfg.rope_split == (44, 42, 42)
     assert state["blocks.29.self_attn.norm_q.weight"].shape == (1536,)
     assert state["head.head.weight"].shape == (64, 1536)
+
+
+def test_sdpa_equals_the_reference_attention_on_masked_and_cached_paths(model, prompt):
+    """SDPA (what the masked and KV-cached paths run off CUDA) against softmax written out in float32."""
+    x, t = latents(5, seed=4), torch.full((1, 5), 400.0)
+    fused = model.forward_masked(x, t, prompt, chunk_frames=1, window_frames=4, sink_frames=1)
+    with attention_backend("reference"):
+        reference = model.forward_masked(x, t, prompt, chunk_frames=1, window_frames=4, sink_frames=1)
+    torch.testing.assert_close(fused, reference, atol=ATOL, rtol=0)
+
+    def cached() -> torch.Tensor:
+        cache = model.new_kv_cache(1, FRAME_TOKENS, 4, 1)
+        return torch.cat([model(x[:, :, i : i + 1], t[:, i : i + 1], prompt, cache, i) for i in range(5)], dim=2)
+
+    fused_cached = cached()
+    with attention_backend("reference"):
+        reference_cached = cached()
+    torch.testing.assert_close(fused_cached, reference_cached, atol=ATOL, rtol=0)
+    torch.testing.assert_close(fused_cached, reference, atol=ATOL, rtol=0)
+
+
+def test_attention_backend_choice():
+    q = torch.zeros(1, 4, 2, 8)
+    assert attention_kernel(q) == "sdpa"  # no flash-attn on a CPU tensor
+    with attention_backend("flash-attn"), pytest.raises(RuntimeError, match="flash-attn cannot run this call"):
+        attention_kernel(q)
+    with pytest.raises(ValueError, match="attention backend must be one of"):
+        with attention_backend("xformers"):
+            pass
+    assert attention_kernel(q) == "sdpa"  # the choice ends with its block

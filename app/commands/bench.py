@@ -1,7 +1,10 @@
 """`diffcast bench engine`: per-chunk latency and FPS of the engine, per configuration.
+`diffcast bench memory`: weight and per-stream state bytes of a model, and streams per GPU (arithmetic).
 
-Every row is measured in this one run, side by side, so ratios between rows are meaningful on the
-machine at hand. Streams x steps x sizes x attention sparsity x {sequential, stream batch}.
+Every engine row is measured in this one run, side by side, so ratios between rows are meaningful on
+the machine at hand. Streams x steps x sizes x attention sparsity x {sequential, stream batch}. The
+prompt switch (text encoder, then the prompt's cross-attention K/V) happens once per prompt, not per
+chunk, so it is measured once, apart from the rows.
 """
 
 from __future__ import annotations
@@ -10,15 +13,17 @@ import argparse
 import json
 import logging
 import statistics
-import time
 from typing import Any
 
 from app.commands.stylize import parse_size
 
 NAME = "bench"
-HELP = "Benchmark the engine (per-chunk latency, FPS, stage times)."
+HELP = "Benchmark the engine (per-chunk latency, FPS, stage times) or work out its memory per stream."
 
 log = logging.getLogger(__name__)
+
+DEFAULT_STEPS = {"engine": [1, 2], "memory": [1, 2, 3, 4]}
+MEMORY_MODEL = "random:wan2.1-1.3b"
 
 
 def _int_list(text: str) -> list[int]:
@@ -39,10 +44,15 @@ def _sparsity_list(text: str) -> list[float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("target", choices=["engine"], help="what to benchmark")
-    parser.add_argument("--model", default=None, help="'default' (embedded), 'tiny-random', or a model path")
+    parser.add_argument("target", choices=["engine", "memory"],
+                        help="engine: measure chunks; memory: weight/state bytes and streams per GPU (arithmetic)")
+    parser.add_argument("--model", default=None,
+                        help="'default' (embedded), 'tiny-random', 'random:wan2.1-1.3b' / 'random:wan2.1-14b' "
+                             f"(full-size random weights, no download), or a model path; memory: a random: model "
+                             f"(default {MEMORY_MODEL})")
     parser.add_argument("--sizes", default=None, help="comma-separated WxH list (default: the model's size)")
-    parser.add_argument("--steps", type=_int_list, default=[1, 2], help="denoising steps to try, e.g. 1,2")
+    parser.add_argument("--steps", type=_int_list, default=None,
+                        help="denoising steps to try, e.g. 1,2 (default 1,2; memory: 1,2,3,4)")
     parser.add_argument("--streams", type=_int_list, default=[1], help="concurrent streams batched together, e.g. 1,2,4")
     parser.add_argument("--sparsity", type=_sparsity_list, default=[0.0],
                         help="block-sparse attention levels to compare, e.g. 0,0.5,0.75 (default 0 = dense)")
@@ -51,8 +61,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-batch", action="store_true", help="also measure the pipelined stream batch")
     parser.add_argument("--chunks", type=int, default=12, help="measured chunks per row (after warm-up)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N; cuda fails clearly without CUDA")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                        help="weight dtype (default auto: bf16 on cuda, fp32 on cpu; memory: bf16)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=141.0,
+                        help="memory: GPU memory the streams share (default 141, an H200)")
+    parser.add_argument("--workspace-gib", type=float, default=None,
+                        help="memory: kept free for activations, CUDA context and allocator slack (default 10%% of the GPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps is None:
+        args.steps = DEFAULT_STEPS[args.target]
+    if args.target == "memory":
+        return _run_memory(args)
+    return _run_engine(args)
+
+
+# -- engine ---------------------------------------------------------------------------------------------
 
 
 def _clip(frames: int, width: int, height: int, seed: int) -> Any:
@@ -64,6 +91,10 @@ def _clip(frames: int, width: int, height: int, seed: int) -> Any:
     return [np.ascontiguousarray(np.roll(base, -2 * i, axis=1)[:, :width]) for i in range(frames)]
 
 
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)
+
+
 def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks: int, stream_batch: bool,
              sparsity: float = 0.0, kv_window: int | None = None) -> dict[str, Any]:
     from dataclasses import replace
@@ -73,12 +104,18 @@ def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks:
 
     from engine.frames import frames_to_tensor
     from engine.pipeline import StreamParams
+    from engine.streaming.state import pack, unpack
     from engine.streaming.stream_batch import StreamBatch
 
     rt = pipe.runtime
+    cuda = rt.device.type == "cuda"
+    if cuda:  # untested here: no GPU in this repository's CI
+        torch.cuda.reset_peak_memory_stats(rt.device)
     params = StreamParams(prompt="oil painting", steps=steps, size=size, kv_window_frames=kv_window)
     fidelity = replace(pipe.fidelity_for(params), attention_sparsity=sparsity)
+
     states = [rt.open(f"bench{i}", "oil painting", size, fidelity, seed=i) for i in range(streams)]
+    unstarted = pack(states)  # fresh copies for the first-chunk timing, without encoding the prompt again
     per = pipe.chunk_frames
     total = pipe.first_chunk_frames + per * (chunks + 2 + steps)
     clips = [_clip(total, size[0], size[1], i) for i in range(streams)]
@@ -93,16 +130,16 @@ def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks:
     if stream_batch:
         batch = StreamBatch(rt, states)
         for k in range(warm + chunks):
-            t = time.perf_counter()
+            t = rt.clock()
             batch.push([chunk(k, i) for i in range(streams)])
             if k >= warm:
-                latencies.append(time.perf_counter() - t)
+                latencies.append(rt.clock() - t)
     else:
         for k in range(warm + chunks):
-            t = time.perf_counter()
+            t = rt.clock()
             rt.step_batch(states, [chunk(k, i) for i in range(streams)])
             if k >= warm:
-                latencies.append(time.perf_counter() - t)
+                latencies.append(rt.clock() - t)
                 stages.append(rt.last_timings)
     chunk_s = statistics.median(latencies)
     row: dict[str, Any] = {
@@ -112,34 +149,74 @@ def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks:
         "sparsity": sparsity,
         "kv_window": fidelity.kv_window_frames,
         "mode": "stream-batch" if stream_batch else "sequential",
-        "chunk_ms": round(chunk_s * 1000, 2),
-        "chunk_ms_p90": round(sorted(latencies)[int(0.9 * (len(latencies) - 1))] * 1000, 2),
+        "chunk_ms": _ms(chunk_s),
+        "chunk_ms_p90": _ms(sorted(latencies)[int(0.9 * (len(latencies) - 1))]),
         "fps_per_stream": round(per / chunk_s, 2),
         "fps_total": round(per * streams / chunk_s, 2),
     }
     if stages:
-        row["encode_ms"] = round(statistics.median(s.encode_s for s in stages) * 1000, 2)
-        row["dit_ms"] = round(statistics.median(s.dit_s for s in stages) * 1000, 2)
-        row["decode_ms"] = round(statistics.median(s.decode_s for s in stages) * 1000, 2)
-        row["stabilize_ms"] = round(statistics.median(s.stabilize_s for s in stages) * 1000, 2)
+        row["encode_ms"] = _ms(statistics.median(s.encode_s for s in stages))
+        row["dit_ms"] = _ms(statistics.median(s.dit_s for s in stages))
+        row["decode_ms"] = _ms(statistics.median(s.decode_s for s in stages))
+        row["stabilize_ms"] = _ms(statistics.median(s.stabilize_s for s in stages))
+        # Time to the first frame of fresh streams (one input frame in, one out), everything warm.
+        fresh = unpack(unstarted, rt.device)
+        t = rt.clock()
+        rt.step_batch(fresh, [chunk(0, i) for i in range(streams)])
+        row["first_chunk_ms"] = _ms(rt.clock() - t)
+        # What parking a stream in host memory and bringing it back costs (the serving policy's eviction).
+        t = rt.clock()
+        parked = pack(states[0])
+        t_park = rt.clock()
+        unpack(parked, rt.device)
+        row["park_ms"], row["restore_ms"] = _ms(t_park - t), _ms(rt.clock() - t_park)
+    row["state_mb"] = round(states[0].nbytes() / 2**20, 2)
+    if cuda:
+        row["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated(rt.device) / 2**20, 1)
     return row
 
 
-def run(args: argparse.Namespace) -> int:
+def _prompt_switch(pipe: Any, repeats: int = 3) -> dict[str, Any]:
+    """A prompt switch's cost: the text encoder on a prompt it has not seen (its cache missed), then the
+    prompt's cross-attention K/V for every block; and a switch back to a cached prompt (K/V only)."""
+    rt = pipe.runtime
+    rt.dit.encode_prompt(rt.prompts.embed(["oil painting"]))  # untimed: warms both up; cached from here on
+    text_s, kv_s, cached_s = [], [], []
+    for i in range(repeats):
+        t0 = rt.clock()
+        embedding = rt.prompts.embed([f"prompt switch {i}: a watercolour lighthouse at dusk"])
+        t1 = rt.clock()
+        rt.dit.encode_prompt(embedding)
+        t2 = rt.clock()
+        rt.prompts.embed(["oil painting"])  # opened by every row: a cache hit
+        cached_s.append(rt.clock() - t2)
+        text_s.append(t1 - t0)
+        kv_s.append(t2 - t1)
+    text, kv = statistics.median(text_s), statistics.median(kv_s)
+    return {"text_encode_ms": _ms(text), "prompt_kv_ms": _ms(kv), "total_ms": _ms(text + kv),
+            "cached_text_ms": _ms(statistics.median(cached_s)), "repeats": repeats}
+
+
+def _run_engine(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
     from rich.table import Table
 
+    from engine.devices import dtype_name, resolve_device, resolve_dtype
+    from engine.models.wan_dit import attention_kernel
     from engine.pipeline import ModelNotAvailableError, Pipeline
 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        pipe = Pipeline.load(args.model, device=args.device)
-    except ModelNotAvailableError as exc:
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        pipe = Pipeline.load(args.model, device=str(device), dtype=dtype)
+    except (ModelNotAvailableError, ValueError) as exc:
         log.error("%s", exc)
         return 2
     sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else [pipe.default_size]
+    prompt_switch = _prompt_switch(pipe)
     rows = []
     modes = [False, True] if args.stream_batch else [False]
     for size in sizes:
@@ -155,22 +232,86 @@ def run(args: argparse.Namespace) -> int:
                         log.debug("%s", rows[-1])
     report = {
         "model": pipe.name,
-        "device": args.device,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": dtype_name(dtype),
+        "attention": attention_kernel(torch.empty(0, device=device, dtype=dtype)),
         "threads": torch.get_num_threads(),
         "chunk_frames": pipe.chunk_frames,
+        "prompt_switch": prompt_switch,
         "results": rows,
     }
     if args.json:
         print(json.dumps(report))
         return 0
-    table = Table(title=f"diffcast engine bench: {pipe.name} on {args.device} ({report['threads']} threads)")
-    for col in ("size", "steps", "streams", "window", "sparsity", "mode", "chunk ms", "p90 ms", "FPS/stream",
-                "FPS total", "enc/DiT/dec/stab ms"):
+    table = Table(title=f"diffcast engine bench: {pipe.name} ({report['dtype']}, {report['attention']}) on "
+                        f"{report['device_name']} ({report['threads']} threads)")
+    for col in ("size", "steps", "streams", "window", "sparsity", "mode", "chunk ms", "p90 ms", "first ms",
+                "FPS/stream", "FPS total", "enc/DiT/dec/stab ms"):
         table.add_column(col)
     for r in rows:
         stage = "/".join(str(r.get(k, "-")) for k in ("encode_ms", "dit_ms", "decode_ms", "stabilize_ms"))
         table.add_row(f"{r['size'][0]}x{r['size'][1]}", str(r["steps"]), str(r["streams"]), str(r["kv_window"]),
                       f"{r['sparsity']:g}", r["mode"], str(r["chunk_ms"]), str(r["chunk_ms_p90"]),
-                      str(r["fps_per_stream"]), str(r["fps_total"]), stage)
-    Console().print(table)
+                      str(r.get("first_chunk_ms", "-")), str(r["fps_per_stream"]), str(r["fps_total"]), stage)
+    console = Console()
+    console.print(table)
+    ps = prompt_switch
+    console.print(f"prompt switch (once per prompt, not per chunk): {ps['total_ms']} ms = text encoder "
+                  f"{ps['text_encode_ms']} ms + prompt K/V {ps['prompt_kv_ms']} ms; "
+                  f"a cached prompt's text: {ps['cached_text_ms']} ms")
+    return 0
+
+
+# -- memory ---------------------------------------------------------------------------------------------
+
+
+def _size_text(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _run_memory(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from engine.devices import resolve_dtype
+    from engine.memory import memory_report
+    from engine.random_model import random_model
+
+    try:
+        model = random_model(args.model or MEMORY_MODEL)
+        # The arithmetic is about a GPU: "auto" means what a GPU runs (bf16), whatever this machine has.
+        dtype = resolve_dtype(args.dtype, torch.device("cuda"))
+        sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else [model.size]
+        reports = [memory_report(model, size, tuple(args.steps), args.kv_window, dtype, args.gpu_memory_gib,
+                                 args.workspace_gib) for size in sizes]
+    except (KeyError, ValueError) as exc:
+        log.error("%s", exc.args[0] if exc.args else exc)
+        return 2
+    if args.json:
+        print(json.dumps({"reports": [r.to_json() for r in reports]}))
+        return 0
+    console = Console()
+    for r in reports:
+        w = r.weight_bytes
+        console.print(
+            f"[bold]{r.model} at {r.size[0]}x{r.size[1]}, {r.dtype}: arithmetic, not measured[/bold]\n"
+            f"weights: DiT {r.dit_parameters / 1e9:.3f}B + VAE {r.vae_parameters / 1e6:.1f}M parameters = "
+            f"fp32 {_size_text(w['fp32'])}, bf16 {_size_text(w['bf16'])}; umT5-XXL encoder "
+            f"{r.umt5_parameters / 1e9:.2f}B = {_size_text(r.umt5_parameters * dtype.itemsize)} "
+            f"in {r.dtype} (only where it runs on the GPU)\n"
+            f"GPU {_size_text(r.gpu_memory_bytes)} - {r.dtype} weights - workspace {_size_text(r.workspace_bytes)}; "
+            f"KV window {r.window} latent frames x {r.frame_tokens} tokens"
+        )
+        table = Table()
+        for col in ("steps", "KV caches", "prompt K/V", "text emb", "VAE enc", "VAE dec", "per stream on GPU",
+                    "streams", "streams, umT5 on GPU"):
+            table.add_column(col)
+        for row in r.rows:
+            s = row.state
+            table.add_row(str(row.steps), _size_text(s.kv_caches), _size_text(s.prompt_kv),
+                          _size_text(s.text_embedding), _size_text(s.vae_encoder), _size_text(s.vae_decoder),
+                          _size_text(s.device), str(row.streams), str(row.streams_with_umt5))
+        console.print(table)
     return 0

@@ -39,8 +39,12 @@ def _floats(text: str) -> tuple[float, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None,
-        help="model: omitted = the embedded default if present, else 'tiny-random'; or a path",
+        help="model: omitted = the embedded default if present, else 'tiny-random'; 'random:wan2.1-1.3b' "
+             "(full-size random weights, no download); or a path",
     )
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N; cuda fails clearly without CUDA")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                        help="weight dtype (default auto: bf16 on cuda, fp32 on cpu)")
     parser.add_argument("--size", type=_size, default=None, help="frame size WxH (default: the model's size)")
     parser.add_argument("--out", type=Path, default=None, help="profile JSON to write (default: print a summary only)")
     parser.add_argument("--chunks", type=int, default=8, help="timed chunks per config after warm-up (default 8)")
@@ -49,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--windows", type=_ints, default=None, help="KV windows, e.g. 4,6 (default: smallest, default)")
     parser.add_argument("--scales", type=_floats, default=None, help="resolution scales (default 1,0.75,0.5)")
     parser.add_argument("--steps", type=_ints, default=None, help="denoising steps (default: 1..the preset's)")
-    parser.add_argument("--precisions", default="fp32,bf16", help="attention precisions (default fp32,bf16)")
+    parser.add_argument("--precisions", default=None,
+                        help="attention precisions (default fp32,bf16 with fp32 weights; bf16 with bf16 weights, "
+                             "which have no fp32 compute to measure)")
     parser.add_argument("--sparsity", type=_floats, default=(), metavar="S,...",
                         help="also measure block-sparse attention at these sparsities (default window, fp32)")
     parser.add_argument("--step-batch", action="store_true",
@@ -61,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from engine.devices import dtype_name, resolve_device, resolve_dtype
     from engine.pipeline import DEFAULT_MODEL, ModelNotAvailableError, Pipeline
     from engine.profiler import ProfileRun, profile_pipeline
     from engine.serving.bmpr import BMPR
@@ -68,10 +75,13 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(args.threads, 1))
     model = args.model or ("default" if DEFAULT_MODEL.is_file() else "tiny-random")
     try:
-        pipe = Pipeline.load(model)
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        precisions = args.precisions or ("fp32,bf16" if dtype == torch.float32 else dtype_name(dtype))
+        pipe = Pipeline.load(model, device=str(device), dtype=dtype)
         spec = ProfileRun(size=args.size, chunks=args.chunks, warmup=args.warmup, fps=args.fps, seed=args.seed,
                           windows=args.windows, scales=args.scales, steps=args.steps,
-                          precisions=tuple(p.strip() for p in args.precisions.split(",") if p.strip()),
+                          precisions=tuple(p.strip() for p in precisions.split(",") if p.strip()),
                           sparsities=args.sparsity, step_batch=args.step_batch)
         result = profile_pipeline(pipe, spec, model_name=model)
     except ModelNotAvailableError as exc:

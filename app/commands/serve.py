@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
     parser.add_argument(
         "--model", default=None,
-        help="model: omitted = the embedded default; 'tiny-random' = random-weight test model; or a path",
+        help="model: omitted = the embedded default; 'tiny-random' = random-weight test model; "
+             "'random:wan2.1-1.3b' = full-size random weights, no download; or a path",
     )
     parser.add_argument("--device", default="cpu", help="torch device for the engine (default cpu)")
     parser.add_argument("--max-streams", type=int, default=4, help="concurrent streams before 503 (default 4)")

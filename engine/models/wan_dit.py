@@ -20,9 +20,11 @@ head_dim]`` (flash-attn's layout, so cached buffers feed it without copies).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -88,6 +90,8 @@ class WanDiTConfig:
 
 CONFIGS: dict[str, WanDiTConfig] = {
     "wan-1.3b": WanDiTConfig(),
+    # Wan2.1-T2V-14B's config.json: dim 5120, ffn 13824, 40 heads of 128, 40 layers.
+    "wan-14b": WanDiTConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40),
     # Test/CI model: 2 layers, head_dim 32 (RoPE split 12/10/10), 16 latent channels like the Wan VAE,
     # text_dim 384 so the embedded MiniLM text encoder plugs in directly; 16x16 latents -> 64 tokens/frame.
     "tiny": WanDiTConfig(
@@ -353,12 +357,58 @@ def _split_bounds(total: int, sizes: Sequence[int] | None) -> list[tuple[int, in
 # --------------------------------------------------------------------------------------------------
 
 
+ATTENTION_BACKENDS = ("auto", "flash-attn", "sdpa", "reference")
+_attention_choice: ContextVar[str] = ContextVar("attention_backend", default="auto")
+
+
+@contextlib.contextmanager
+def attention_backend(name: str) -> Iterator[None]:
+    """Run :func:`attention` with one implementation inside the block (correctness comparisons);
+    ``"auto"`` (the default) is the fastest one the inputs allow."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    token = _attention_choice.set(name)
+    try:
+        yield
+    finally:
+        _attention_choice.reset(token)
+
+
+def attention_kernel(q: Tensor, mask: Tensor | None = None) -> str:
+    """The implementation :func:`attention` runs for queries like ``q``: flash-attn where it is installed and
+    can take the call (CUDA, fp16/bf16, no mask: the KV-cached path), else torch's SDPA, which picks its own
+    fused kernel (flash / memory-efficient with a mask on CUDA, a fused CPU kernel or the math one elsewhere).
+    SDPA exists in every torch this project supports, so "reference" runs only when asked for."""
+    flash_ok = mask is None and _flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    chosen = _attention_choice.get()
+    if chosen == "auto":
+        return "flash-attn" if flash_ok else "sdpa"
+    if chosen == "flash-attn" and not flash_ok:
+        raise RuntimeError(
+            "flash-attn cannot run this call: it needs the flash_attn package, a CUDA tensor in fp16/bf16 and no "
+            f"mask (installed: {_flash_attn_func is not None}, device {q.device}, {q.dtype}, mask: {mask is not None})"
+        )
+    return chosen
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
     """Softmax attention on ``[B, S, heads, hd]`` tensors; ``mask`` is bool ``[Sq, Sk]``, True = visible."""
-    if mask is None and _flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        return _flash_attn_func(q, k, v)
+    kernel = attention_kernel(q, mask)
+    if kernel == "flash-attn":
+        assert _flash_attn_func is not None  # attention_kernel checked it
+        return cast(Tensor, _flash_attn_func(q, k, v))
+    if kernel == "reference":
+        return reference_attention(q, k, v, mask)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
     return out.transpose(1, 2)
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """``softmax(q k^T / sqrt(hd)) v`` written out in float32: the check the fused kernels are held to."""
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.float()).to(q.dtype)
 
 
 def sinusoidal_embedding(t: Tensor, dim: int) -> Tensor:

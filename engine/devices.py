@@ -1,0 +1,69 @@
+"""Which torch device and weight dtype a command runs on, and how much memory that device has free.
+
+The CLI's ``--device`` and ``--dtype`` flags go through here so that asking for CUDA on a machine
+without it fails at once with a sentence saying so, instead of deep inside the first forward.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N`` as a torch device; a ValueError naming what is missing otherwise."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {name!r} ({exc}); use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device {name!r} is not supported here; use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {name!r}: CUDA is not available on this machine (torch {torch.__version__}, "
+            f"built for CUDA {torch.version.cuda or 'none'}, {torch.cuda.device_count()} GPUs visible); use --device cpu"
+        )
+    index = device.index or 0
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA devices are visible")
+    return torch.device("cuda", index)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` = bf16 on CUDA (how the Wan models are served) and fp32 elsewhere (bf16 matmuls are slow
+    on CPUs without bf16 units); or one of :data:`DTYPES` by name."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next((name for name, d in DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
+
+
+def available_memory_bytes(device: torch.device | str) -> int | None:
+    """Bytes a new allocation can take on ``device`` now: free CUDA memory, or the host's MemAvailable
+    (Linux) / free pages; None where it cannot be known (meta: nothing is ever allocated)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type != "cpu":
+        return None
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
