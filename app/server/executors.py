@@ -93,8 +93,7 @@ class _LiveExecutor:
         self.streams: dict[int, LiveStream] = {}
         self.core: EngineCore | None = None  # set by the loop
         self.wakeup = asyncio.Event()
-        self.steps_run = 0
-        self.forwards = 0
+        self.forwards = 0  # batched DiT forwards run (StepExecutor), for tests and benchmarks
 
     # -- Executor protocol --
     def worker_views(self) -> list[WorkerView]:
@@ -125,7 +124,6 @@ class _LiveExecutor:
 
         def done(f: asyncio.Future[None]) -> None:
             seconds = (time.perf_counter() - t0) / steps
-            self.steps_run += 1
             exc = f.exception() if not f.cancelled() else asyncio.CancelledError()
             self._complete(work, seconds, exc)
 
