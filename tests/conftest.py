@@ -24,14 +24,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(app: Any, startup_timeout_s: float = 60.0) -> Iterator[str]:
-    """Run an ASGI app with uvicorn (websockets stack) in a background thread; yield its base URL."""
-    import uvicorn
+def running_server(app: Any, startup_timeout_s: float = 60.0, log_level: str = "warning") -> Iterator[str]:
+    """Run an app from ``create_app`` on the server `diffcast serve` runs (guarded protocols,
+    redacted logs; app/server/http_server.py) in a background thread; yield its base URL."""
+    from app.server.http_server import uvicorn_server
 
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, ws="websockets-sansio", log_level="warning", lifespan="on")
-    )
+    server = uvicorn_server(app, app.state.config, port=port, log_level=log_level)
     thread = threading.Thread(target=server.run, name=f"uvicorn:{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout_s

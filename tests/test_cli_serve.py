@@ -43,16 +43,24 @@ def test_bad_values_exit_with_a_plain_message(argv: list[str], message: str) -> 
 
 def test_rank_zero_runs_the_same_server(monkeypatch: pytest.MonkeyPatch, engine_factory: Any) -> None:
     """`--gpus N` and the single-process path both reach uvicorn through `app.server.app.serve`, with
-    the same options (WebSocket frame limit, graceful shutdown). The ranks are not spawned here: the
-    rank-0 program runs in this process on a stand-in ring."""
+    the same options (WebSocket frame limit, graceful shutdown, the guarded protocols). The ranks
+    are not spawned here: the rank-0 program runs in this process on a stand-in ring."""
     import uvicorn
 
     import app.server.ranks as ranks
     from app.server.app import serve
     from app.server.engine_bridge import RankFactory
+    from app.server.http_server import AnsweringWebSocketProtocol, GuardedH11Protocol
 
     runs: list[tuple[Any, dict[str, Any]]] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: runs.append((app, options)))
+
+    def run(server: uvicorn.Server) -> None:
+        c = server.config
+        options = {"port": c.port, "ws_max_size": c.ws_max_size, "ws": c.ws, "limits": c.http.limits,
+                   "timeout_graceful_shutdown": c.timeout_graceful_shutdown}
+        runs.append((c.app, options))
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
     monkeypatch.setattr(ranks, "loaded_pipeline", lambda model, device: engine_factory.pipeline)
     ring = SimpleNamespace(rt=SimpleNamespace(device="cpu"), world=2)
     monkeypatch.setattr(ranks, "run_ring", lambda factory, program, world, **options: program(ring))
@@ -68,6 +76,7 @@ def test_rank_zero_runs_the_same_server(monkeypatch: pytest.MonkeyPatch, engine_
     (single_app, single), (rank_app, rank) = runs
     assert single == rank
     assert single["port"] == 9123 and single["ws_max_size"] == (1 << 16) + 4096
-    assert single["timeout_graceful_shutdown"] == 10
+    assert single["timeout_graceful_shutdown"] == 10 and single["ws"] is AnsweringWebSocketProtocol
+    assert single["limits"] == GuardedH11Protocol.limits  # the defaults: ServerConfig's timeouts
     assert isinstance(rank_app.state.manager.factory, RankFactory)
     assert rank_app.state.manager.factory.ring is ring

@@ -56,13 +56,13 @@ async def test_whip_then_whep_exchange(live_server: Callable[..., AbstractContex
         assert "a=candidate" in answer  # complete answer: no trickle ICE
         await publisher.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
 
-        # Trickle ICE is not supported: 405 with Allow (RFC 9725 §4.3.1); unknown session: 404.
+        # Trickle ICE is not supported: 405 with Allow (RFC 9725 §4.3.1), for any session URL.
         status, head, _ = await asyncio.to_thread(
             http, "PATCH", url + location, b"a=end-of-candidates\r\n",
             {"Content-Type": "application/trickle-ice-sdpfrag", **owner},
         )
         assert status == 405 and "DELETE" in head["allow"]
-        assert (await asyncio.to_thread(http, "PATCH", f"{url}/whip/nope", b"", owner))[0] == 404
+        assert (await asyncio.to_thread(http, "PATCH", f"{url}/whip/nope", b"", owner))[0] == 405
 
         # Over capacity: 503 + Retry-After.
         extra, extra_offer = await _offer(publish=True)

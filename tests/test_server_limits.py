@@ -168,8 +168,9 @@ async def test_websocket_frame_limits(tiny_factory: Any) -> None:  # noqa: F811
         async with websockets.connect(url.replace("http", "ws") + "/ws") as ws:
             hello = json.loads(await ws.recv())
             assert hello["type"] == "hello"
-            noise = np.random.default_rng(1).integers(0, 255, (400, 400, 3), dtype=np.uint8)
-            await ws.send(_png(noise))  # ~480 KB
+            # ~52 KB: over max_frame_bytes, under the WebSocket message limit (max_frame_bytes + 4096).
+            noise = np.random.default_rng(1).integers(0, 255, (132, 132, 3), dtype=np.uint8)
+            await ws.send(_png(noise))
             await ws.send(encode_jpeg(np.zeros((1100, 1000, 3), np.uint8), 50))  # small file, 1.1 MP
             await ws.send(_png(np.zeros((1, 700, 3), np.uint8)))  # odd but fine: no error
             async def next_text() -> dict[str, str]:
@@ -185,3 +186,10 @@ async def test_websocket_frame_limits(tiny_factory: Any) -> None:  # noqa: F811
             await ws.send(json.dumps({"type": "reset"}))
             while (message := await next_text())["type"] != "ack":
                 assert message["type"] != "error", message  # the 1x700 strip was taken
+            # Over the WebSocket message limit the socket is closed (1009) before the frame is buffered.
+            noise = np.random.default_rng(1).integers(0, 255, (400, 400, 3), dtype=np.uint8)
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await ws.send(_png(noise))  # ~480 KB
+                while True:
+                    await asyncio.wait_for(ws.recv(), 10)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009

@@ -56,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--input-timeout-s", type=float, default=15.0,
         help="close a stream whose client sent no frame for this long (default 15)",
     )
+    parser.add_argument(
+        "--header-timeout-s", type=float, default=10.0,
+        help="408 for a client that has not sent a request's headers this long after starting it (default 10)",
+    )
+    parser.add_argument(
+        "--body-timeout-s", type=float, default=10.0,
+        help="408 for a request body not received within this grace plus 1 s per 1000 bytes (default 10)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=65536, help="largest request body (default 65536)")
     parser.add_argument(
         "--max-streams-per-client", type=int, default=2, help="concurrent streams per client address (default 2)"

@@ -10,19 +10,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request, WebSocket
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import generate_latest
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.dashboard import dashboard_router
 from app.server.config import ServerConfig
-from app.server.control import ControlError, StreamOptions, options_from_query
+from app.server.control import ControlError, StreamOptions, describe_errors, options_from_query
 from app.server.engine_bridge import InProcessFactory, ProcessorFactory
 from app.server.executors import build_serving_loop
 from app.server.gateway import Gateway
 from app.server.ice import allow_loopback_candidates, browser_ice_servers
 from app.server.metrics import CONTENT_TYPE, build_registry
+from app.server.openapi import allow_documented_methods, document, errors
 from app.server.sdp import OfferError
 from app.server.security import OWNER_HEADER, VIEWER_HEADER, AccessControl, ClientSlots, EdgeGuard
 from app.server.session import CapacityError, SessionManager
@@ -40,6 +44,30 @@ TRACE_ROWS = 300
 class OfferRequest(StreamOptions):
     sdp: str
     type: Literal["offer"]
+
+
+class OfferReply(BaseModel):
+    sdp: str
+    type: Literal["answer"]
+    stream_id: str
+    whep_url: str
+    view_url: str
+    owner_token: str  # added by the edge (app/server/security.py), like the viewer token
+    viewer_token: str
+
+
+class ControlReply(BaseModel):
+    type: Literal["ack", "error"]
+    applied: str | None = None
+    message: str | None = None
+
+
+# The body of POST /api/streams/{id}/control: a control message (docs/api.md), read as text so that
+# size, rate and parse errors all get the same {"type": "error"} reply as on the data channel.
+CONTROL_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["type"],
+    "properties": {"type": {"type": "string", "enum": ["update", "pause", "resume", "reset"]}},
+}}}}}
 
 
 def _json_error(status: int, reason: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -105,6 +133,12 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     # Operator dashboard at /dashboard and the JSON it polls (app/dashboard.py).
     app.include_router(dashboard_router(manager, config))
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default echoes each bad input, and a NaN or Infinity in the body (which
+        # Python's JSON parser accepts) then makes the 422 itself fail to encode: a 500.
+        return _json_error(422, f"bad request: {describe_errors(exc.errors())}")
+
     @app.get("/", include_in_schema=False)
     async def index() -> FileResponse:
         return FileResponse(WEB_DIR / "index.html")
@@ -129,7 +163,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             "height": height,
         }
 
-    @app.post("/api/offer")
+    @app.post("/api/offer", responses={200: {"model": OfferReply}, **errors("/api/offer", 400, 503)})
     async def offer(body: OfferRequest) -> Response:
         try:
             settings = body.to_settings(
@@ -152,14 +186,14 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             }
         )
 
-    @app.get("/api/streams")
+    @app.get("/api/streams", responses=errors("/api/streams", 401))
     async def streams(request: Request) -> Response:
         # Stream ids are what WHEP viewers need: with --token, listing them needs the token too.
         if not bearer_ok(request, config.token):
             return _json_error(401, "a valid 'Authorization: Bearer <token>' header is required")
         return JSONResponse([s.stats() for s in manager.sessions.values()])
 
-    @app.get("/api/streams/{stream_id}")
+    @app.get("/api/streams/{stream_id}", responses=errors("/api/streams/{stream_id}", 404))
     async def stream(stream_id: str) -> Response:
         session = manager.get(stream_id)
         if session is None:
@@ -169,7 +203,10 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             {**session.stats(), "trace": [{"seq": q, "arrival": a, "shown": s} for q, a, s in trace]}
         )
 
-    @app.post("/api/streams/{stream_id}/control")
+    @app.post("/api/streams/{stream_id}/control", openapi_extra=CONTROL_BODY,
+              responses={200: {"model": ControlReply}, 422: {"model": ControlReply, "description": (
+                  "The message cannot be applied, or is over a size or rate limit")},
+                         **errors("/api/streams/{stream_id}/control", 404)})
     async def control(stream_id: str, request: Request) -> Response:
         session = manager.get(stream_id)
         if session is None:
@@ -177,7 +214,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         reply = await session.handle_text((await request.body()).decode("utf-8", "replace"), config.max_prompt_chars)
         return JSONResponse(reply, status_code=422 if reply["type"] == "error" else 200)
 
-    @app.delete("/api/streams/{stream_id}")
+    @app.delete("/api/streams/{stream_id}", status_code=204, responses=errors("/api/streams/{stream_id}", 404))
     async def stop(stream_id: str) -> Response:
         if not await manager.close(stream_id):
             return _json_error(404, f"no stream {stream_id}")
@@ -187,7 +224,8 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     async def healthz() -> dict[str, Any]:
         return {"status": "ok", "streams": len(manager.sessions), "max_streams": config.max_streams}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format", "content": {CONTENT_TYPE: {}}}})
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE)
 
@@ -212,16 +250,17 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     mount_playground(app, config, getattr(factory, "pipeline", None), manager.executor)
     app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    document(app, config)
+    app.add_exception_handler(StarletteHTTPException, allow_documented_methods(app))
     return app
 
 
 def serve(config: ServerConfig, factory: ProcessorFactory | None = None) -> None:
-    """Build the app on ``factory`` (see :func:`create_app`) and serve it until stopped: the one
-    place `diffcast serve` runs uvicorn, in process and in rank 0 of ``--gpus N`` alike."""
-    import uvicorn
+    """Build the app on ``factory`` (see :func:`create_app`) and serve it until SIGTERM/SIGINT: the
+    one place `diffcast serve` runs uvicorn, in process and in rank 0 of ``--gpus N`` alike (the
+    guarded server of app/server/http_server.py)."""
+    from app.server.http_server import serve_until_stopped, uvicorn_server
 
     app = create_app(config, factory)
     log.info("serving on http://%s:%d/", config.host, config.port)
-    # ws_max_size: a WebSocket message over the frame limit closes the socket (1009) before it is buffered.
-    uvicorn.run(app, host=config.host, port=config.port, ws="websockets-sansio", log_level="info",
-                ws_max_size=config.max_frame_bytes + 4096, timeout_graceful_shutdown=10)
+    serve_until_stopped(uvicorn_server(app, config))

@@ -47,6 +47,11 @@ class ServerConfig:
     max_frame_pixels: int = 4096 * 4096
     # A stream whose client sent no frame for this long is closed (a vanished or idle client).
     input_timeout_s: float = 15.0
+    # A client must send a request's head within this many seconds of starting it (or of
+    # connecting), and its body within this grace plus one second per 1000 bytes
+    # (app/server/http_server.py): slow clients cannot hold connections.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 10.0
     # Seconds a client is told to wait when the server is full.
     retry_after_s: int = 5
     # Test knob: extra sleep per engine chunk, to emulate a model slower than the camera.
@@ -115,6 +120,8 @@ class ServerConfig:
             max_streams_per_client=args.max_streams_per_client,
             max_messages_per_s=args.max_messages_per_s,
             input_timeout_s=args.input_timeout_s,
+            header_timeout_s=args.header_timeout_s,
+            body_timeout_s=args.body_timeout_s,
             max_fps=args.max_fps,
             engine_delay_ms=args.engine_delay_ms,
             engine_step_delay_ms=args.engine_step_delay_ms,

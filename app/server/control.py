@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -16,6 +16,9 @@ MAX_STEPS = 4  # StreamDiffusionV2's V2V schedule has at most 4 denoising steps
 # The first timestep is 1000*s - 100 after motion-aware damping (s - 0.1 at full motion), so below
 # 0.2 it can go negative and the engine fails mid-stream (measured at 0.15).
 MIN_NOISE_SCALE = 0.2
+# Seeds arrive as JSON numbers: above 2**53 a JavaScript client cannot send them exactly, and the
+# OpenAPI document (FastAPI writes bounds as floats) could not state a larger bound exactly.
+MAX_SEED = 2**53 - 1
 
 
 # Control (Cc: NUL, newlines, escapes), format (Cf: bidi overrides, zero-width spaces) and surrogate
@@ -42,7 +45,7 @@ class UpdateMessage(_Message):
     transition_chunks: int | None = Field(default=None, ge=0, le=64)
     noise_scale: float | None = Field(default=None, ge=MIN_NOISE_SCALE, le=1.0)
     steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stabilize: bool | None = None
 
     def changes(self) -> dict[str, Any]:
@@ -112,10 +115,13 @@ def parse_control(text: str, max_prompt_chars: int) -> ControlMessage:
 class StreamOptions(_Message):
     """Options a client may give when it opens a stream (offer body, WHIP or /ws query)."""
 
+    # JSON has no NaN or Infinity, but Python's parser accepts them: refused as not finite.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
     prompt: str | None = None
     noise_scale: float | None = Field(default=None, ge=MIN_NOISE_SCALE, le=1.0)
     steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
-    seed: int = Field(default=0, ge=0, lt=2**63)
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
     stabilize: bool = True
 
     def to_settings(
@@ -132,11 +138,32 @@ class StreamOptions(_Message):
         )
 
 
+def describe_errors(errors: Sequence[Mapping[str, Any]]) -> str:
+    """Pydantic/FastAPI validation errors as one sentence: "noise_scale: must be a finite number;
+    sdp: is required". Only locations and messages: the input is not echoed (it may be huge, or
+    NaN, which a JSON answer cannot carry)."""
+    reasons = []
+    for error in errors:
+        loc = [str(part) for part in error.get("loc", ())]
+        if loc and loc[0] in ("body", "query", "path", "header"):
+            loc = loc[1:]
+        message = str(error.get("msg", "is not valid"))
+        if error.get("type") == "json_invalid":
+            message = "the body is not valid JSON"
+        elif error.get("type") == "missing":
+            message = "is required" if loc else "the request body is required"
+        elif error.get("type") == "extra_forbidden":
+            message = "is not a known field"
+        elif message.startswith("Input should be "):
+            message = "must be " + message.removeprefix("Input should be ")
+        reasons.append(f"{'.'.join(loc)}: {message}" if loc else message)
+    return "; ".join(reasons)
+
+
 def options_from_query(query: Mapping[str, str]) -> StreamOptions:
     """StreamOptions from URL query parameters; ControlError naming the bad parameter."""
     fields = StreamOptions.model_fields
     try:
         return StreamOptions.model_validate({k: v for k, v in query.items() if k in fields})
     except ValidationError as exc:
-        reasons = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ControlError(f"bad stream option: {reasons}") from exc
+        raise ControlError(f"bad stream option: {describe_errors(exc.errors())}") from exc

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 from fractions import Fraction
 
 import av
 from aiortc import MediaStreamTrack, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
-from aiortc.contrib.media import MediaBlackhole, MediaRelay
+from aiortc.contrib.media import MediaRelay
+from aiortc.exceptions import OperationError
 from aiortc.mediastreams import MediaStreamError
 
 from app.server.config import ServerConfig
 from app.server.engine_bridge import StreamSettings
 from app.server.frame_path import ChunkAssembler, Playout
 from app.server.ice import rtc_configuration, strip_candidates
+from app.server.logs import mint_secret
 from app.server.sdp import OfferError, check_offer
 from app.server.session import CapacityError, Session, SessionManager
 
@@ -53,6 +54,17 @@ async def read_input(track: MediaStreamTrack, assembler: ChunkAssembler) -> None
             assembler.push(frame)
 
 
+async def discard(track: MediaStreamTrack) -> None:
+    """Receive and drop a track's frames. A session task, so it ends with the stream: aiortc's
+    MediaBlackhole runs tasks of its own, which a stream closed before its peer connected left
+    waiting for ever (and asyncio then logged "Task was destroyed but it is pending")."""
+    while True:
+        try:
+            await track.recv()
+        except MediaStreamError:
+            return
+
+
 class Gateway:
     def __init__(self, manager: SessionManager, config: ServerConfig) -> None:
         self._manager = manager
@@ -70,10 +82,17 @@ class Gateway:
     async def _answer(self, pc: RTCPeerConnection, offer_sdp: str) -> str:
         try:
             await pc.setRemoteDescription(self._incoming(offer_sdp))
-        except ValueError as exc:  # aiortc's checks on what it cannot negotiate
-            raise OfferError(f"cannot use this offer: {exc}") from exc
+            answer = await pc.createAnswer()
+        except OperationError as exc:  # no codec in common (e.g. an H264 profile aiortc lacks)
+            raise OfferError("no codec in the offer can be negotiated: the server receives VP8 or H264 "
+                             "(packetization-mode 1, baseline profiles) video") from exc
+        except Exception as exc:
+            # aiortc reads hostile input: whatever it raises on an offer that passed check_offer
+            # is that offer's fault for the client (a 400), and a case for check_offer (logged).
+            log.warning("aiortc refused an offer that passed the SDP checks", exc_info=True)
+            raise OfferError("cannot negotiate this offer (the server logged why)") from exc
         # setLocalDescription gathers all candidates: the answer is complete (no trickle ICE).
-        await pc.setLocalDescription(await pc.createAnswer())
+        await pc.setLocalDescription(answer)
         sdp = pc.localDescription.sdp
         return strip_candidates(sdp) if self._config.break_ice else sdp
 
@@ -92,9 +111,7 @@ class Gateway:
                 source = self._relay.subscribe(track, buffered=False)
                 session.spawn(read_input(source, session.assembler), "input")
             else:  # e.g. OBS's Opus audio: drain it, or aiortc's receive queue grows forever
-                sink = MediaBlackhole()
-                sink.addTrack(track)
-                session.spawn(sink.start(), "audio-sink")
+                session.spawn(discard(track), "audio-sink")
 
         @pc.on("datachannel")
         def on_datachannel(channel: RTCDataChannel) -> None:
@@ -139,7 +156,7 @@ class Gateway:
         if session.viewers >= self._config.max_viewers:
             raise CapacityError(f"stream {session.id} already has {self._config.max_viewers} viewers")
         pc = self._peer()
-        viewer_id = secrets.token_urlsafe(16)  # the viewer's session URL is its only credential
+        viewer_id = mint_secret(16)  # the viewer's session URL is its only credential
         pc.addTrack(PlayoutTrack(session.playout))
 
         @pc.on("connectionstatechange")

@@ -26,13 +26,13 @@ import ipaddress
 import json
 import logging
 import re
-import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
 from app.server.config import ServerConfig
+from app.server.logs import mint_secret
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,6 @@ STREAM_RULES: tuple[tuple[str, re.Pattern[str], Access], ...] = (
     ("DELETE", re.compile(r"^/api/streams/([^/]+)$"), Access.OWNER),
     ("POST", re.compile(r"^/api/streams/([^/]+)/control$"), Access.OWNER),
     ("DELETE", re.compile(r"^/whip/([^/]+)$"), Access.OWNER),
-    ("PATCH", re.compile(r"^/whip/([^/]+)$"), Access.OWNER),
     ("POST", re.compile(r"^/whep/([^/]+)$"), Access.VIEWER),
 )
 # Routes that reveal every stream's id: admin only.
@@ -78,6 +77,36 @@ CREATION = {("POST", "/api/offer"), ("POST", "/whip"), ("WEBSOCKET", "/ws")}
 # Bodies above --max-body-bytes are refused here, except the playground's file uploads (Gradio
 # enforces its own limits there).
 UNLIMITED_BODY_PREFIXES = ("/playground",)
+
+
+def edge_refusals(method: str, path: str) -> set[int]:
+    """The statuses EdgeGuard may answer on ``method`` ``path`` (a route template such as
+    /api/streams/{stream_id}) instead of the route: for the OpenAPI document."""
+    statuses = {403}  # an origin not in --allowed-origin
+    if not path.startswith(UNLIMITED_BODY_PREFIXES):
+        statuses.add(413)
+    if (method, path) in LISTING:
+        statuses |= {401, 403}
+    elif (method, path) in CREATION:
+        statuses |= {401, 429}
+    if any(rule == method and pattern.match(path) for rule, pattern, _ in STREAM_RULES):
+        statuses |= {401, 403, 404}
+    return statuses
+
+
+def credential(method: str, path: str, config: ServerConfig) -> str | None:
+    """Whether ``Authorization: Bearer`` is "required" or "optional" on ``method`` ``path`` under
+    ``config``, or not asked for (None): for the OpenAPI document."""
+    if config.token is not None and path.startswith(("/whip", "/whep")) and method != "OPTIONS":
+        return "required"  # the WHIP/WHEP --token (app/server/whip.py)
+    if (method, path) in LISTING:
+        return "required" if config.api_token or config.token else None  # else loopback only
+    if (method, path) in CREATION:
+        return "required" if config.api_token else None
+    for rule_method, pattern, need in STREAM_RULES:
+        if rule_method == method and pattern.match(path):
+            return "optional" if need == Access.VIEWER and not config.private_viewing else "required"
+    return None
 
 
 def _headers(scope: Scope) -> dict[str, str]:
@@ -121,7 +150,7 @@ class AccessControl:
 
     def grant(self, stream_id: str) -> Grant:
         self._prune()
-        grant = Grant(secrets.token_urlsafe(TOKEN_BYTES), secrets.token_urlsafe(TOKEN_BYTES))
+        grant = Grant(mint_secret(TOKEN_BYTES), mint_secret(TOKEN_BYTES))
         self._grants[stream_id] = grant
         return grant
 

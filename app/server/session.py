@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from app.server.control import (
 from app.server.engine_bridge import ProcessorFactory, StreamSettings, parallel_chunks
 from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
 from app.server.limits import MessageGuard, control_guard, watch_input
+from app.server.logs import mint_secret
 
 if TYPE_CHECKING:
     from app.server.executors import ServingLoop
@@ -220,7 +220,7 @@ class SessionManager:
         runner = StreamRunner(processor, assembler, playout, self.executor, self.size, cfg.trace_stamp)
         # Unguessable (128 bits): with public viewing, knowing the id is what lets a viewer watch.
         session = Session(
-            secrets.token_urlsafe(16), kind, settings, runner, assembler, playout, on_close=self._forget
+            mint_secret(16), kind, settings, runner, assembler, playout, on_close=self._forget
         )
         session.control_guard = control_guard(cfg.max_message_bytes, cfg.max_messages_per_s)
         self.sessions[session.id] = session

@@ -15,7 +15,9 @@ from fastapi.responses import PlainTextResponse
 from app.server.config import ServerConfig
 from app.server.control import ControlError, options_from_query
 from app.server.gateway import Gateway
+from app.server.openapi import errors, options_answer, sdp_answer, sdp_body
 from app.server.sdp import OfferError
+from app.server.security import OWNER_HEADER, VIEWER_HEADER
 from app.server.session import CapacityError, SessionManager
 
 SDP = "application/sdp"
@@ -71,12 +73,23 @@ def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig)
         except CapacityError as exc:
             return _error(503, str(exc), {"Retry-After": str(config.retry_after_s)})
 
-    @router.options("/whip")
-    @router.options("/whep/{stream_id}")
-    async def endpoint_options() -> Response:
+    endpoint_methods = options_answer("POST, OPTIONS", {"Accept-Post": f"The body type of POST: {SDP}"})
+
+    def endpoint_options() -> Response:
         return Response(status_code=204, headers={"Accept-Post": SDP, "Allow": "POST, OPTIONS"})
 
-    @router.post("/whip")
+    @router.options("/whip", status_code=204, responses=endpoint_methods)
+    async def whip_options() -> Response:
+        return endpoint_options()
+
+    @router.options("/whep/{stream_id}", status_code=204, responses=endpoint_methods)
+    async def whep_options(stream_id: str) -> Response:
+        return endpoint_options()
+
+    @router.post("/whip", status_code=201, openapi_extra=sdp_body("The publisher's SDP offer (RFC 9725)"),
+                 responses={201: sdp_answer("The SDP answer; Location is the session's URL", {
+                     "Location": "/whip/<stream id>: DELETE it to stop", OWNER_HEADER: "The stream's owner token",
+                     VIEWER_HEADER: "The stream's viewer token"}), **errors("/whip", 400, 401, 415, 503)})
     async def whip_publish(request: Request) -> Response:
         async def handle() -> Response:
             settings = options_from_query(request.query_params).to_settings(
@@ -89,7 +102,7 @@ def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig)
 
         return await guarded(request, handle)
 
-    @router.delete("/whip/{stream_id}")
+    @router.delete("/whip/{stream_id}", responses=errors("/whip/{stream_id}", 401, 404))
     async def whip_stop(stream_id: str, request: Request) -> Response:
         async def handle() -> Response:
             if not await manager.close(stream_id):
@@ -98,23 +111,25 @@ def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig)
 
         return await guarded(request, handle)
 
-    @router.patch("/whip/{stream_id}")
-    @router.patch("/whep/{stream_id}/{viewer_id}")
-    async def no_trickle(request: Request, stream_id: str, viewer_id: str | None = None) -> Response:
-        async def handle() -> Response:
-            session = manager.get(stream_id)
-            if session is None or (viewer_id is not None and viewer_id not in session.peers):
-                return _error(404, f"no session {request.url.path}")
-            return _error(405, "trickle ICE and ICE restarts are not supported", {"Allow": SESSION_METHODS})
+    # PATCH is not supported (RFC 9725 §4.3.1): the same 405 for every session URL, existing or
+    # not, with or without credentials (so it reveals nothing), and not in the OpenAPI document.
+    @router.patch("/whip/{stream_id}", include_in_schema=False)
+    @router.patch("/whep/{stream_id}/{viewer_id}", include_in_schema=False)
+    async def no_trickle() -> Response:
+        return _error(405, "trickle ICE and ICE restarts are not supported", {"Allow": SESSION_METHODS})
 
-        return await guarded(request, handle)
-
-    @router.options("/whip/{stream_id}")
-    @router.options("/whep/{stream_id}/{viewer_id}")
-    async def session_options() -> Response:
+    @router.options("/whip/{stream_id}", status_code=204, responses=options_answer(SESSION_METHODS))
+    async def whip_session_options(stream_id: str) -> Response:
         return Response(status_code=204, headers={"Allow": SESSION_METHODS})
 
-    @router.post("/whep/{stream_id}")
+    @router.options("/whep/{stream_id}/{viewer_id}", status_code=204, responses=options_answer(SESSION_METHODS))
+    async def whep_session_options(stream_id: str, viewer_id: str) -> Response:
+        return Response(status_code=204, headers={"Allow": SESSION_METHODS})
+
+    @router.post("/whep/{stream_id}", status_code=201, openapi_extra=sdp_body("The viewer's SDP offer (WHEP)"),
+                 responses={201: sdp_answer("The SDP answer", {"Location": "/whep/<stream id>/<viewer id>: "
+                                                                           "DELETE it to leave"}),
+                            **errors("/whep/{stream_id}", 400, 401, 404, 415, 503)})
     async def whep_play(stream_id: str, request: Request) -> Response:
         async def handle() -> Response:
             session = manager.get(stream_id)
@@ -126,7 +141,7 @@ def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig)
 
         return await guarded(request, handle)
 
-    @router.delete("/whep/{stream_id}/{viewer_id}")
+    @router.delete("/whep/{stream_id}/{viewer_id}", responses=errors("/whep/{stream_id}/{viewer_id}", 401, 404))
     async def whep_stop(stream_id: str, viewer_id: str, request: Request) -> Response:
         async def handle() -> Response:
             session = manager.get(stream_id)
