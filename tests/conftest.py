@@ -24,14 +24,16 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(app: Any, startup_timeout_s: float = 60.0) -> Iterator[str]:
-    """Run an ASGI app with uvicorn (websockets stack) in a background thread; yield its base URL."""
+def running_server(app: Any, startup_timeout_s: float = 60.0, **options: Any) -> Iterator[str]:
+    """Run an ASGI app with uvicorn (websockets stack) in a background thread; yield its base URL.
+    ``options``: more uvicorn.Config options (e.g. the ones `app.server.app.serve` passes)."""
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, ws="websockets-sansio", log_level="warning", lifespan="on")
-    )
+    server = uvicorn.Server(uvicorn.Config(
+        app, **{"ws": "websockets-sansio", "log_level": "warning", **options, "host": "127.0.0.1", "port": port,
+                "lifespan": "on"}
+    ))
     thread = threading.Thread(target=server.run, name=f"uvicorn:{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout_s
