@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -182,3 +183,44 @@ async def open_session(base_url: str, camera: CodedCamera, **options: Any) -> Pr
     await pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type="answer"))
     return ProbeSession(pc, camera, probe, answer["stream_id"], started, channel, replies,
                         answer.get("owner_token", ""), answer.get("viewer_token", ""))
+
+
+@dataclass
+class WhipSession:
+    """A WHIP publisher (RFC 9725), as OBS publishes: its session URL (the 201's Location, a
+    capability of its own) is what ends it; the stream id is what viewers need."""
+
+    pc: RTCPeerConnection
+    camera: CodedCamera
+    stream_id: str
+    location: str  # absolute URL of the publisher's session
+    owner_token: str
+    viewer_token: str
+
+    async def end(self) -> int:
+        """DELETE on the Location with no other credential, then close the peer; the DELETE's status."""
+        status = (await asyncio.to_thread(http, "DELETE", self.location))[0]
+        await self.pc.close()
+        return status
+
+    async def close(self) -> None:
+        await self.pc.close()
+
+
+async def open_whip_session(base_url: str, camera: CodedCamera, token: str | None = None, **options: Any) -> WhipSession:
+    """Publish ``camera`` through POST /whip (``options`` as the query: prompt, steps, ...)."""
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    pc.addTransceiver(camera, direction="sendonly")
+    await pc.setLocalDescription(await pc.createOffer())
+    headers = {"Content-Type": "application/sdp", **({"Authorization": f"Bearer {token}"} if token else {})}
+    query = f"?{urllib.parse.urlencode(options)}" if options else ""
+    status, head, raw = await asyncio.to_thread(
+        http, "POST", f"{base_url}/whip{query}", pc.localDescription.sdp.encode(), headers
+    )
+    if status != 201:
+        await pc.close()
+        raise RuntimeError(f"WHIP publish refused: {status} {raw.decode(errors='replace')}")
+    head = {k.lower(): v for k, v in head.items()}
+    await pc.setRemoteDescription(RTCSessionDescription(sdp=raw.decode(), type="answer"))
+    return WhipSession(pc, camera, head["x-diffcast-stream-id"], urllib.parse.urljoin(f"{base_url}/", head["location"]),
+                       head.get("x-diffcast-owner-token", ""), head.get("x-diffcast-viewer-token", ""))

@@ -14,13 +14,21 @@ steps, seed):
 
 Engine work from the file and text tabs runs chunk by chunk on the server's one engine thread
 (the engine is not thread-safe), so it takes turns with live streams instead of racing them.
+
+The playground is under the service's rules (app/server/security.py): with ``--api-token`` it
+needs the token (a browser logs in once at /login); its prompts and numbers get the checks control
+messages get (``control_message``); uploads are bounded in size there and in count here
+(``UploadQuota``), and deleted when their job ends (or, if none uses them, by Gradio's
+``delete_cache`` after ``upload_ttl_s``, which also ages out the outputs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-import tempfile
+import math
+import secrets
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -29,10 +37,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from app.server.config import ServerConfig
-from app.server.control import MAX_STEPS, MIN_NOISE_SCALE
+from app.server.control import MAX_STEPS, MIN_NOISE_SCALE, UpdateMessage, control_message
+from app.server.security import PLAYGROUND_UPLOAD, refuse
 
 if TYPE_CHECKING:
     import gradio as gr
@@ -44,6 +53,10 @@ log = logging.getLogger(__name__)
 
 PATH = "/playground"
 MAX_T2V_CHUNKS = 64
+# Jobs (stylize, generate) waiting in Gradio's queue; more are told the queue is full.
+MAX_QUEUED_JOBS = 8
+# Gradio's delete_cache sweep interval, seconds.
+CACHE_SWEEP_S = 60
 
 # The widget's markup comes from web/playground.js; Gradio only hands it a container.
 LIVE_JS = "import('/web/playground.js').then((module) => module.mount(element));"
@@ -135,37 +148,57 @@ class Controls:
     steps: int
     seed: int
 
-    def params(self, size: tuple[int, int] | None = None) -> StreamParams:
-        """StreamParams; ValueError (shown in the UI) when a value is out of range."""
+    def params(self, max_prompt_chars: int, size: tuple[int, int] | None = None) -> StreamParams:
+        """StreamParams after the checks a control message gets (prompt length and characters,
+        finite numbers in range); ValueError (shown in the UI) otherwise."""
         from engine.pipeline import StreamParams
 
         prompt = self.prompt.strip()
         second = self.prompt2.strip()
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if second and self.blend > 0:
-            if self.blend_mode not in ("linear", "slerp"):
-                raise ValueError(f"blend mode must be linear or slerp, got {self.blend_mode!r}")
-            return StreamParams(
-                prompt=(prompt, second), prompt_weights=(1.0 - self.blend, self.blend),
-                blend_mode=cast(Any, self.blend_mode), noise_scale=self.noise_scale,
-                steps=int(self.steps), seed=int(self.seed), size=size,
-            )
+        if not 0.0 <= self.blend <= 1.0:  # also refuses NaN
+            raise ValueError(f"the blend weight must be between 0 and 1, got {self.blend}")
+        blended = bool(second) and self.blend > 0
+        if blended and self.blend_mode not in ("linear", "slerp"):
+            raise ValueError(f"blend mode must be linear or slerp, got {self.blend_mode!r}")
+        message = control_message({
+            "type": "update", "prompt": [prompt, second] if blended else prompt,
+            "prompt_weights": [1.0 - self.blend, self.blend] if blended else None,
+            "noise_scale": self.noise_scale, "steps": self.steps, "seed": self.seed,
+        }, max_prompt_chars)
+        assert isinstance(message, UpdateMessage) and message.noise_scale is not None
         return StreamParams(
-            prompt=prompt, noise_scale=self.noise_scale, steps=int(self.steps), seed=int(self.seed), size=size
+            prompt=message.prompt if isinstance(message.prompt, str) else tuple(message.prompt or ()),
+            prompt_weights=tuple(message.prompt_weights) if message.prompt_weights is not None else None,
+            blend_mode=cast(Any, self.blend_mode), noise_scale=message.noise_scale, steps=int(self.steps),
+            seed=int(self.seed), size=size,
         )
 
 
-def _out_path(suffix: str) -> Path:
-    # Gradio serves files from its temp/cache directories; mkdtemp keeps parallel jobs apart.
-    return Path(tempfile.mkdtemp(prefix="diffcast-")) / f"stylized{suffix}"
+def finite(value: Any, name: str) -> float:
+    """A number from a Gradio input (any JSON a client sends); ValueError unless finite."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} must be a number, got {value!r}") from exc
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return number
 
 
 class Playground:
-    """The handlers behind the file and text-to-video tabs."""
+    """The handlers behind the file and text-to-video tabs. Outputs go under ``out_dir`` (Gradio's
+    cache, whose ``delete_cache`` ages them out); ``max_prompt_chars`` as for control messages."""
 
-    def __init__(self, pipe: Pipeline | None, executor: Executor) -> None:
+    def __init__(self, pipe: Pipeline | None, executor: Executor, out_dir: Path, max_prompt_chars: int) -> None:
         self.pipe = EngineThreadPipeline(pipe, executor) if pipe is not None else None
+        self.out_dir = out_dir
+        self.max_prompt_chars = max_prompt_chars
+
+    def _out_path(self, suffix: str) -> Path:
+        # One directory per job keeps parallel jobs apart and the download's file name readable.
+        directory = self.out_dir / f"diffcast-{secrets.token_hex(8)}"
+        directory.mkdir(parents=True)
+        return directory / f"stylized{suffix}"
 
     def _require_pipe(self) -> EngineThreadPipeline:
         if self.pipe is None:
@@ -179,8 +212,14 @@ class Playground:
         pipe = self._require_pipe()
         if not video:
             raise ValueError("upload a video file first")
-        dst = _out_path(".mp4")
-        frames = stylize_file(cast("Pipeline", pipe), Path(video), dst, controls.params(), progress=True)
+        if not Path(video).is_file():
+            raise ValueError("the uploaded video is gone (an upload is deleted once a job used it): upload it again")
+        params = controls.params(self.max_prompt_chars)
+        dst = self._out_path(".mp4")
+        try:
+            frames = stylize_file(cast("Pipeline", pipe), Path(video), dst, params, progress=True)
+        finally:
+            Path(video).unlink(missing_ok=True)  # done with it: it does not wait for the cache's sweep
         log.info("playground: stylized %s (%d frames) -> %s", video, frames, dst)
         return str(dst)
 
@@ -191,8 +230,8 @@ class Playground:
         pipe = self._require_pipe()
         if not 1 <= chunks <= MAX_T2V_CHUNKS:
             raise ValueError(f"chunks must be between 1 and {MAX_T2V_CHUNKS}, got {chunks}")
-        stream = pipe.open_stream(controls.params().with_(mode="t2v"))
-        dst = _out_path(".mp4")
+        stream = pipe.open_stream(controls.params(self.max_prompt_chars).with_(mode="t2v"))
+        dst = self._out_path(".mp4")
         writer = VideoWriter(dst, 16.0, pipe.default_size)
         last = np.zeros((pipe.default_size[1], pipe.default_size[0], 3), np.uint8)
         try:
@@ -212,7 +251,8 @@ def build_blocks(config: ServerConfig, playground: Playground) -> gr.Blocks:
 
     def controls_of(*values: Any) -> Controls:
         prompt, prompt2, blend, mode, noise, steps, seed = values
-        return Controls(prompt or "", prompt2 or "", float(blend), str(mode), float(noise), int(steps), int(seed or 0))
+        return Controls(str(prompt or ""), str(prompt2 or ""), finite(blend, "blend"), str(mode),
+                        finite(noise, "noise"), int(finite(steps, "steps")), int(finite(seed or 0, "seed")))
 
     # Gradio finds the progress tracker by a gr.Progress default; track_tqdm relays stylize_file's bar.
     track_tqdm = gr.Progress(track_tqdm=True)
@@ -226,11 +266,13 @@ def build_blocks(config: ServerConfig, playground: Playground) -> gr.Blocks:
 
     def generate(chunks: float, *values: Any) -> Iterator[tuple[np.ndarray, str | None]]:
         try:
-            yield from playground.text_to_video(int(chunks), controls_of(*values))
+            yield from playground.text_to_video(int(finite(chunks, "chunks")), controls_of(*values))
         except ValueError as exc:
             raise gr.Error(str(exc)) from exc
 
-    with gr.Blocks(title="diffcast playground", analytics_enabled=False) as blocks:
+    # delete_cache: uploads no job used and outputs leave after upload_ttl_s (and all at shutdown).
+    with gr.Blocks(title="diffcast playground", analytics_enabled=False,
+                   delete_cache=(CACHE_SWEEP_S, config.upload_ttl_s)) as blocks:
         gr.Markdown("## diffcast playground\nLive webcam, video files and text-to-video on the same engine.")
         with gr.Row():
             with gr.Column(scale=1, min_width=280):
@@ -273,17 +315,66 @@ def build_blocks(config: ServerConfig, playground: Playground) -> gr.Blocks:
         blocks.load(None, inputs=controls, js=INIT_JS)
         stylize_button.click(stylize, inputs=[video_in, *controls], outputs=[video_out, download])
         generate_button.click(generate, inputs=[chunks, *controls], outputs=[t2v_frame, t2v_video])
-    return blocks
+    return blocks.queue(max_size=MAX_QUEUED_JOBS)
 
 
-def _gradio_app(config: ServerConfig, playground: Playground) -> FastAPI:
+def _gradio_app(config: ServerConfig, pipe: Pipeline | None, executor: Executor) -> FastAPI:
     """A FastAPI app holding the playground mounted at /playground (built off the event loop)."""
     import gradio as gr
     from fastapi import FastAPI
+    from gradio.utils import get_upload_folder
 
+    playground = Playground(pipe, executor, Path(get_upload_folder()), config.max_prompt_chars)
     holder = FastAPI()
-    gr.mount_gradio_app(holder, build_blocks(config, playground), path=PATH, css=CSS, footer_links=[])
+    gr.mount_gradio_app(holder, build_blocks(config, playground), path=PATH, css=CSS, footer_links=[],
+                        max_file_size=config.max_upload_bytes)
     return holder
+
+
+class UploadQuota:
+    """The playground's uploads on disk: at most ``limit`` files at once.
+
+    The edge (app/server/security.py) bounds each upload's size; this bounds how many are kept. An
+    upload that would pass the limit is refused (429) and what it brought deleted at once. Files
+    leave when the job that used them deletes them, or when Gradio's delete_cache ages them out.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held: set[Path] = set()
+
+    @property
+    def held(self) -> int:
+        self._held = {path for path in self._held if path.exists()}
+        return len(self._held)
+
+    def _refusal(self) -> str:
+        return (f"the playground already keeps {self.limit} uploads (--max-uploads); one is freed when a job "
+                "that used it ends")
+
+    async def __call__(self, app: FastAPI, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.held >= self.limit:
+            await refuse(scope, receive, send, 429, self._refusal(), {"Retry-After": str(CACHE_SWEEP_S)})
+            return
+        messages: list[Message] = []
+
+        async def hold(message: Message) -> None:
+            messages.append(message)  # until the body says which files were stored
+
+        await app(scope, receive, hold)
+        start = next((m for m in messages if m["type"] == "http.response.start"), None)
+        if start is not None and start["status"] == 200:
+            body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+            stored = {Path(path) for path in json.loads(body)}
+            # Counted after the upload, with no await in between: concurrent uploads cannot both pass.
+            if self.held + len(stored) > self.limit:
+                for path in stored:
+                    path.unlink(missing_ok=True)
+                await refuse(scope, receive, send, 429, self._refusal(), {"Retry-After": str(CACHE_SWEEP_S)})
+                return
+            self._held |= stored
+        for message in messages:
+            await send(message)
 
 
 class LazyPlayground:
@@ -294,8 +385,9 @@ class LazyPlayground:
     The first request builds it in a worker thread, so live streams on the event loop keep running.
     """
 
-    def __init__(self, build: Callable[[], FastAPI]) -> None:
+    def __init__(self, build: Callable[[], FastAPI], uploads: UploadQuota) -> None:
         self._build = build
+        self._uploads = uploads
         self._app: FastAPI | None = None
         self._lifespan: AbstractAsyncContextManager[Any] | None = None
         self._lock = asyncio.Lock()
@@ -317,6 +409,9 @@ class LazyPlayground:
         root = str(scope.get("root_path", ""))
         if root.endswith(PATH):
             scope = {**scope, "root_path": root[: -len(PATH)]}
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == PLAYGROUND_UPLOAD:
+            await self._uploads(app, scope, receive, send)
+            return
         await app(scope, receive, send)
 
     async def close(self) -> None:
@@ -327,7 +422,7 @@ class LazyPlayground:
 
 def mount_playground(app: FastAPI, config: ServerConfig, pipe: Pipeline | None, executor: Executor) -> None:
     """Mount the playground at /playground; ``pipe`` None disables the file and text tabs."""
-    lazy = LazyPlayground(lambda: _gradio_app(config, Playground(pipe, executor)))
+    lazy = LazyPlayground(lambda: _gradio_app(config, pipe, executor), UploadQuota(config.max_uploads))
     app.mount(PATH, lazy)
     outer = app.router.lifespan_context
 

@@ -32,8 +32,9 @@ from app.virtualcam import whep_frames  # noqa: E402
 OBS_VIDEO = ("video/H264", "42e01f")  # OBS's WHIP output: H.264 constrained baseline, level 3.1
 
 
-async def publish_like_obs(server: str, token: str | None, prompt: str) -> tuple[RTCPeerConnection, str]:
-    """WHIP publish with OBS's codecs forced; returns the peer and the session's Location."""
+async def publish_like_obs(server: str, token: str | None, prompt: str) -> tuple[RTCPeerConnection, str, str]:
+    """WHIP publish with OBS's codecs forced; returns the peer, the session's Location (its own URL,
+    which ends the session on DELETE) and the stream id (what viewers need)."""
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     audio = pc.addTransceiver(AudioStreamTrack(), direction="sendonly")
     video = pc.addTransceiver(CodedCamera((640, 360), fps=30), direction="sendonly")
@@ -52,7 +53,7 @@ async def publish_like_obs(server: str, token: str | None, prompt: str) -> tuple
         await pc.close()
         raise SystemExit(f"WHIP publish refused: {status} {body.decode(errors='replace').strip()}")
     await pc.setRemoteDescription(RTCSessionDescription(sdp=body.decode(), type="answer"))
-    return pc, head.get("Location") or head["location"]
+    return pc, head.get("Location") or head["location"], head.get("X-Diffcast-Stream-Id") or head["x-diffcast-stream-id"]
 
 
 def pull(server: str, stream_id: str, token: str | None, frames: int) -> tuple[int, float]:
@@ -67,13 +68,11 @@ def pull(server: str, stream_id: str, token: str | None, frames: int) -> tuple[i
 
 async def main_async(args: argparse.Namespace) -> int:
     server = args.server.rstrip("/")
-    pc, location = await publish_like_obs(server, args.token, args.prompt)
-    stream_id = location.rsplit("/", 1)[1]
+    pc, location, stream_id = await publish_like_obs(server, args.token, args.prompt)
     print(f"1. published like OBS (Opus + H.264 42e01f) -> stream {stream_id}")
     count, seconds = await asyncio.to_thread(pull, server, stream_id, args.token, args.frames)
     print(f"2. pulled {count} stylized frames back over WHEP in {seconds:.1f} s ({count / seconds:.1f} fps incl. start-up)")
-    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
-    await asyncio.to_thread(http, "DELETE", server + location, None, headers)
+    await asyncio.to_thread(http, "DELETE", server + location)  # the session URL is the credential
     await pc.close()
     token_query = f"?token={args.token}" if args.token else ""
     print(
@@ -82,7 +81,7 @@ async def main_async(args: argparse.Namespace) -> int:
         "   Settings -> Output (Advanced) -> Streaming: Video Encoder x264 (or any H.264), Profile baseline,\n"
         "   Keyframe Interval 1 s, Tune zerolatency; then 'Start Streaming'.\n"
         f"   Watch it: add a Browser Source with URL {server}/view/<stream-id>{token_query}\n"
-        "   (the stream id is the last part of the Location OBS got; the dashboard at "
+        "   (the stream id is in the X-Diffcast-Stream-Id header of OBS's 201, and the second part of its Location; the dashboard at "
         f"{server}/dashboard lists it),\n"
         f"   or: diffcast virtualcam --source stream:<stream-id> --server {server}"
         + (f" --token {args.token}" if args.token else "")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -105,6 +106,13 @@ class StreamParams:
             raise ValueError(f"prompt is {max(too_long)} characters; the limit is {MAX_PROMPT_CHARS}")
         if self.prompt_weights is not None and len(self.prompt_weights) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(self.prompt_weights)} prompt weights")
+        # The blend divides by the weights' sum: a NaN, an Infinity or an overflowing sum makes every
+        # later frame of the stream NaN (black).
+        if self.prompt_weights is not None and (
+            any(not w >= 0 for w in self.prompt_weights) or not 0 < sum(self.prompt_weights) < math.inf
+        ):
+            raise ValueError(f"prompt weights must be finite, non-negative and of a finite positive sum, got "
+                             f"{self.prompt_weights}")
         if self.mode not in ("v2v", "t2v"):
             raise ValueError(f"mode must be 'v2v' or 't2v', got {self.mode!r}")
         if not 0.1 < self.noise_scale <= 1.0:

@@ -48,10 +48,11 @@ async def test_whip_then_whep_exchange(live_server: Callable[..., AbstractContex
         status, head, answer = await _post(f"{url}/whip?prompt=ink%20wash", offer)
         assert status == 201, answer
         assert head["content-type"].startswith("application/sdp")
+        # The Location is the publisher's own session URL (its last part a capability), not the stream id.
         location = head["location"]
-        assert location.startswith("/whip/")
-        stream_id = location.rsplit("/", 1)[1]
-        # The stream's owner capability (docs/security.md): control, trickle and DELETE need it.
+        stream_id = head["x-diffcast-stream-id"]
+        assert re.fullmatch(rf"/whip/{stream_id}/[A-Za-z0-9_-]{{22}}", location), location
+        # The stream's owner capability (docs/security.md): control, trickle and DELETE by stream id need it.
         owner = {"Authorization": f"Bearer {head['x-diffcast-owner-token']}"}
         assert "a=candidate" in answer  # complete answer: no trickle ICE
         await publisher.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
@@ -63,6 +64,10 @@ async def test_whip_then_whep_exchange(live_server: Callable[..., AbstractContex
         )
         assert status == 405 and "DELETE" in head["allow"]
         assert (await asyncio.to_thread(http, "PATCH", f"{url}/whip/nope", b"", owner))[0] == 405
+        status, head, _ = await asyncio.to_thread(http, "PATCH", f"{url}/whip/{stream_id}", b"", owner)
+        assert status == 405 and "DELETE" in head["allow"]
+        # The same answer for a session URL that does not exist: PATCH reveals nothing.
+        assert (await asyncio.to_thread(http, "PATCH", f"{url}/whip/{stream_id}/nope", b"", owner))[0] == 405
 
         # Over capacity: 503 + Retry-After.
         extra, extra_offer = await _offer(publish=True)
@@ -105,8 +110,9 @@ async def test_whip_then_whep_exchange(live_server: Callable[..., AbstractContex
 
         assert (await asyncio.to_thread(http, "DELETE", url + viewer_location))[0] == 200
         assert (await asyncio.to_thread(http, "DELETE", url + viewer_location))[0] == 404
-        assert (await asyncio.to_thread(http, "DELETE", url + location, None, owner))[0] == 200
-        assert (await asyncio.to_thread(http, "DELETE", url + location, None, owner))[0] == 404
+        # RFC 9725 §4.2: the client ends its session with DELETE on the Location; the URL is the credential.
+        assert (await asyncio.to_thread(http, "DELETE", url + location))[0] == 200
+        assert (await asyncio.to_thread(http, "DELETE", url + location))[0] == 404
         assert (await asyncio.to_thread(http, "GET", f"{url}/healthz"))[2].startswith(b'{"status":"ok","streams":0')
         metrics = (await asyncio.to_thread(http, "GET", f"{url}/metrics"))[2].decode()
         assert "diffcast_streams_opened_total 1.0" in metrics and "diffcast_streams 0.0" in metrics
@@ -141,7 +147,7 @@ async def test_whip_whep_errors(live_server: Callable[..., AbstractContextManage
         # A viewer offer must receive video; a publisher offer sent to WHEP is refused.
         status, head, answer = await _post(f"{url}/whip", offer, auth)
         assert status == 201
-        stream_id = head["location"].rsplit("/", 1)[1]
+        stream_id = head["x-diffcast-stream-id"]
         status, _, body = await _post(f"{url}/whep/{stream_id}", offer, auth)
         assert status == 400 and "does not receive" in body
         status, _, body = await asyncio.to_thread(

@@ -90,8 +90,8 @@ def test_obs_whip_publish_plays_on_viewer_page(
         assert http("POST", f"{url}/whip", offer.encode(), {"Content-Type": "application/sdp"})[0] == 401
         status, head, body = http("POST", f"{url}/whip", offer.encode(), headers)
         assert status == 201, body
-        location = head["location"]
-        stream_id = location.rsplit("/", 1)[1]
+        location = head["location"]  # the publisher's own session URL
+        stream_id = head["x-diffcast-stream-id"]
         answer = body.decode()
         assert {name for name, _ in _codecs(answer, "video")} - {"video/rtx"} == {"video/H264"}
         aio(publisher.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer")))

@@ -71,6 +71,28 @@ def test_webcam_tab_streams_stylized_frames(page: Any, live_server: Callable[...
         _wait(page, f"{W}.status === 'idle'", 10)
 
 
+@pytest.mark.browser
+def test_with_an_api_token_a_browser_logs_in_once(page: Any, live_server: Callable[..., AbstractContextManager[str]]) -> None:
+    with live_server(api_token="s3cret-api-token") as url:
+        page.goto(f"{url}/playground/")
+        # Sent to the login form; a wrong token keeps it there, the right one leads back.
+        page.wait_for_selector("input[name=token]")
+        assert "/login?next=" in page.url
+        page.fill("input[name=token]", "wrong")
+        page.click("button[type=submit]")
+        page.wait_for_selector("#failed:not([hidden])")
+        page.fill("input[name=token]", "s3cret-api-token")
+        page.click("button[type=submit]")
+        page.wait_for_url(f"{url}/playground/")
+        # The cookie stands for the token: Gradio's own requests and the webcam's stream work.
+        _wait(page, f"{W} && {W}.ready")
+        page.click("[data-dc=start]")
+        _wait(page, f"{W}.status === 'live' && {W}.outputFrames > 5")
+        assert page.evaluate("document.cookie") == ""  # HttpOnly: page scripts never see it
+        page.click("[data-dc=stop]")
+        _wait(page, f"{W}.status === 'idle'", 10)
+
+
 def _write_clip(path: Path, frames: int, size: tuple[int, int]) -> Path:
     writer = VideoWriter(path, 16.0, size)
     for i in range(frames):
@@ -108,27 +130,28 @@ def test_file_tab_returns_a_stylized_video(
 
 
 def test_controls_validate_and_blend() -> None:
-    blended = Controls("oil painting", " ink wash ", 0.25, "slerp", 0.7, 3, 5).params()
+    blended = Controls("oil painting", " ink wash ", 0.25, "slerp", 0.7, 3, 5).params(500)
     assert blended.prompts == ("oil painting", "ink wash")
     assert blended.prompt_weights == (0.75, 0.25) and blended.blend_mode == "slerp"
-    single = Controls("oil painting", "ink wash", 0.0, "linear", 0.7, 3, 5).params()
+    single = Controls("oil painting", "ink wash", 0.0, "linear", 0.7, 3, 5).params(500)
     assert single.prompts == ("oil painting",) and single.prompt_weights is None
     with pytest.raises(ValueError, match="prompt is empty"):
-        Controls("  ", "", 0.0, "linear", 0.8, 2, 0).params()
+        Controls("  ", "", 0.0, "linear", 0.8, 2, 0).params(500)
     with pytest.raises(ValueError, match="blend mode"):
-        Controls("a", "b", 0.5, "cubic", 0.8, 2, 0).params()
+        Controls("a", "b", 0.5, "cubic", 0.8, 2, 0).params(500)
     with pytest.raises(ValueError, match="noise_scale"):
-        Controls("a", "", 0.0, "linear", 0.05, 2, 0).params()
+        Controls("a", "", 0.0, "linear", 0.05, 2, 0).params(500)
 
 
-def test_text_to_video_streams_chunks_then_the_clip(engine_factory: Any) -> None:
+def test_text_to_video_streams_chunks_then_the_clip(engine_factory: Any, tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from app.playground import Playground
 
     pipe = engine_factory.pipeline
     with ThreadPoolExecutor(max_workers=1) as engine_thread:
-        updates = list(Playground(pipe, engine_thread).text_to_video(3, Controls("a red fox", "", 0.0, "linear", 0.8, 2, 0)))
+        playground = Playground(pipe, engine_thread, tmp_path, 500)
+        updates = list(playground.text_to_video(3, Controls("a red fox", "", 0.0, "linear", 0.8, 2, 0)))
     # One preview per chunk, then the whole clip.
     assert [path is None for _, path in updates] == [True, True, True, False]
     width, height = pipe.default_size
@@ -140,6 +163,27 @@ def test_text_to_video_streams_chunks_then_the_clip(engine_factory: Any) -> None
     assert len(frames) == sum(len(direct.generate()) for _ in range(3))
     assert frames[0].shape == (height, width, 3)
     with pytest.raises(ValueError, match="chunks must be between"):
-        next(Playground(pipe, engine_thread).text_to_video(0, Controls("a", "", 0.0, "linear", 0.8, 2, 0)))
+        next(playground.text_to_video(0, Controls("a", "", 0.0, "linear", 0.8, 2, 0)))
     with pytest.raises(ValueError, match="not a local pipeline"):
-        Playground(None, engine_thread).stylize("x.mp4", Controls("a", "", 0.0, "linear", 0.8, 2, 0))
+        Playground(None, engine_thread, tmp_path, 500).stylize("x.mp4", Controls("a", "", 0.0, "linear", 0.8, 2, 0))
+
+
+def test_stylize_deletes_its_upload_when_done(tmp_path: Path) -> None:
+    """An upload is the job's input, kept no longer than the job (Gradio's cache sweep would keep
+    it for upload_ttl_s): a re-run asks for a new upload, and the output stays for download."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.playground import Playground
+    from engine.pipeline import Pipeline
+
+    clip = _write_clip(tmp_path / "upload.mp4", frames=5, size=(64, 48))
+    with ThreadPoolExecutor(max_workers=1) as engine_thread:
+        playground = Playground(Pipeline.load("tiny-random"), engine_thread, tmp_path / "cache", 500)
+        controls = Controls("a red fox", "", 0.0, "linear", 0.8, 2, 0)
+        with pytest.raises(ValueError, match="limit is 500"):  # refused before the job: the upload stays
+            playground.stylize(str(clip), Controls("x" * 501, "", 0.0, "linear", 0.8, 2, 0))
+        assert clip.exists()
+        out = Path(playground.stylize(str(clip), controls))
+        assert out.is_file() and out.is_relative_to(tmp_path / "cache") and not clip.exists()
+        with pytest.raises(ValueError, match="upload it again"):
+            playground.stylize(str(clip), controls)

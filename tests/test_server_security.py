@@ -24,10 +24,11 @@ from _security_fixtures import (  # noqa: F401
     viewer_offer,
 )
 
-from app.server.security import OWNER_HEADER, VIEWER_HEADER
+from app.server.security import OWNER_HEADER, STREAM_ID_HEADER, VIEWER_HEADER
 
 ApiFactory = Callable[..., AbstractAsyncContextManager[Api]]
 UPDATE = json.dumps({"type": "update", "seed": 3})
+LOCAL_HOST = {"Host": "localhost:8080"}
 
 
 async def test_owner_controls_viewer_only_watches(asgi_api: ApiFactory) -> None:  # noqa: F811
@@ -104,9 +105,18 @@ async def test_listing_needs_admin_rights(asgi_api: ApiFactory) -> None:  # noqa
         stream = await api.create()
         remote = api.at(REMOTE)
         for path in ("/api/streams", "/api/dashboard", "/metrics"):
-            response = await remote.client.get(path)
+            response = await remote.client.get(path, headers=LOCAL_HOST)
             assert response.status_code == 403 and stream.stream_id not in response.text, path
-            assert (await api.client.get(path)).status_code == 200, path  # the operator, on loopback
+            # The operator, on loopback, naming this machine.
+            assert (await api.client.get(path, headers=LOCAL_HOST)).status_code == 200, path
+            # A loopback peer is not enough: a DNS-rebinding page names its own domain in Host, and
+            # behind a local reverse proxy every client's peer address is loopback.
+            for headers in ({"Host": "rebound.evil.example:8080"}, {**LOCAL_HOST, "X-Forwarded-For": REMOTE},
+                            {**LOCAL_HOST, "X-Real-IP": REMOTE}, {**LOCAL_HOST, "Forwarded": f"for={REMOTE}"}):
+                response = await api.client.get(path, headers=headers)
+                assert response.status_code == 403 and stream.stream_id not in response.text, (path, headers)
+        for host in ("127.0.0.1:8080", "[::1]:8080", "localhost", "app.localhost:8080"):
+            assert (await api.client.get("/api/streams", headers={"Host": host})).status_code == 200, host
     async with asgi_api(max_streams=2, api_token="adm1n") as api:
         stream = await api.create(headers=bearer("adm1n"))
         for path in ("/api/streams", "/api/dashboard", "/metrics"):
@@ -139,11 +149,12 @@ async def test_whip_creator_gets_tokens_in_headers(asgi_api: ApiFactory) -> None
         api.peers.append(pc)
         response = await api.client.post("/whip", content=offer, headers={"Content-Type": "application/sdp"})
         assert response.status_code == 201
-        location = response.headers["location"]
+        stream_id = response.headers[STREAM_ID_HEADER]
         owner, viewer = response.headers[OWNER_HEADER], response.headers[VIEWER_HEADER]
-        assert (await api.client.delete(location, headers=bearer(viewer))).status_code == 403
-        assert (await api.client.delete(location)).status_code == 401
-        assert (await api.client.delete(location, headers=bearer(owner))).status_code == 200
+        # The stream id is public to every viewer: stopping the stream by it needs the owner token.
+        assert (await api.client.delete(f"/whip/{stream_id}", headers=bearer(viewer))).status_code == 403
+        assert (await api.client.delete(f"/whip/{stream_id}")).status_code == 401
+        assert (await api.client.delete(f"/whip/{stream_id}", headers=bearer(owner))).status_code == 200
 
 
 async def test_origins(asgi_api: ApiFactory) -> None:  # noqa: F811

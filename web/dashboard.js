@@ -130,6 +130,11 @@ function render(data) {
 async function poll() {
   try {
     const response = await fetch("/api/dashboard", { headers });
+    if (response.status === 401 && !token) {
+      // The server has --api-token: log in once (an HttpOnly cookie), then come back.
+      window.location.assign(`/login?next=${encodeURIComponent(window.location.pathname)}`);
+      return;
+    }
     if (!response.ok) throw new Error(`${response.status} ${(await response.json().catch(() => ({}))).detail || ""}`);
     const data = await response.json();
     state.last = data;

@@ -1,5 +1,5 @@
 // The diffcast page: camera in, stylized video out; WebRTC first, WebSocket fallback when ICE fails.
-import { connectWebRTC } from "./rtc.js";
+import { connectWebRTC, logIn } from "./rtc.js";
 import { statCells } from "./stats.js";
 import { connectWebSocket } from "./wsclient.js";
 
@@ -137,6 +137,7 @@ async function start() {
     $("stop").disabled = false;
     $("pause").disabled = false;
   } catch (error) {
+    if (error.status === 401) return logIn();
     notice(`Could not start: ${error.message}`);
     await stop();
     setStatus("error");

@@ -1,7 +1,7 @@
 // The playground's live webcam widget: the page's own WebRTC client (rtc.js, with the WebSocket
 // fallback from wsclient.js) mounted inside a Gradio gr.HTML block. Gradio controls outside the
 // block call window.diffcastPlayground.setOptions(...) / .apply(); nothing here is Gradio-specific.
-import { connectWebRTC } from "./rtc.js";
+import { connectWebRTC, logIn } from "./rtc.js";
 import { statCells } from "./stats.js";
 import { connectWebSocket } from "./wsclient.js";
 
@@ -124,6 +124,7 @@ async function start() {
     q("stop").disabled = false;
     q("pause").disabled = false;
   } catch (error) {
+    if (error.status === 401) return logIn(); // the login cookie expired
     notice(`Could not start: ${error.message}`);
     await stop();
     setStatus("error");

@@ -31,6 +31,12 @@ function waitForConnection(pc, timeoutMs) {
   });
 }
 
+// The server has --api-token and this browser holds no login cookie: its form, then back here.
+export function logIn() {
+  const next = window.location.pathname + window.location.search;
+  window.location.assign(`/login?next=${encodeURIComponent(next)}`);
+}
+
 export async function connectWebRTC({ camera, config, options, onTrack, onMessage, iceTimeoutMs }) {
   const pc = new RTCPeerConnection({ iceServers: config.iceServers });
   for (const track of camera.getVideoTracks()) pc.addTransceiver(track, { direction: "sendrecv" });

@@ -46,7 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--allowed-origin", action="append", default=[], metavar="ORIGIN",
-        help="origin (e.g. https://example.com) whose pages may call the API (repeatable; default: any)",
+        help="origin (e.g. https://example.com) whose pages may call the API besides the service's own "
+             "(repeatable; default: none; WHIP and WHEP answer any origin unless this is given)",
+    )
+    parser.add_argument(
+        "--forwarded-allow-ips", default="", metavar="IPS",
+        help="comma-separated addresses of reverse proxies whose X-Forwarded-For/-Proto headers are trusted "
+             "(default: none)",
     )
     parser.add_argument(
         "--private-viewing", action="store_true",
@@ -65,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="408 for a request body not received within this grace plus 1 s per 1000 bytes (default 10)",
     )
     parser.add_argument("--max-body-bytes", type=int, default=65536, help="largest request body (default 65536)")
+    parser.add_argument(
+        "--max-upload-bytes", type=int, default=64 << 20, help="largest playground upload (default 64 MiB)"
+    )
+    parser.add_argument(
+        "--max-uploads", type=int, default=8, help="playground uploads kept at once (default 8)"
+    )
     parser.add_argument(
         "--max-streams-per-client", type=int, default=2, help="concurrent streams per client address (default 2)"
     )

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import parse_qs, quote
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import generate_latest
 from pydantic import BaseModel
@@ -28,7 +29,16 @@ from app.server.ice import allow_loopback_candidates, browser_ice_servers
 from app.server.metrics import CONTENT_TYPE, build_registry
 from app.server.openapi import allow_documented_methods, document, errors
 from app.server.sdp import OfferError
-from app.server.security import OWNER_HEADER, VIEWER_HEADER, AccessControl, ClientSlots, EdgeGuard
+from app.server.security import (
+    LOGIN_PAGE,
+    SESSION_COOKIE,
+    AccessControl,
+    AdminSessions,
+    ClientSlots,
+    EdgeGuard,
+    RouteCors,
+    client_host,
+)
 from app.server.session import CapacityError, SessionManager
 from app.server.whip import bearer_ok, whip_router
 from app.server.ws import serve_websocket
@@ -117,18 +127,15 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     # (app/server/security.py). Added before CORS, so CORS wraps it: refusals get CORS headers too.
     access = AccessControl(config, is_live=lambda stream_id: stream_id in manager.sessions)
     app.state.access = access
+    sessions = AdminSessions(config.api_token)
     app.add_middleware(
         EdgeGuard, config=config, access=access,
         slots=ClientSlots(config.max_streams_per_client, is_live=lambda stream_id: stream_id in manager.sessions),
+        sessions=sessions,
     )
-    # Browser WHIP/WHEP clients on other origins need CORS, and must be able to read Location.
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=list(config.allowed_origins) or ["*"],
-        allow_methods=["GET", "POST", "DELETE", "PATCH", "OPTIONS"],
-        allow_headers=["*"],
-        expose_headers=["Location", "Accept-Post", "Retry-After", OWNER_HEADER, VIEWER_HEADER],
-    )
+    # Browser WHIP/WHEP clients on other origins need CORS, and must be able to read Location; the
+    # rest of the API answers other origins only when --allowed-origin lists them.
+    app.add_middleware(RouteCors, config=config)
     app.include_router(whip_router(manager, gateway, config))
     # Operator dashboard at /dashboard and the JSON it polls (app/dashboard.py).
     app.include_router(dashboard_router(manager, config))
@@ -148,6 +155,28 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         # Served for any id: an OBS Browser Source is set up before its stream starts, and the
         # page retries WHEP until the stream exists.
         return FileResponse(WEB_DIR / "view.html")
+
+    @app.get(LOGIN_PAGE, include_in_schema=False)
+    async def login_page() -> FileResponse:
+        return FileResponse(WEB_DIR / "login.html")
+
+    @app.post("/api/login", include_in_schema=False)
+    async def login(request: Request) -> Response:
+        """The login form: the API token once -> a signed HttpOnly cookie that stands for it here."""
+        if config.api_token is None:
+            return _json_error(404, "this server has no --api-token: there is nothing to log in to")
+        form = parse_qs((await request.body()).decode("utf-8", "replace"))
+        given = (form.get("token") or [""])[0]
+        target = (form.get("next") or ["/"])[0]
+        if not target.startswith("/") or target.startswith(("//", "/\\")):
+            target = "/"  # only this site's pages: never an open redirect
+        if not hmac.compare_digest(given.encode(), config.api_token.encode()):
+            log.warning("failed login from %s", client_host(request.scope))
+            return RedirectResponse(f"{LOGIN_PAGE}?failed=1&next={quote(target)}", status_code=303)
+        response = RedirectResponse(target, status_code=303)
+        response.set_cookie(SESSION_COOKIE, sessions.issue(), max_age=int(sessions.ttl_s), path="/", httponly=True,
+                            samesite="strict", secure=request.url.scheme == "https")
+        return response
 
     @app.get("/api/config")
     async def client_config() -> dict[str, Any]:

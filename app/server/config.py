@@ -33,11 +33,20 @@ class ServerConfig:
     # Hardening (app/server/security.py, limits.py; docs/security.md). Service-wide API token: needed
     # to create or list streams, and an admin credential over every stream; None = no such gate.
     api_token: str | None = None
-    # Origins whose pages may call the API (CORS and an Origin check); () = any origin.
+    # Origins whose pages may call the API (CORS and an Origin check) besides the service's own;
+    # () = its own pages only, while WHIP and WHEP answer any origin (third-party players).
     allowed_origins: tuple[str, ...] = ()
+    # Reverse proxies whose X-Forwarded-For / X-Forwarded-Proto are believed (uvicorn's proxy headers
+    # handling); () = none: every client is its socket's peer address.
+    forwarded_allow_ips: tuple[str, ...] = ()
     # True: WHEP/stats need the stream's viewer (or owner) token; False: the unlisted stream id suffices.
     private_viewing: bool = False
     max_body_bytes: int = 65536
+    # Playground uploads (video files): bytes each, and files kept at once. Each is deleted when the
+    # job that used it ends, or after upload_ttl_s (Gradio's delete_cache), whichever comes first.
+    max_upload_bytes: int = 64 << 20
+    max_uploads: int = 8
+    upload_ttl_s: int = 1800
     max_streams_per_client: int = 2
     # Control messages (data channel, WebSocket text, HTTP control): bytes each, and per second.
     max_message_bytes: int = 4096
@@ -115,8 +124,11 @@ class ServerConfig:
             max_prompt_chars=args.max_prompt_chars,
             api_token=args.api_token,
             allowed_origins=tuple(args.allowed_origin),
+            forwarded_allow_ips=tuple(ip.strip() for ip in args.forwarded_allow_ips.split(",") if ip.strip()),
             private_viewing=args.private_viewing,
             max_body_bytes=args.max_body_bytes,
+            max_upload_bytes=args.max_upload_bytes,
+            max_uploads=args.max_uploads,
             max_streams_per_client=args.max_streams_per_client,
             max_messages_per_s=args.max_messages_per_s,
             input_timeout_s=args.input_timeout_s,

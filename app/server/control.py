@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
@@ -33,7 +34,9 @@ class ControlError(ValueError):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Finite numbers only, in every message and option: one NaN or Infinity in prompt_weights turned
+    # the stream's prompt embedding into NaNs (black frames until a reset).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class UpdateMessage(_Message):
@@ -92,16 +95,27 @@ def check_prompt(prompt: str | list[str] | None, weights: list[float] | None, ma
     if weights is not None:
         if len(weights) != len(prompts):
             raise ControlError(f"{len(prompts)} prompts but {len(weights)} prompt_weights")
-        if any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise ControlError(f"prompt_weights must be non-negative and not all zero, got {weights}")
+        # Each weight is finite (the models refuse NaN and Infinity), but their sum can still overflow.
+        if any(w < 0 for w in weights) or not 0 < sum(weights) < math.inf:
+            raise ControlError(f"prompt_weights must be non-negative, not all zero and of a finite sum, got {weights}")
+
+
+def _no_constant(name: str) -> float:
+    raise ControlError(f"control message has {name}, which is not a number JSON allows")
 
 
 def parse_control(text: str, max_prompt_chars: int) -> ControlMessage:
     """Parse one JSON control message; ControlError with a readable reason when it is wrong."""
     try:
-        raw = json.loads(text)
+        raw = json.loads(text, parse_constant=_no_constant)  # Python's json reads NaN and Infinity
     except json.JSONDecodeError as exc:
         raise ControlError(f"control message is not JSON: {exc}") from exc
+    return control_message(raw, max_prompt_chars)
+
+
+def control_message(raw: object, max_prompt_chars: int) -> ControlMessage:
+    """A decoded control message (the JSON of one, or the playground's controls) with every check
+    ``parse_control`` makes; ControlError with a readable reason when it is wrong."""
     try:
         message = _ADAPTER.validate_python(raw)
     except ValidationError as exc:

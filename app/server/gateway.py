@@ -103,13 +103,17 @@ class Gateway:
         check_offer(offer_sdp, publish=True)
         session = await self._manager.open(kind, settings)
         pc = self._peer()
-        session.peers["publisher"] = pc
+        session.publisher_session = mint_secret(16)  # the WHIP session URL's capability
+        session.peers[session.publisher_session] = pc
 
         @pc.on("track")
         def on_track(track: MediaStreamTrack) -> None:
             if track.kind == "video":
                 source = self._relay.subscribe(track, buffered=False)
-                session.spawn(read_input(source, session.assembler), "input")
+                # The video ends when the publisher leaves: its RTCP BYE, or its DTLS or ICE closing.
+                # Each alone ends the stream, so a lost goodbye packet (UDP) does not keep the stream
+                # and its client's slot until the input watchdog.
+                session.spawn(read_input(source, session.assembler), "input", ends_session=True)
             else:  # e.g. OBS's Opus audio: drain it, or aiortc's receive queue grows forever
                 session.spawn(discard(track), "audio-sink")
 
@@ -157,6 +161,9 @@ class Gateway:
             raise CapacityError(f"stream {session.id} already has {self._config.max_viewers} viewers")
         pc = self._peer()
         viewer_id = mint_secret(16)  # the viewer's session URL is its only credential
+        # The slot is taken before the answer is awaited (ICE gathering): offers arriving meanwhile
+        # count it, so --max-viewers holds under concurrency. A failed answer gives it back.
+        session.peers[viewer_id] = pc
         pc.addTrack(PlayoutTrack(session.playout))
 
         @pc.on("connectionstatechange")
@@ -167,16 +174,14 @@ class Gateway:
         try:
             answer = await self._answer(pc, offer_sdp)
         except BaseException:
-            await pc.close()
+            await self.remove_viewer(session, viewer_id)
             raise
-        session.peers[viewer_id] = pc
         return viewer_id, answer
 
     async def remove_viewer(self, session: Session, viewer_id: str) -> bool:
-        if viewer_id == "publisher":
-            return False
-        pc = session.peers.pop(viewer_id, None)
+        pc = session.peer(viewer_id, publisher=False)
         if pc is None:
             return False
+        del session.peers[viewer_id]
         await pc.close()
         return True

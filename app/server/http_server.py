@@ -278,6 +278,10 @@ def uvicorn_server(app: Any, config: ServerConfig, *, port: int | None = None,
         # A WebSocket message over the frame limit closes the socket (1009) before it is buffered.
         ws_max_size=config.max_frame_bytes + WS_FRAME_OVERHEAD,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        # X-Forwarded-* from --forwarded-allow-ips only; uvicorn's own default trusts 127.0.0.1,
+        # which would let any local process (or a misconfigured local proxy) set client addresses.
+        proxy_headers=bool(config.forwarded_allow_ips),
+        forwarded_allow_ips=list(config.forwarded_allow_ips) or None,
     ))
     # After uvicorn.Config, which (re)configures the uvicorn loggers.
     install_log_redaction()

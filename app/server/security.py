@@ -8,28 +8,41 @@ returned only to its creator (the /api/offer JSON, the WHIP 201 headers, the /ws
 
 Admin credentials (``--api-token``, and the WHIP ``--token``, which is the operator's) may do
 everything, and only they may list streams (``/api/streams``, ``/api/dashboard``, ``/metrics``:
-the ids are what WHEP needs); with neither configured, only a loopback client may list.
+the ids are what WHEP needs); with neither configured, only a local client may list: a loopback
+peer that names this machine in its Host header (a DNS-rebinding page names its own domain) and
+came through no proxy. A browser presents the API token once, to ``POST /api/login``, and then
+holds it as a signed HttpOnly SameSite cookie (``AdminSessions``) that stands for it on this
+origin: the page, the dashboard and the playground, which is gated like stream creation.
+
+WHIP and WHEP session URLs (``/whip/<id>/<session>``, ``/whep/<id>/<viewer>``) are capabilities
+of their own: holding one lets its client end (``DELETE``) its session, as RFC 9725 clients do.
 
 Refusals never tell a caller without rights whether a stream exists: no token -> 401 whether the
 id exists or not; a wrong token -> the same 404 as an unknown id; only a valid viewer token used for
 an owner action gets 403 (its holder already knows the stream exists).
 
-The middleware also enforces the request-body limit, the allowed origins, the service-wide API
-token on stream creation and the streams-per-client limit (app/server/limits.py has the rest).
+The middleware also enforces the request-body and upload limits, the allowed origins (WHIP and
+WHEP answer any page, so that third-party players work; everything else only the service's own
+pages and ``--allowed-origin``), the service-wide API token on stream creation and on the
+playground, and the streams-per-client limit (app/server/limits.py has the rest).
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import hmac
 import ipaddress
 import json
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote
+
+from starlette.middleware.cors import CORSMiddleware
 
 from app.server.config import ServerConfig
 from app.server.logs import mint_secret
@@ -44,6 +57,11 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OWNER_HEADER = "X-Diffcast-Owner-Token"
 VIEWER_HEADER = "X-Diffcast-Viewer-Token"
+# The WHIP 201's stream id: its Location is the publisher's session URL, a capability of its own.
+STREAM_ID_HEADER = "X-Diffcast-Stream-Id"
+SESSION_COOKIE = "diffcast_session"
+SESSION_TTL_S = 12 * 3600
+LOGIN_PAGE = "/login"
 TOKEN_BYTES = 24  # 192 bits: unguessable by any number of online attempts
 POLICY_VIOLATION = 1008  # WebSocket close code
 
@@ -61,8 +79,9 @@ class Grant:
     viewer: str
 
 
-# Per-stream routes and the access each needs; the stream id is the first group. WHEP viewer
-# sessions (/whep/{id}/{viewer}) are capability URLs handed only to that viewer and are not listed.
+# Per-stream routes and the access each needs; the stream id is the first group. WHIP and WHEP
+# session URLs (/whip/{id}/{session}, /whep/{id}/{viewer}) are capability URLs handed only to their
+# client: the routes themselves answer 404 for any that is not a live session, whatever part is wrong.
 STREAM_RULES: tuple[tuple[str, re.Pattern[str], Access], ...] = (
     ("GET", re.compile(r"^/api/streams/([^/]+)$"), Access.VIEWER),
     ("DELETE", re.compile(r"^/api/streams/([^/]+)$"), Access.OWNER),
@@ -74,17 +93,29 @@ STREAM_RULES: tuple[tuple[str, re.Pattern[str], Access], ...] = (
 LISTING = {("GET", "/api/streams"), ("GET", "/api/dashboard"), ("GET", "/metrics")}
 # Routes that create a stream: the API token (when set) and the per-client limit apply.
 CREATION = {("POST", "/api/offer"), ("POST", "/whip"), ("WEBSOCKET", "/ws")}
-# Bodies above --max-body-bytes are refused here, except the playground's file uploads (Gradio
-# enforces its own limits there).
-UNLIMITED_BODY_PREFIXES = ("/playground",)
+# The Gradio playground runs engine work and stores uploads: it needs what creating a stream needs.
+PLAYGROUND = "/playground"
+# Its file uploads: bounded by --max-upload-bytes (announced in Content-Length) instead of the body
+# limit, and passed on as they arrive rather than held in memory.
+PLAYGROUND_UPLOAD = "/playground/gradio_api/upload"
+# Headers a reverse proxy adds: a request that carries one came through a proxy, so its peer
+# address is the proxy's, not the client's (uvicorn rewrites it from trusted proxies only).
+FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-real-ip")
+
+
+def is_signalling(path: str) -> bool:
+    """WHIP and WHEP: players on other sites call these, so they answer any origin by default."""
+    return path == "/whip" or path.startswith(("/whip/", "/whep/"))
+
+
+def is_playground(path: str) -> bool:
+    return path == PLAYGROUND or path.startswith(PLAYGROUND + "/")
 
 
 def edge_refusals(method: str, path: str) -> set[int]:
     """The statuses EdgeGuard may answer on ``method`` ``path`` (a route template such as
     /api/streams/{stream_id}) instead of the route: for the OpenAPI document."""
-    statuses = {403}  # an origin not in --allowed-origin
-    if not path.startswith(UNLIMITED_BODY_PREFIXES):
-        statuses.add(413)
+    statuses = {403, 413}  # an origin not in --allowed-origin; a body over its limit (every route has one)
     if (method, path) in LISTING:
         statuses |= {401, 403}
     elif (method, path) in CREATION:
@@ -129,10 +160,69 @@ def client_host(scope: Scope) -> str:
 
 
 def is_loopback(host: str) -> bool:
+    """An address or name of this machine: a loopback IP, or localhost and its subdomains (RFC 6761)."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return host == "localhost"
+        return host == "localhost" or host.endswith(".localhost")
+
+
+def host_name(host_header: str) -> str:
+    """The name in a Host header, without its port ("[::1]:8080" -> "::1")."""
+    if host_header.startswith("["):
+        return host_header[1:].partition("]")[0]
+    return host_header.rpartition(":")[0] if host_header.count(":") == 1 else host_header
+
+
+def is_local(scope: Scope) -> bool:
+    """A client on this machine, asking for this machine: a loopback peer, a Host naming this
+    machine (a DNS-rebinding page's requests name the attacker's domain) and no proxy in between
+    (behind a local proxy every client's peer address is loopback)."""
+    headers = _headers(scope)
+    if any(name in headers for name in FORWARDING_HEADERS):
+        return False
+    return is_loopback(client_host(scope)) and is_loopback(host_name(headers.get("host", "")))
+
+
+def cookie(scope: Scope, name: str) -> str | None:
+    for part in _headers(scope).get("cookie", "").split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == name:
+            return value
+    return None
+
+
+class AdminSessions:
+    """The API token held by a browser: a signed, expiring cookie value and no server state.
+
+    ``POST /api/login`` takes the token once and sets the cookie (HttpOnly: page scripts never see
+    it; SameSite=Strict: other sites' requests do not carry it). The key derives from the API
+    token, so rotating the token ends every session."""
+
+    def __init__(self, api_token: str | None, ttl_s: float = SESSION_TTL_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._key = None if api_token is None else hmac.new(
+            api_token.encode(), b"diffcast admin session", hashlib.sha256).digest()
+        self.ttl_s = ttl_s
+        self._clock = clock
+
+    def issue(self) -> str:
+        if self._key is None:
+            raise RuntimeError("no API token: there is nothing to hold a session for")
+        expires = int(self._clock() + self.ttl_s)
+        return f"{expires}.{self._sign(expires)}"
+
+    def valid(self, value: str | None) -> bool:
+        if self._key is None or value is None:
+            return False
+        expires, _, signature = value.partition(".")
+        if not expires.isdigit():
+            return False
+        return hmac.compare_digest(signature, self._sign(int(expires))) and int(expires) > self._clock()
+
+    def _sign(self, expires: int) -> str:
+        assert self._key is not None
+        return hmac.new(self._key, str(expires).encode(), hashlib.sha256).hexdigest()
 
 
 class AccessControl:
@@ -255,11 +345,13 @@ class EdgeGuard:
     """ASGI middleware: origins, body size, listing rights, API token and per-client limit on
     creation, per-stream capabilities; hands the creator its tokens."""
 
-    def __init__(self, app: ASGIApp, config: ServerConfig, access: AccessControl, slots: ClientSlots) -> None:
+    def __init__(self, app: ASGIApp, config: ServerConfig, access: AccessControl, slots: ClientSlots,
+                 sessions: AdminSessions) -> None:
         self.app = app
         self.config = config
         self.access = access
         self.slots = slots
+        self.sessions = sessions
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -271,14 +363,17 @@ class EdgeGuard:
         if denied is not None:
             await refuse(scope, receive, send, 403, denied)
             return
-        if scope["type"] == "http" and not path.startswith(UNLIMITED_BODY_PREFIXES):
+        token = presented_token(scope) or self._session_token(scope)
+        if is_playground(path):
+            await self._playground(scope, receive, send, token)
+            return
+        if scope["type"] == "http":
             body = await self._read_body(receive)
             if body is None:
                 await refuse(scope, receive, send, 413,
                              f"request body is larger than the limit of {self.config.max_body_bytes} bytes")
                 return
             receive = _replay(body, receive)
-        token = presented_token(scope)
         if (method, path) in LISTING:
             refusal = self._listing_refusal(scope, token)
             if refusal is not None:
@@ -297,15 +392,57 @@ class EdgeGuard:
                 break
         await self.app(scope, receive, send)
 
-    def _origin_refusal(self, scope: Scope) -> str | None:
-        allowed = self.config.allowed_origins
-        origin = _headers(scope).get("origin")
-        if not allowed or origin is None or origin in allowed:
-            return None  # no list, or a non-browser client (OBS, curl), or an allowed page
-        host = _headers(scope).get("host", "")
-        if origin.split("://", 1)[-1] == host:
+    def _foreign_origin(self, scope: Scope) -> str | None:
+        """The Origin of a browser request from a page that is neither the service's own nor an
+        --allowed-origin; None for those and for non-browser clients (OBS, curl send none)."""
+        headers = _headers(scope)
+        origin = headers.get("origin")
+        if origin is None or origin in self.config.allowed_origins:
+            return None
+        if origin.split("://", 1)[-1] == headers.get("host", ""):
             return None  # the service's own page
-        return f"origin {origin} is not allowed (--allowed-origin)"
+        return origin
+
+    def _origin_refusal(self, scope: Scope) -> str | None:
+        origin = self._foreign_origin(scope)
+        if origin is None or (not self.config.allowed_origins and is_signalling(scope["path"])):
+            return None
+        return f"origin {origin} is not allowed: only the service's own pages and --allowed-origin may call this"
+
+    def _session_token(self, scope: Scope) -> str | None:
+        """The API token, for a request carrying a valid admin session cookie from this origin's pages."""
+        if not self.sessions.valid(cookie(scope, SESSION_COOKIE)) or self._foreign_origin(scope) is not None:
+            return None  # a cookie also rides on requests another page makes: only this origin's count
+        return self.config.api_token
+
+    async def _playground(self, scope: Scope, receive: Receive, send: Send, token: str | None) -> None:
+        """The playground: the API token (when set) as for creating a stream, then the body limits."""
+        if self.config.api_token is not None and not self.access.is_admin(token):
+            headers = _headers(scope)
+            if scope.get("method") == "GET" and "text/html" in headers.get("accept", ""):
+                # A browser opening the playground: the login form, and back here after it.
+                location = f"{LOGIN_PAGE}?next={quote(scope['path'], safe='/')}"
+                await _send_http(send, 303, b"", "text/plain", {"Location": location})
+                return
+            await refuse(scope, receive, send, 401, "the playground needs the API token (log in at /login)")
+            return
+        if scope["type"] == "http" and scope["path"] == PLAYGROUND_UPLOAD:
+            length = _headers(scope).get("content-length", "")
+            if not length.isdigit():
+                await refuse(scope, receive, send, 411, "an upload must say its size in Content-Length")
+                return
+            if int(length) > self.config.max_upload_bytes:
+                await refuse(scope, receive, send, 413, f"an upload of {int(length)} bytes is larger than "
+                                                        f"the limit of {self.config.max_upload_bytes} bytes")
+                return
+        elif scope["type"] == "http":
+            body = await self._read_body(receive)
+            if body is None:
+                await refuse(scope, receive, send, 413,
+                             f"request body is larger than the limit of {self.config.max_body_bytes} bytes")
+                return
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         """The whole body, or None once it passes the limit (the rest is not read)."""
@@ -328,9 +465,10 @@ class EdgeGuard:
             if self.access.is_admin(token):
                 return None
             return 401, "listing streams needs an admin token as 'Authorization: Bearer <token>'"
-        if is_loopback(client_host(scope)):
+        if is_local(scope):
             return None
-        return 403, "listing streams is only open to loopback clients unless the server has --api-token"
+        return 403, ("listing streams is only open to local clients (a loopback address and Host, no proxy) "
+                     "unless the server has --api-token")
 
     async def _create(self, scope: Scope, receive: Receive, send: Send, token: str | None) -> None:
         if self.config.api_token is not None and not self.access.is_admin(token):
@@ -387,8 +525,7 @@ class EdgeGuard:
             headers = [(k, str(len(data)).encode() if k == b"content-length" else v) for k, v in head["headers"]]
             return {**head, "headers": headers}, {**body, "body": data}
         if path == "/whip" and head["status"] == 201:
-            location = dict(head["headers"]).get(b"location", b"").decode()
-            grant = self._mint(location.rsplit("/", 1)[-1], created)
+            grant = self._mint(dict(head["headers"])[STREAM_ID_HEADER.lower().encode()].decode(), created)
             extra = [(OWNER_HEADER.lower().encode(), grant.owner.encode()),
                      (VIEWER_HEADER.lower().encode(), grant.viewer.encode())]
             return {**head, "headers": [*head["headers"], *extra]}, body
@@ -397,6 +534,25 @@ class EdgeGuard:
     def _mint(self, stream_id: str, created: list[str]) -> Grant:
         created.append(stream_id)
         return self.access.grant(stream_id)
+
+
+class RouteCors:
+    """CORS by route: WHIP and WHEP for any origin (third-party players; --allowed-origin narrows
+    them too), everything else (listing, control, the playground) for --allowed-origin only: by
+    default no other site's page may read the API's answers."""
+
+    def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
+        common: dict[str, Any] = {
+            "allow_methods": ["GET", "POST", "DELETE", "PATCH", "OPTIONS"],
+            "allow_headers": ["*"],
+            "expose_headers": ["Location", "Accept-Post", "Retry-After", OWNER_HEADER, VIEWER_HEADER, STREAM_ID_HEADER],
+        }
+        self._signalling = CORSMiddleware(app, allow_origins=list(config.allowed_origins) or ["*"], **common)
+        self._api = CORSMiddleware(app, allow_origins=list(config.allowed_origins), **common)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        signalling = scope["type"] == "http" and is_signalling(scope["path"])
+        await (self._signalling if signalling else self._api)(scope, receive, send)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

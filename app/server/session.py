@@ -52,7 +52,10 @@ class Session:
         self.assembler = assembler
         self.playout = playout
         self.created = time.monotonic()
-        self.peers: dict[str, RTCPeerConnection] = {}  # "publisher" and WHEP viewer ids
+        # WebRTC peers by session id: the last part of each one's session URL (/whip/<id>/<session>,
+        # /whep/<id>/<viewer>), 128 random bits each: holding one is the right to end that session.
+        self.peers: dict[str, RTCPeerConnection] = {}
+        self.publisher_session: str | None = None  # the key of the publisher's peer (WebRTC and WHIP)
         self.closed = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._on_close = on_close
@@ -64,20 +67,24 @@ class Session:
         # Size and rate limit of this stream's control messages, over every transport (limits.py).
         self.control_guard: MessageGuard | None = None
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """Run a task that lives as long as the session; a crash ends the session."""
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str, ends_session: bool = False) -> asyncio.Task[Any]:
+        """Run a task that lives as long as the session; a crash ends the session, and so does the
+        task's end when ``ends_session`` (the publisher's input: a track ends when its peer leaves)."""
         task = asyncio.get_running_loop().create_task(coro, name=f"{self.id[:8]}:{name}")
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(lambda done: self._task_done(done, ends_session))
         return task
 
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
+    def _task_done(self, task: asyncio.Task[Any], ends_session: bool) -> None:
         self._tasks.discard(task)
         if task.cancelled() or self.closed.is_set():
             return
         exc = task.exception()
         if exc is not None:
             self.fail(task.get_name(), exc)
+        elif ends_session:
+            log.info("stream %s: %s ended", self.id, task.get_name())
+            self._closing = asyncio.get_running_loop().create_task(self.close())  # keep a reference
 
     def fail(self, what: str, exc: BaseException) -> None:
         """Something this stream depends on crashed (one of its tasks, or its chunk on the engine)."""
@@ -116,9 +123,16 @@ class Session:
             return {"type": "error", "message": str(exc)}
         return {"type": "ack", "applied": message.type}
 
+    def peer(self, session: str, publisher: bool) -> RTCPeerConnection | None:
+        """The publisher's peer (``publisher``) or a WHEP viewer's behind a session id; None when the
+        id is not one of that kind here: every wrong URL gets the same answer."""
+        if (session == self.publisher_session) != publisher:
+            return None
+        return self.peers.get(session)
+
     @property
     def viewers(self) -> int:
-        return sum(1 for key in self.peers if key != "publisher")
+        return sum(1 for key in self.peers if key != self.publisher_session)
 
     @property
     def dropped_frames(self) -> int:

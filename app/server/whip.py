@@ -1,5 +1,12 @@
 """WHIP ingest (RFC 9725) and WHEP playback over the gateway.
 
+Each WHIP publisher and WHEP viewer gets a session URL of its own (``Location``:
+``/whip/<stream id>/<session>``, ``/whep/<stream id>/<viewer>``, 128 random bits in the last part)
+and holding it is what ends the session: ``DELETE`` on it needs no other credential, as RFC 9725
+clients expect (OBS sends its Bearer token only where the server has one). The stream id alone is
+public to every viewer, so ``DELETE /whip/<stream id>`` still needs the stream's owner token.
+Any session URL that is not a live session of its kind answers the same 404.
+
 No trickle ICE: answers carry every candidate, so PATCH on a session gets 405 with an Allow
 header, as RFC 9725 §4.3.1 asks of servers without trickle ICE or ICE restart support.
 """
@@ -17,7 +24,7 @@ from app.server.control import ControlError, options_from_query
 from app.server.gateway import Gateway
 from app.server.openapi import errors, options_answer, sdp_answer, sdp_body
 from app.server.sdp import OfferError
-from app.server.security import OWNER_HEADER, VIEWER_HEADER
+from app.server.security import OWNER_HEADER, STREAM_ID_HEADER, VIEWER_HEADER
 from app.server.session import CapacityError, SessionManager
 
 SDP = "application/sdp"
@@ -28,8 +35,13 @@ def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> P
     return PlainTextResponse(reason + "\n", status_code=status, headers=headers)
 
 
-def _sdp_response(answer: str, location: str) -> Response:
-    return Response(answer, status_code=201, media_type=SDP, headers={"Location": location})
+def _sdp_response(answer: str, location: str, stream_id: str) -> Response:
+    return Response(answer, status_code=201, media_type=SDP,
+                    headers={"Location": location, STREAM_ID_HEADER: stream_id})
+
+
+NO_WHIP_SESSION = "no WHIP session at this URL"
+NO_WHEP_SESSION = "no WHEP session at this URL"
 
 
 def bearer_ok(request: Request, token: str | None) -> bool:
@@ -60,9 +72,10 @@ def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig)
             raise _Refusal(_error(415, f"Content-Type must be {SDP}, got {content_type or 'none'}", {"Accept-Post": SDP}))
         return (await request.body()).decode("utf-8", "replace")
 
-    async def guarded(request: Request, handler: Callable[[], Awaitable[Response]]) -> Response:
+    async def guarded(request: Request, handler: Callable[[], Awaitable[Response]], session_url: bool = False) -> Response:
         try:
-            check_auth(request)
+            if not session_url:  # a session URL is its own credential
+                check_auth(request)
             return await handler()
         except _Refusal as refusal:
             return refusal.response
@@ -98,28 +111,47 @@ def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig)
             manager.check_capacity()  # before reading a large body or touching the engine
             offer = await read_offer(request)
             session, answer = await gateway.publish(offer, settings, kind="whip", send_output=False)
-            return _sdp_response(answer, f"/whip/{session.id}")
+            return _sdp_response(answer, f"/whip/{session.id}/{session.publisher_session}", session.id)
 
         return await guarded(request, handle)
 
+    def has_session(stream_id: str, session_id: str, publisher: bool) -> bool:
+        session = manager.get(stream_id)
+        return session is not None and session.peer(session_id, publisher) is not None
+
     @router.delete("/whip/{stream_id}", responses=errors("/whip/{stream_id}", 401, 404))
     async def whip_stop(stream_id: str, request: Request) -> Response:
-        async def handle() -> Response:
+        async def handle() -> Response:  # the owner token (checked at the edge): the id is public
             if not await manager.close(stream_id):
                 return _error(404, f"no WHIP session {stream_id}")
             return Response(status_code=200)
 
         return await guarded(request, handle)
 
+    @router.delete("/whip/{stream_id}/{session_id}", responses=errors("/whip/{stream_id}/{session_id}", 404))
+    async def whip_session_stop(stream_id: str, session_id: str, request: Request) -> Response:
+        async def handle() -> Response:  # holding the session URL is the credential (RFC 9725 §4.2)
+            if not has_session(stream_id, session_id, publisher=True):
+                return _error(404, NO_WHIP_SESSION)
+            await manager.close(stream_id)
+            return Response(status_code=200)
+
+        return await guarded(request, handle, session_url=True)
+
     # PATCH is not supported (RFC 9725 §4.3.1): the same 405 for every session URL, existing or
     # not, with or without credentials (so it reveals nothing), and not in the OpenAPI document.
     @router.patch("/whip/{stream_id}", include_in_schema=False)
+    @router.patch("/whip/{stream_id}/{session_id}", include_in_schema=False)
     @router.patch("/whep/{stream_id}/{viewer_id}", include_in_schema=False)
     async def no_trickle() -> Response:
         return _error(405, "trickle ICE and ICE restarts are not supported", {"Allow": SESSION_METHODS})
 
     @router.options("/whip/{stream_id}", status_code=204, responses=options_answer(SESSION_METHODS))
-    async def whip_session_options(stream_id: str) -> Response:
+    async def whip_stream_options(stream_id: str) -> Response:
+        return Response(status_code=204, headers={"Allow": SESSION_METHODS})
+
+    @router.options("/whip/{stream_id}/{session_id}", status_code=204, responses=options_answer(SESSION_METHODS))
+    async def whip_session_options(stream_id: str, session_id: str) -> Response:
         return Response(status_code=204, headers={"Allow": SESSION_METHODS})
 
     @router.options("/whep/{stream_id}/{viewer_id}", status_code=204, responses=options_answer(SESSION_METHODS))
@@ -137,7 +169,7 @@ def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig)
                 return _error(404, f"no stream {stream_id}")
             offer = await read_offer(request)
             viewer_id, answer = await gateway.add_viewer(session, offer)
-            return _sdp_response(answer, f"/whep/{stream_id}/{viewer_id}")
+            return _sdp_response(answer, f"/whep/{stream_id}/{viewer_id}", stream_id)
 
         return await guarded(request, handle)
 
@@ -146,9 +178,9 @@ def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig)
         async def handle() -> Response:
             session = manager.get(stream_id)
             if session is None or not await gateway.remove_viewer(session, viewer_id):
-                return _error(404, f"no WHEP viewer {viewer_id} on stream {stream_id}")
+                return _error(404, NO_WHEP_SESSION)
             return Response(status_code=200)
 
-        return await guarded(request, handle)
+        return await guarded(request, handle, session_url=True)
 
     return router
