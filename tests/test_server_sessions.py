@@ -130,7 +130,7 @@ async def test_every_stream_route_answers_absent_and_foreign_alike(asgi_api: Api
         # Every route shape with a stream id, from the app itself: a new route is covered too.
         shapes = sorted({(method, route.path) for route in _api_routes(api.app.routes)
                          if "{stream_id}" in route.path for method in route.methods})
-        assert ("PATCH", "/whep/{stream_id}/{session_id}") in shapes and len(shapes) >= 14, shapes
+        assert ("PATCH", "/whep/{stream_id}/{viewer_id}") in shapes and len(shapes) >= 14, shapes
         # Absent, or not the caller's: an unknown stream; and for session URLs, ids that are no
         # session of that kind on the live stream (the "publisher" key once was one).
         variants = [(unknown, "B" * 22), (live.stream_id, "publisher"), (live.stream_id, "B" * 22),
