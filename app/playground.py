@@ -4,7 +4,7 @@ Three tabs share one set of controls (prompt, presets, a second prompt to blend 
 steps, seed):
 
 - Webcam: the page's own WebRTC client (web/playground.js importing web/rtc.js and
-  web/wsclient.js) inside a ``gr.HTML`` block. fastrtc breaks on Gradio 6 (DESIGN.md §4), and our
+  web/wsclient.js) inside a ``gr.HTML`` block. fastrtc breaks on Gradio 6 (docs/architecture.md, "Library facts"), and our
   client already does WHIP-less offer/answer, the data channel and the WebSocket fallback.
   Control changes go to the stream from the browser (client-side ``js`` handlers), exactly as
   the page sends them.

@@ -234,7 +234,7 @@ def whep_frames(server: str, stream_id: str, token: str | None = None, timeout_s
 
     host = urllib.parse.urlparse(server).hostname or ""
     if host in ("127.0.0.1", "localhost"):
-        # aioice drops loopback host candidates; a server on this machine needs them (DESIGN.md §4).
+        # aioice drops loopback host candidates; a server on this machine needs them (docs/architecture.md, "Library facts").
         from app.server.ice import allow_loopback_candidates
 
         allow_loopback_candidates()

@@ -126,7 +126,7 @@ def main() -> int:
         parser.error("--users, --rate and --duration must be positive")
     logging.basicConfig(level=logging.WARNING)
     if urlparse(args.server).hostname in ("127.0.0.1", "localhost"):
-        allow_loopback_candidates()  # aioice leaves out loopback candidates (DESIGN.md §4)
+        allow_loopback_candidates()  # aioice leaves out loopback candidates (docs/architecture.md, "Library facts")
     results = asyncio.run(run(args))
     print(json.dumps([asdict(r) for r in results], indent=2) if args.json else report(results))
     return 0 if any(not r.refused for r in results) else 1

@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.browser
 
-# DESIGN.md §4. Playwright gives every launch a fresh profile directory itself.
+# docs/architecture.md, "Library facts". Playwright gives every launch a fresh profile directory itself.
 CHROMIUM_FLAGS = [
     "--use-fake-device-for-media-stream",
     "--use-fake-ui-for-media-stream",

@@ -58,7 +58,7 @@ def test_the_default_model_stabilizes_and_a_stream_can_switch_it_off(pipe: Pipel
         chunks = [frames[:1]] + [frames[a : a + 4] for a in range(1, len(frames) - 3, 4)]
         outs[stabilize] = np.concatenate([stream.process(c) for c in chunks])
     flows = input_flows(frames)
-    # Flicker measured independently (DESIGN.md §2 warp error, DIS flow at a finer preset than the filter's).
+    # Flicker measured independently (warp error, DIS flow at a finer preset than the filter's).
     assert warp_error(outs[True], flows) < 0.6 * warp_error(outs[False], flows)
     stream.update(stabilize=True)
     assert stream.stats()["stabilizer"] is True and stream.state.stabilize

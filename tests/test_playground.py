@@ -22,7 +22,7 @@ from engine.video_io import VideoWriter
 W = "window.diffcastPlayground"
 
 
-# The page test's Chromium fixture (fake camera from the generated clip, DESIGN.md §4 flags).
+# The page test's Chromium fixture (fake camera from the generated clip, the flags in docs/architecture.md).
 page = test_browser_page.page
 
 

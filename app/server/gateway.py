@@ -70,7 +70,7 @@ class Gateway:
         self._manager = manager
         self._config = config
         # Unbuffered subscriptions: a buffered relay queues every frame the model cannot keep up
-        # with and latency grows without bound (DESIGN.md §4).
+        # with and latency grows without bound (docs/architecture.md, "Library facts").
         self._relay = MediaRelay()
 
     def _peer(self) -> RTCPeerConnection:

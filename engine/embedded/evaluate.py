@@ -3,7 +3,7 @@
     python -m engine.embedded.evaluate [--config engine/weights/default.json] [--out DIR] [--grid PNG]
 
 * fidelity: PSNR / SSIM of the model's output against the teacher's, per style;
-* temporal stability: warp error (DESIGN.md §2): output frame t−1 warped to t with DIS optical flow
+* temporal stability: warp error: output frame t−1 warped to t with DIS optical flow
   estimated on the *input* frames, mean absolute error in [0, 1] units; model vs teacher ratio;
 * speed: per-chunk encode / DiT / decode / stabilizer times of one 256x256 stream (4 pixel frames per chunk).
 
