@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
+import os
+import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -103,6 +107,22 @@ def with_model_defaults(config: ServerConfig, factory: ProcessorFactory) -> Serv
     return replace(config, **changes) if changes else config
 
 
+def started_default_executor(loop: asyncio.AbstractEventLoop) -> ThreadPoolExecutor:
+    """The event loop's default executor, with all its threads started now.
+
+    aiortc encodes and decodes frames there (``run_in_executor(None, ...)``). asyncio's own default
+    pool starts a thread only when every running one is busy and keeps it, so its size followed
+    the peak load seen, which looked like a thread leak to leak checks; a pool started whole keeps
+    one thread count for the server's life."""
+    workers = min(32, (os.cpu_count() or 1) + 4)  # asyncio's own default size
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="codec")
+    barrier = threading.Barrier(workers)
+    for _ in range(workers):  # each task holds its thread until all have one: every thread starts
+        pool.submit(barrier.wait)
+    loop.set_default_executor(pool)
+    return pool
+
+
 def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) -> FastAPI:
     """Build the app. ``factory`` defaults to the real engine pipeline loaded from ``config.model``."""
     if config.allow_loopback_candidates:
@@ -117,8 +137,10 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        codec_pool = started_default_executor(asyncio.get_running_loop())
         yield
         await manager.close_all()
+        codec_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="diffcast", lifespan=lifespan)
     app.state.manager = manager
