@@ -10,7 +10,8 @@ steps, seed):
   the page sends them.
 - Video file: upload, stylize with ``engine.video_io.stylize_file`` (progress from its tqdm bar),
   download.
-- Text to video: ``Stream.generate()`` chunk by chunk, each chunk shown as it arrives.
+- Text to video: ``Stream.generate()`` chunk by chunk, each chunk shown as it arrives; disabled,
+  with the reason shown, for a model whose capabilities lack it (the embedded default).
 
 Engine work from the file and text tabs runs chunk by chunk on the server's one engine thread
 (the engine is not thread-safe), so it takes turns with live streams instead of racing them.
@@ -191,8 +192,15 @@ class Playground:
 
     def __init__(self, pipe: Pipeline | None, executor: Executor, out_dir: Path, max_prompt_chars: int) -> None:
         self.pipe = EngineThreadPipeline(pipe, executor) if pipe is not None else None
+        self.capabilities = pipe.capabilities if pipe is not None else None
         self.out_dir = out_dir
         self.max_prompt_chars = max_prompt_chars
+
+    def unavailable(self, mode: str) -> str | None:
+        """Why a tab's mode cannot run here (no local pipeline, or a model without it); None if it can."""
+        if self.capabilities is None:
+            return "this server's engine is not a local pipeline; file and text tabs are unavailable"
+        return self.capabilities.reason(mode)
 
     def _out_path(self, suffix: str) -> Path:
         # One directory per job keeps parallel jobs apart and the download's file name readable.
@@ -200,16 +208,18 @@ class Playground:
         directory.mkdir(parents=True)
         return directory / f"stylized{suffix}"
 
-    def _require_pipe(self) -> EngineThreadPipeline:
-        if self.pipe is None:
-            raise ValueError("this server's engine is not a local pipeline; file and text tabs are unavailable")
+    def _require(self, mode: str) -> EngineThreadPipeline:
+        reason = self.unavailable(mode)
+        if reason is not None:
+            raise ValueError(reason)
+        assert self.pipe is not None  # capabilities come with a pipeline
         return self.pipe
 
     def stylize(self, video: str | None, controls: Controls) -> str:
         """Uploaded video path -> stylized .mp4 path (same frame count, the model's size)."""
         from engine.video_io import stylize_file
 
-        pipe = self._require_pipe()
+        pipe = self._require("v2v")
         if not video:
             raise ValueError("upload a video file first")
         if not Path(video).is_file():
@@ -227,7 +237,7 @@ class Playground:
         """Yields (latest frame, None) per chunk, then (last frame, path of the whole clip)."""
         from engine.video_io import VideoWriter
 
-        pipe = self._require_pipe()
+        pipe = self._require("t2v")
         if not 1 <= chunks <= MAX_T2V_CHUNKS:
             raise ValueError(f"chunks must be between 1 and {MAX_T2V_CHUNKS}, got {chunks}")
         stream = pipe.open_stream(controls.params(self.max_prompt_chars).with_(mode="t2v"))
@@ -300,8 +310,13 @@ def build_blocks(config: ServerConfig, playground: Playground) -> gr.Blocks:
                         stylize_button = gr.Button("Stylize", variant="primary", elem_id="dc-stylize")
                         download = gr.File(label="Download", interactive=False, elem_id="dc-download")
                     with gr.Tab("Text to video", id="t2v"):
-                        chunks = gr.Slider(1, MAX_T2V_CHUNKS, value=8, step=1, label="Chunks to generate")
-                        generate_button = gr.Button("Generate", variant="primary", elem_id="dc-generate")
+                        t2v_off = playground.unavailable("t2v")
+                        if t2v_off is not None:
+                            gr.Markdown(f"**Text to video is off:** {t2v_off}", elem_id="dc-t2v-off")
+                        chunks = gr.Slider(1, MAX_T2V_CHUNKS, value=8, step=1, label="Chunks to generate",
+                                           interactive=t2v_off is None)
+                        generate_button = gr.Button("Generate", variant="primary", elem_id="dc-generate",
+                                                    interactive=t2v_off is None)
                         with gr.Row():
                             t2v_frame = gr.Image(label="Streaming", interactive=False, elem_id="dc-t2v-frame")
                             t2v_video = gr.Video(label="Clip", interactive=False, elem_id="dc-t2v-video")

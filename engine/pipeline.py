@@ -3,7 +3,8 @@
     from engine.pipeline import Pipeline, StreamParams
 
     pipe = Pipeline.load()                        # the embedded default model (or a path, "tiny-random", "random:...")
-    stream = pipe.open_stream(StreamParams(prompt="oil painting", steps=2, noise_scale=0.8, seed=0))
+    pipe.capabilities                             # modes ("v2v", "t2v"), looks, noise scale and steps it runs at
+    stream = pipe.open_stream(StreamParams(prompt="oil painting", seed=0))  # noise, steps: the model's own
     out = stream.process(frames)                  # uint8 [T, H, W, 3] RGB -> uint8 [T, h, w, 3] RGB
     stream.update(prompt="pencil sketch", transition_chunks=2)   # no restart
     stream.reset()
@@ -27,6 +28,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from engine.capabilities import ModelCapabilities
+from engine.capabilities import UnsupportedModeError as UnsupportedModeError  # part of this API
 from engine.fidelity import FidelityConfig
 from engine.frames import frames_to_tensor, tensor_to_frames
 from engine.models.wan_dit import CONFIGS, CausalWanDiT, WanDiTConfig
@@ -50,17 +53,9 @@ class ModelNotAvailableError(RuntimeError):
     """The requested model cannot be loaded (missing files, not trained yet, ...)."""
 
 
-@dataclass(frozen=True)
-class ModelDefaults:
-    """The controls a model is meant to run with (a small trained model has a narrow sweet spot)."""
-
-    noise_scale: float = 0.8
-    steps: int = 2
-    styles: tuple[str, ...] = ()  # trained looks, for prompt presets; empty for open-vocabulary models
-
-
-def model_defaults(model: str | Path | None) -> ModelDefaults:
-    """Read a model's defaults from its config without loading weights."""
+def model_capabilities(model: str | Path | None) -> ModelCapabilities:
+    """A model's capabilities read from its config without loading weights (generic ones where the
+    model has no diffcast config: Wan checkpoints run both modes)."""
     path: Path | None = None
     if model is None or str(model) == "default":
         path = DEFAULT_MODEL
@@ -68,23 +63,15 @@ def model_defaults(model: str | Path | None) -> ModelDefaults:
         path = Path(model)
     config_file = path.with_suffix(".json") if path is not None else None
     if config_file is None or not config_file.is_file():
-        return ModelDefaults()
-    return _defaults_from_config(json.loads(config_file.read_text()))
-
-
-def _defaults_from_config(config: dict[str, Any]) -> ModelDefaults:
-    sampler = config.get("sampler", {})
-    styles = tuple(name.replace("_", " ") for name in config.get("prototypes", {}))
-    return ModelDefaults(
-        noise_scale=float(sampler.get("noise_scale", 0.8)), steps=int(sampler.get("default_num_steps", 2)), styles=styles
-    )
+        return ModelCapabilities()
+    return ModelCapabilities.from_config(json.loads(config_file.read_text()))
 
 
 @dataclass(frozen=True)
 class StreamParams:
     prompt: str | tuple[str, ...]
-    noise_scale: float = 0.8
-    steps: int = 2
+    noise_scale: float | None = None  # None: the loaded model's own (Pipeline.capabilities)
+    steps: int | None = None  # None: the loaded model's own
     seed: int = 0
     prompt_weights: tuple[float, ...] | None = None
     blend_mode: BlendMode = "linear"
@@ -115,7 +102,7 @@ class StreamParams:
                              f"{self.prompt_weights}")
         if self.mode not in ("v2v", "t2v"):
             raise ValueError(f"mode must be 'v2v' or 't2v', got {self.mode!r}")
-        if not 0.1 < self.noise_scale <= 1.0:
+        if self.noise_scale is not None and not 0.1 < self.noise_scale <= 1.0:
             raise ValueError(f"noise_scale must be in (0.1, 1.0], got {self.noise_scale}")
         if not 0.0 < self.resolution_scale <= 1.0:
             raise ValueError(f"resolution_scale must be in (0, 1], got {self.resolution_scale}")
@@ -161,7 +148,7 @@ class Pipeline:
     ) -> None:
         self.name = name
         self.default_size = default_size
-        self.defaults = ModelDefaults()
+        self.capabilities = ModelCapabilities()
         self.styles = styles
         prompts = PromptEncoder(text_encoder, text_conditioning)
         self.runtime = StreamRuntime(dit, vae, prompts, preset, runtime)
@@ -216,9 +203,20 @@ class Pipeline:
     def runtime_for(self, params: StreamParams) -> StreamRuntime:
         return self.t2v_runtime if params.mode == "t2v" else self.runtime
 
+    def operating_point(self, params: StreamParams) -> tuple[float, int]:
+        """(noise scale, steps) of ``params``, this model's own where ``params`` leaves them unset."""
+        caps = self.capabilities
+        return (caps.noise_scale if params.noise_scale is None else params.noise_scale,
+                caps.steps if params.steps is None else params.steps)
+
+    def resolve(self, params: StreamParams) -> StreamParams:
+        """``params`` with the controls it leaves unset (noise scale, steps) at this model's own."""
+        noise_scale, steps = self.operating_point(params)
+        return params.with_(noise_scale=noise_scale, steps=steps)
+
     def fidelity_for(self, params: StreamParams) -> FidelityConfig:
         return FidelityConfig(
-            steps=params.steps,
+            steps=self.operating_point(params)[1],
             kv_window_frames=params.kv_window_frames or self.runtime_for(params).config.kv_window_frames,
             resolution_scale=params.resolution_scale,
             precision=params.precision,
@@ -227,7 +225,9 @@ class Pipeline:
         )
 
     def open_stream(self, params: StreamParams, stream_id: str | None = None) -> Stream:
-        return Stream(self, params, stream_id or uuid.uuid4().hex)
+        """A new stream; UnsupportedModeError (a ValueError) for a mode this model lacks."""
+        self.capabilities.require(params.mode)
+        return Stream(self, self.resolve(params), stream_id or uuid.uuid4().hex)
 
     def prompt_notice(self, prompts: tuple[str, ...]) -> str | None:
         """For a model trained on a few styles: a message when no prompt is near any of them."""
@@ -267,7 +267,7 @@ class Stream:
             seed=params.seed,
             weights=params.prompt_weights,
             blend_mode=params.blend_mode,
-            noise_scale=params.noise_scale,
+            noise_scale=self.pipe.operating_point(params)[0],
             stabilize=params.stabilize,
         )
 
@@ -332,7 +332,8 @@ class Stream:
         if new.mode != self.params.mode:
             raise ValueError("a stream's mode (v2v / t2v) is fixed when it opens")
         runtime = self.runtime
-        replace(runtime.config.noise, noise_scale=new.noise_scale)  # validates the noise strength
+        noise_scale = self.pipe.operating_point(new)[0]
+        replace(runtime.config.noise, noise_scale=noise_scale)  # validates the noise strength
         # Validates steps, window and engine size (a scale too small for the stream's size) before the
         # prompt changes, so a refused update changes nothing.
         runtime.set_fidelity(self.state, self.pipe.fidelity_for(new))
@@ -340,7 +341,7 @@ class Stream:
             runtime.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
                                transition_chunks=transition_chunks, refresh_sinks=refresh_sinks)
             self.notice = self._notice(new)
-        self.state.noise_scale = new.noise_scale
+        self.state.noise_scale = noise_scale
         self.state.stabilize = new.stabilize
         if seed is not None and seed != self.params.seed:
             from engine.sampling import NoiseSource
@@ -480,12 +481,12 @@ def _load_diffcast_file(path: Path, device: str, dtype: torch.dtype) -> Pipeline
     if config.get("prototypes"):
         names = tuple(config["prototypes"])
         protos = torch.nn.functional.normalize(torch.tensor([config["prototypes"][n] for n in names]), dim=-1)
-        styles = StyleRegistry(names, protos, float(config.get("too_far_below", 0.35)))
+        styles = StyleRegistry(names, protos, float(config["too_far_below"]))
     text = load_text_encoder(config.get("text_encoder", "minilm"), device=device)
     size = tuple(config.get("size", (256, 256)))
     pipe = Pipeline(dit, vae, text, preset, runtime, (int(size[0]), int(size[1])), path.stem, styles,
                     text_conditioning=config.get("text_conditioning", "tokens"))
-    pipe.defaults = _defaults_from_config(config)
+    pipe.capabilities = ModelCapabilities.from_config(config)
     return pipe
 
 

@@ -143,12 +143,13 @@ def test_controls_validate_and_blend() -> None:
         Controls("a", "", 0.0, "linear", 0.05, 2, 0).params(500)
 
 
-def test_text_to_video_streams_chunks_then_the_clip(engine_factory: Any, tmp_path: Path) -> None:
+def test_text_to_video_streams_chunks_then_the_clip(tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from app.playground import Playground
+    from engine.pipeline import Pipeline
 
-    pipe = engine_factory.pipeline
+    pipe = Pipeline.load("tiny-random")  # declares text-to-video (the embedded default does not)
     with ThreadPoolExecutor(max_workers=1) as engine_thread:
         playground = Playground(pipe, engine_thread, tmp_path, 500)
         updates = list(playground.text_to_video(3, Controls("a red fox", "", 0.0, "linear", 0.8, 2, 0)))
@@ -166,6 +167,26 @@ def test_text_to_video_streams_chunks_then_the_clip(engine_factory: Any, tmp_pat
         next(playground.text_to_video(0, Controls("a", "", 0.0, "linear", 0.8, 2, 0)))
     with pytest.raises(ValueError, match="not a local pipeline"):
         Playground(None, engine_thread, tmp_path, 500).stylize("x.mp4", Controls("a", "", 0.0, "linear", 0.8, 2, 0))
+
+
+def test_text_to_video_is_off_with_its_reason_on_a_model_without_it(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.playground import Playground, build_blocks
+    from app.server.config import ServerConfig
+    from engine.pipeline import Pipeline
+
+    with ThreadPoolExecutor(max_workers=1) as engine_thread:
+        playground = Playground(Pipeline.load(), engine_thread, tmp_path, 500)
+        reason = playground.unavailable("t2v")
+        assert reason is not None and "cannot do text-to-video" in reason
+        with pytest.raises(ValueError, match="cannot do text-to-video"):
+            next(playground.text_to_video(2, Controls("a red fox", "", 0.0, "linear", 0.8, 2, 0)))
+        components = {c["props"].get("elem_id"): c["props"] for c in build_blocks(ServerConfig(), playground)
+                      .config["components"]}
+    assert components["dc-generate"]["interactive"] is False
+    assert reason in components["dc-t2v-off"]["value"]
+    assert components["dc-stylize"].get("interactive") is not False
 
 
 def test_stylize_deletes_its_upload_when_done(tmp_path: Path) -> None:

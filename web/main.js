@@ -128,6 +128,7 @@ async function start() {
     }
     state.transport = connection.transport;
     state.streamId = connection.streamId;
+    if (connection.notice) notice(connection.notice);
     $("transport").textContent = connection.transport === "webrtc" ? "WebRTC" : "WebSocket fallback";
     if (connection.streamId) {
       $("view-link").href = `/view/${connection.streamId}?token=${connection.viewerToken}`;

@@ -114,6 +114,7 @@ async function start() {
     q("output-canvas").hidden = webrtc;
     state.transport = connection.transport;
     state.streamId = connection.streamId;
+    if (connection.notice) notice(connection.notice);
     if (webrtc) {
       q("view-link").href = `/view/${connection.streamId}?token=${connection.viewerToken}`;
       q("view-link").textContent = `/view/${connection.streamId}`;

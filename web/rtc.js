@@ -47,6 +47,7 @@ export async function connectWebRTC({ camera, config, options, onTrack, onMessag
   let streamId = null;
   let ownerToken = null; // the stream's owner capability: only it may stop the stream
   let viewerToken = null; // its viewer capability: the view link carries it
+  let farNotice = null; // the prompt is far from every look the model ships: names the nearest
   const close = async () => {
     pc.close();
     if (streamId) {
@@ -71,6 +72,7 @@ export async function connectWebRTC({ camera, config, options, onTrack, onMessag
     streamId = body.stream_id;
     ownerToken = body.owner_token;
     viewerToken = body.viewer_token;
+    farNotice = body.notice || null;
     await pc.setRemoteDescription({ type: "answer", sdp: body.sdp });
     await waitForConnection(pc, iceTimeoutMs);
   } catch (error) {
@@ -86,6 +88,7 @@ export async function connectWebRTC({ camera, config, options, onTrack, onMessag
     transport: "webrtc",
     streamId,
     viewerToken,
+    notice: farNotice,
     pc,
     send: (message) => channel.readyState === "open" && channel.send(JSON.stringify(message)),
     close,

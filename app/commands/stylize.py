@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.pipeline import ModelNotAvailableError, Pipeline, StreamParams, model_defaults
+    from engine.pipeline import ModelNotAvailableError, Pipeline, StreamParams, UnsupportedModeError
     from engine.video_io import VideoInputError, stylize_file
 
     if not args.input.is_file():
@@ -52,17 +52,13 @@ def run(args: argparse.Namespace) -> int:
     except ModelNotAvailableError as exc:
         log.error("%s", exc)
         return 2
-    defaults = model_defaults(args.model)  # the model's own operating point unless overridden
-    params = StreamParams(
-        prompt=args.prompt,
-        seed=args.seed,
-        steps=args.steps if args.steps is not None else defaults.steps,
-        noise_scale=args.noise_scale if args.noise_scale is not None else defaults.noise_scale,
-        stabilize=args.stabilize,
-    )
     try:
+        pipe.capabilities.require("v2v")
+        # Unset steps / noise scale: the model's own operating point (Pipeline.capabilities).
+        params = StreamParams(prompt=args.prompt, seed=args.seed, steps=args.steps, noise_scale=args.noise_scale,
+                              stabilize=args.stabilize)
         frames = stylize_file(pipe, args.input, args.output, params, size=args.size, progress=True)
-    except (VideoInputError, ValueError) as exc:
+    except (VideoInputError, UnsupportedModeError, ValueError) as exc:
         log.error("%s", exc)
         return 2
     log.info("wrote %d frames to %s", frames, args.output)

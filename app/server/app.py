@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import os
 import threading
@@ -46,6 +47,7 @@ from app.server.security import (
 from app.server.session import CapacityError, SessionManager
 from app.server.whip import bearer_ok, whip_router
 from app.server.ws import serve_websocket
+from engine.capabilities import ModelCapabilities
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class OfferReply(BaseModel):
     stream_id: str
     whep_url: str
     view_url: str
+    notice: str | None = None  # the prompt is far from every look the model ships (names the nearest)
     owner_token: str  # added by the edge (app/server/security.py), like the viewer token
     viewer_token: str
 
@@ -74,6 +77,7 @@ class ControlReply(BaseModel):
     type: Literal["ack", "error"]
     applied: str | None = None
     message: str | None = None
+    notice: str | None = None  # an update's prompt is far from every look the model ships
 
 
 # The body of POST /api/streams/{id}/control: a control message (docs/api.md), read as text so that
@@ -88,22 +92,28 @@ def _json_error(status: int, reason: str, headers: dict[str, str] | None = None)
     return JSONResponse({"detail": reason}, status_code=status, headers=headers)
 
 
-def with_model_defaults(config: ServerConfig, factory: ProcessorFactory) -> ServerConfig:
-    """Fill unset stream defaults (and, for a model trained on a few looks, the presets) from the model
-    the factory serves (or, for factories that hold no pipeline here, from ``config.model``)."""
-    from engine.pipeline import model_defaults
+def served_capabilities(config: ServerConfig, factory: ProcessorFactory) -> ModelCapabilities:
+    """The capabilities of the model the factory serves (or, for factories that hold no pipeline
+    here, those ``config.model``'s config declares)."""
+    from engine.pipeline import model_capabilities
 
     pipe = getattr(factory, "pipeline", None)
-    defaults = getattr(pipe, "defaults", None) or model_defaults(config.model)
+    caps = getattr(pipe, "capabilities", None)
+    return caps if isinstance(caps, ModelCapabilities) else model_capabilities(config.model)
+
+
+def with_model_defaults(config: ServerConfig, caps: ModelCapabilities) -> ServerConfig:
+    """Fill unset stream defaults (and, for a model trained on a few looks, the presets) from the
+    served model's capabilities."""
     changes: dict[str, Any] = {}
     if config.default_noise_scale is None:
-        changes["default_noise_scale"] = defaults.noise_scale
+        changes["default_noise_scale"] = caps.noise_scale
     if config.default_steps is None:
-        changes["default_steps"] = defaults.steps
-    if defaults.styles and config.presets == ServerConfig.presets:
-        changes["presets"] = defaults.styles
-        if config.default_prompt == ServerConfig.default_prompt and config.default_prompt not in defaults.styles:
-            changes["default_prompt"] = defaults.styles[0]
+        changes["default_steps"] = caps.steps
+    if caps.looks and config.presets == ServerConfig.presets:
+        changes["presets"] = caps.looks
+        if config.default_prompt == ServerConfig.default_prompt and config.default_prompt not in caps.looks:
+            changes["default_prompt"] = caps.looks[0]
     return replace(config, **changes) if changes else config
 
 
@@ -129,7 +139,9 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         allow_loopback_candidates()
     if factory is None:
         factory = InProcessFactory.load(config.model, config.device)
-    config = with_model_defaults(config, factory)
+    caps = served_capabilities(config, factory)
+    caps.require("v2v")  # live streams restyle a camera: a model without video-to-video cannot serve them
+    config = with_model_defaults(config, caps)
     manager = SessionManager(factory, config)
     manager.loop = build_serving_loop(config, factory, manager.executor)
     gateway = Gateway(manager, config)
@@ -212,7 +224,19 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             "maxPromptChars": config.max_prompt_chars,
             "width": width,
             "height": height,
+            "capabilities": caps.to_json(),
         }
+
+    pipe = getattr(factory, "pipeline", None)
+
+    async def far_prompt_notice(prompt: str) -> str | None:
+        """The notice for a prompt far from every shipped look (the text encoder runs on the engine
+        thread, like every engine call); None for a near prompt or where no pipeline is here."""
+        if pipe is None or not hasattr(pipe, "prompt_notice"):
+            return None
+        notice: str | None = await asyncio.get_running_loop().run_in_executor(
+            manager.executor, pipe.prompt_notice, (prompt,))
+        return notice
 
     @app.post("/api/offer", responses={200: {"model": OfferReply}, **errors("/api/offer", 400, 503)})
     async def offer(body: OfferRequest) -> Response:
@@ -234,6 +258,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
                 "stream_id": session.id,
                 "whep_url": f"/whep/{session.id}",
                 "view_url": f"/view/{session.id}",
+                "notice": await far_prompt_notice(settings.prompt),
             }
         )
 
@@ -262,7 +287,13 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         session = manager.get(stream_id)
         if session is None:
             return _json_error(404, f"no stream {stream_id}")
-        reply = await session.handle_text((await request.body()).decode("utf-8", "replace"), config.max_prompt_chars)
+        text = (await request.body()).decode("utf-8", "replace")
+        reply = await session.handle_text(text, config.max_prompt_chars)
+        if reply.get("applied") == "update":  # parsed and checked by handle_text: a new prompt may be far
+            prompt = json.loads(text).get("prompt")
+            notices = [await far_prompt_notice(p) for p in ([prompt] if isinstance(prompt, str) else prompt or [])]
+            if notices and all(notices):
+                reply["notice"] = notices[0]
         return JSONResponse(reply, status_code=422 if reply["type"] == "error" else 200)
 
     @app.delete("/api/streams/{stream_id}", status_code=204, responses=errors("/api/streams/{stream_id}", 404))

@@ -8,7 +8,7 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from app.server.config import GENERIC_NOISE_SCALE, GENERIC_STEPS
 from app.server.engine_bridge import StreamSettings
@@ -137,6 +137,18 @@ class StreamOptions(_Message):
     steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     stabilize: bool = True
+    # A live stream takes a camera in and sends a look out; text-to-video runs in the playground and
+    # the Python API, where the model has it (GET /api/config lists the model's modes).
+    mode: Literal["v2v"] = "v2v"
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _live_streams_are_v2v(cls, mode: object) -> object:
+        if mode != "v2v":
+            raise ValueError(f"a live stream is video-to-video (a camera in, a look out), not {mode!r}; "
+                             "text-to-video runs in the playground and the Python API where the model has it "
+                             "(GET /api/config lists the model's modes)")
+        return mode
 
     def to_settings(
         self, default_prompt: str, max_prompt_chars: int, default_noise_scale: float = GENERIC_NOISE_SCALE,

@@ -361,7 +361,7 @@ class RankProcessor:
             ring.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
                             transition_chunks=transition_chunks, refresh_sinks=refresh_sinks)
         ring.set_fidelity(self.state, fidelity)
-        self.state.noise_scale = new.noise_scale
+        self.state.noise_scale = pipeline.operating_point(new)[0]
         self.state.stabilize = new.stabilize
         if seed is not None and seed != self.params.seed:
             self.state.noise = NoiseSource(seed)
@@ -404,7 +404,8 @@ class RankFactory:
         state = self._states[stream_id] = self.ring.open(
             stream_id, list(params.prompts), params.size or self.pipeline.default_size,
             self.pipeline.fidelity_for(params), seed=params.seed, weights=params.prompt_weights,
-            blend_mode=params.blend_mode, noise_scale=params.noise_scale, stabilize=params.stabilize)
+            blend_mode=params.blend_mode, noise_scale=self.pipeline.operating_point(params)[0],
+            stabilize=params.stabilize)
         return state
 
     def close_dropped(self) -> None:

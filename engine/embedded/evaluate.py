@@ -66,9 +66,7 @@ def stylize_stream(pipe: Pipeline, frames: np.ndarray, prompt: str, seed: int = 
     """
     if (frames.shape[0] - pipe.first_chunk_frames) % pipe.chunk_frames:
         raise ValueError(f"clip needs {pipe.first_chunk_frames} + {pipe.chunk_frames}k frames, got {frames.shape[0]}")
-    stream = pipe.open_stream(StreamParams(
-        prompt=prompt, seed=seed, steps=pipe.defaults.steps if steps is None else steps,
-        noise_scale=pipe.defaults.noise_scale if noise_scale is None else noise_scale))
+    stream = pipe.open_stream(StreamParams(prompt=prompt, seed=seed, steps=steps, noise_scale=noise_scale))
     runtime, state = stream.runtime, stream.state
     bounds = [0, *range(pipe.first_chunk_frames, frames.shape[0] + 1, pipe.chunk_frames)]
     shipped, raw, timings, rates = [], [], [], []

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from engine.embedded.styles import StyleMatch, match_style, pooled_embeddings
+from engine.embedded.styles import FAR_BELOW, StyleMatch, match_style, pooled_embeddings
 from engine.fidelity import FidelityConfig
 from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
 from engine.models.wan_dit import CausalWanDiT, WanDiTConfig
@@ -62,7 +62,7 @@ class EmbeddedSpec:
     dit: WanDiTConfig
     styles: dict[str, tuple[str, ...]]
     prototypes: dict[str, list[float]]
-    too_far_below: float = 0.35
+    too_far_below: float = FAR_BELOW
     text_encoder: str = "minilm"
     text_conditioning: str = "pooled"
     sampler: SamplerSpec = field(default_factory=SamplerSpec)

@@ -10,9 +10,11 @@ styles exist instead of silently producing an arbitrary look.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from engine.capabilities import look_name
 from engine.text import TextEncoder, load_text_encoder
 
 STYLE_PROMPTS: dict[str, tuple[str, ...]] = {
@@ -34,6 +36,22 @@ STYLE_PROMPTS: dict[str, tuple[str, ...]] = {
 # prompt asking for it gets the "far from every style" message or the nearest shipped look instead.
 NOT_SHIPPED: frozenset[str] = frozenset({"neon"})
 
+# A prompt is far from every look when its best cosine similarity to a look's prototype is below
+# this. Chosen on the two lists in engine/embedded/prompt_lists/ (tests/test_prompt_lists.py holds
+# it to them): every shipped phrasing and paraphrase but one ("sepia tone", 0.51) is at 0.60 or
+# above, and of the 60 unrelated prompts only "charcoal drawing" (0.71) and "a chalkboard drawing"
+# (0.67), both honestly near the pencil sketch, are above 0.52. 0.55 sits in that gap; the old 0.35
+# let "underwater scene" (0.45) and a third of the unrelated prompts through without a word.
+FAR_BELOW = 0.55
+PROMPT_LISTS = Path(__file__).resolve().parent / "prompt_lists"
+
+
+def prompt_list(name: str) -> list[str]:
+    """A prompt list of engine/embedded/prompt_lists/ (``unrelated`` or ``shipped``): one prompt per
+    line, '#' starts a comment line."""
+    lines = (PROMPT_LISTS / f"{name}.txt").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
 
 @dataclass(frozen=True)
 class StyleMatch:
@@ -48,13 +66,16 @@ class StyleMatch:
         return self.nearest[0][0]
 
     def message(self) -> str:
-        names = ", ".join(f"{name} ({sim:.2f})" for name, sim in self.nearest[:3])
+        """Names only the looks it was matched against (the shipped ones: never one left out)."""
+        names = ", ".join(f"{look_name(name)} ({sim:.2f})" for name, sim in self.nearest[:3])
         if self.too_far:
+            every = ", ".join(look_name(name) for name, _ in self.nearest)
             return (
-                f"prompt {self.prompt!r} is far from every style the embedded model was trained on; "
-                f"nearest: {names}. Try one of: {', '.join(STYLE_PROMPTS)}"
+                f"prompt {self.prompt!r} is far from every look this model ships, so its look will be an "
+                f"arbitrary mix; nearest: {names}. Try one of: {every}"
             )
         return f"prompt {self.prompt!r} -> {names}"
+
 
 
 def prototypes(pooled: torch.Tensor, style_names: list[str], prompts_per_style: int) -> torch.Tensor:

@@ -1,0 +1,49 @@
+"""Far prompts on the shipped default model: held to the two prompt lists kept in the repository."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.embedded.styles import FAR_BELOW, NOT_SHIPPED, prompt_list
+from engine.pipeline import Pipeline
+
+
+@pytest.fixture(scope="module")
+def pipe() -> Pipeline:
+    torch.set_num_threads(1)
+    return Pipeline.load()
+
+
+def test_the_lists_are_big_enough() -> None:
+    assert len(prompt_list("unrelated")) >= 50
+    assert len(prompt_list("shipped")) >= 50
+
+
+def test_the_shipped_checkpoint_uses_the_documented_threshold(pipe: Pipeline) -> None:
+    assert pipe.styles is not None and pipe.styles.too_far_below == FAR_BELOW
+
+
+def test_unrelated_prompts_get_a_notice_naming_only_shipped_looks(pipe: Pipeline) -> None:
+    prompts = prompt_list("unrelated")
+    notices = {p: pipe.prompt_notice((p,)) for p in prompts}
+    missed = [p for p, n in notices.items() if n is None]
+    assert len(missed) <= 0.05 * len(prompts), f"no notice for {missed}"
+    assert "underwater scene" not in missed
+    looks = pipe.capabilities.looks
+    for notice in filter(None, notices.values()):
+        assert all(name.replace("_", " ") not in notice.split("nearest:")[1] for name in NOT_SHIPPED), notice
+        named = notice.split("Try one of: ")[1].split(", ")
+        assert sorted(named) == sorted(looks), notice  # every shipped look, and nothing else
+        assert notice.split("nearest: ")[1].split(" (")[0] in looks
+
+
+def test_shipped_phrasings_and_paraphrases_get_no_notice(pipe: Pipeline) -> None:
+    prompts = prompt_list("shipped")
+    flagged = [p for p in prompts if pipe.prompt_notice((p,)) is not None]
+    assert len(flagged) <= 0.05 * len(prompts), f"flagged: {flagged}"
+
+
+def test_a_blend_with_one_near_prompt_gets_no_notice(pipe: Pipeline) -> None:
+    assert pipe.prompt_notice(("underwater scene", "watercolor")) is None
+    assert pipe.prompt_notice(("underwater scene", "a cat sitting on a windowsill")) is not None
