@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _output_checks import assert_stylized
 
 from engine.pipeline import DEFAULT_MODEL, Pipeline, StreamParams
 
@@ -28,6 +29,7 @@ def test_each_style_prompt_through_the_pipeline_is_closest_to_its_teacher(pipe: 
     for style in pipe.styles.names:
         stream = pipe.open_stream(StreamParams(prompt=style.replace("_", " "), steps=1, noise_scale=0.2, seed=0))
         out = np.concatenate([stream.process(frames[:1]), stream.process(frames[1:5]), stream.process(frames[5:9])])
+        assert_stylized(out, frames)
         dist = {s: float(np.mean((out.astype(np.float32) - t) ** 2)) for s, t in teachers.items()}
         nearest = min(dist, key=dist.__getitem__)
         if nearest != style:

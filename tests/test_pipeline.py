@@ -1,9 +1,12 @@
-"""The public Pipeline API on the tiny random-weight model (the same code path as the real models)."""
+"""The public Pipeline API: its mechanics on the tiny random-weight model (the same code path as the
+real models), and what it returns on the shipped default model (which must be a stylisation)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from _output_checks import assert_looks_differ, assert_stylized, held_out_clip, run_stream
 
 from engine.frames import frames_to_tensor, tensor_to_frames
 from engine.pipeline import ModelNotAvailableError, Pipeline, StreamParams
@@ -101,3 +104,17 @@ def test_noise_too_low_is_refused_on_update(pipe: Pipeline) -> None:
     with pytest.raises(ValueError, match="too low"):
         stream.update(noise_scale=0.15)
     assert stream.params.noise_scale == 0.8
+
+
+def test_the_default_model_through_the_api_defaults_stylizes_its_input() -> None:
+    """No steps or noise given: the model's own operating point. Two looks of a held-out moving clip
+    keep its structure and motion, change it, and differ from each other."""
+    torch.set_num_threads(1)
+    default = Pipeline.load()
+    clip = held_out_clip(1)
+    outs = [run_stream(default.open_stream(StreamParams(prompt=look, size=(128, 128))), clip)
+            for look in ("oil painting", "night vision")]
+    for out in outs:
+        assert out.shape == (len(clip), 128, 128, 3)
+        assert_stylized(out, clip)
+    assert_looks_differ(*outs)

@@ -13,6 +13,7 @@ import cv2
 import numpy as np
 import pytest
 import test_browser_page
+from _output_checks import assert_stylized
 
 from app.client import http, pattern_frame
 from app.playground import Controls
@@ -120,13 +121,13 @@ def test_file_tab_returns_a_stylized_video(
     out.write_bytes(body)
     with av.open(str(out)) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    # Every input frame comes back, at the model's size, and it went through the model (it is
-    # not the input merely resized).
+    # Every input frame comes back, at the model's size, as a stylisation of the input (not black,
+    # not the input merely resized, not frozen, not noise).
     width, height = engine_factory.size
     assert len(frames) == 10
     assert frames[0].shape == (height, width, 3)
     resized = np.stack([cv2.resize(pattern_frame(i, (160, 120)), (width, height)) for i in range(10)])
-    assert np.abs(np.stack(frames).astype(float) - resized).mean() > 10
+    assert_stylized(np.stack(frames), resized)
 
 
 def test_controls_validate_and_blend() -> None:
@@ -198,13 +199,16 @@ def test_stylize_deletes_its_upload_when_done(tmp_path: Path) -> None:
     from engine.pipeline import Pipeline
 
     clip = _write_clip(tmp_path / "upload.mp4", frames=5, size=(64, 48))
+    source = np.stack([pattern_frame(i, (64, 48)) for i in range(5)])
     with ThreadPoolExecutor(max_workers=1) as engine_thread:
-        playground = Playground(Pipeline.load("tiny-random"), engine_thread, tmp_path / "cache", 500)
-        controls = Controls("a red fox", "", 0.0, "linear", 0.8, 2, 0)
+        playground = Playground(Pipeline.load(), engine_thread, tmp_path / "cache", 500)
+        controls = Controls("oil painting", "", 0.0, "linear", 0.2, 1, 0)  # the model's operating point
         with pytest.raises(ValueError, match="limit is 500"):  # refused before the job: the upload stays
             playground.stylize(str(clip), Controls("x" * 501, "", 0.0, "linear", 0.8, 2, 0))
         assert clip.exists()
         out = Path(playground.stylize(str(clip), controls))
         assert out.is_file() and out.is_relative_to(tmp_path / "cache") and not clip.exists()
+        with av.open(str(out)) as container:  # the shipped model's look of the upload
+            assert_stylized(np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]), source)
         with pytest.raises(ValueError, match="upload it again"):
             playground.stylize(str(clip), controls)

@@ -1,4 +1,6 @@
-"""`diffcast stylize` writes a valid video with the input's frame count at the requested size."""
+"""`diffcast stylize` writes a valid video with the input's frame count at the requested size, and on
+the shipped default model that video is a stylisation of the input (not black, not the input, not
+frozen, not noise; two looks differ)."""
 
 from __future__ import annotations
 
@@ -6,9 +8,10 @@ from pathlib import Path
 
 import av
 import numpy as np
+from _output_checks import assert_looks_differ, assert_stylized, held_out_clip
 
 from app.cli import main
-from engine.video_io import VideoWriter
+from engine.video_io import VideoWriter, read_frames
 
 
 def _make_clip(path: Path, frames: int, size: tuple[int, int]) -> None:
@@ -35,6 +38,29 @@ def test_stylize_writes_every_frame_at_the_requested_size(tmp_path: Path) -> Non
                  "--size", "64x64", "--steps", "1", "--seed", "3"])
     assert code == 0
     assert _probe(dst) == (11, 64, 64)
+
+
+def _decode(path: Path) -> np.ndarray:
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def test_stylize_on_the_default_model_stylizes_the_file(tmp_path: Path) -> None:
+    src = tmp_path / "in.mp4"
+    writer = VideoWriter(src, 16.0, (160, 128))
+    for frame in held_out_clip(3, frames=11):  # 1 + 4 + 4 + a partial chunk of 2
+        writer.write(frame)
+    writer.close()
+    decoded, _, _ = read_frames(src, (128, 128))  # what the command reads, resized as it resizes
+    source = np.stack(list(decoded))
+    outs = []
+    for look in ("pencil sketch", "thermal camera"):
+        dst = tmp_path / f"{look}.mp4"
+        assert main(["stylize", str(src), str(dst), "--prompt", look, "--size", "128x128"]) == 0
+        outs.append(_decode(dst))
+        assert outs[-1].shape == (11, 128, 128, 3)
+        assert_stylized(outs[-1], source)
+    assert_looks_differ(*outs)
 
 
 def test_stylize_rejects_missing_input_and_bad_size(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
