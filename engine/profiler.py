@@ -17,8 +17,12 @@ clip with the same seed:
 
 PSNR to the full-fidelity output is the proxy because the serving question is "how far does this
 knob take the stream from what it would have shown at full fidelity"; absolute scores (VBench) need
-models and data this repository does not ship. The result is a ``diffcast-fidelity-profile/1`` file
-whose frontier and floor BMPR reads (``engine.serving.bmpr.BMPR``).
+models and data this repository does not ship. The embedded default model has its teachers here, so
+its quality is measured, not proxied (``teachers``): each config's shipped output against the
+teachers on held-out clips, every look, PSNR and warp error (``engine.embedded.evaluate.teacher_scores``,
+the evaluation the model card reports). The result is a ``diffcast-fidelity-profile/1`` file whose
+frontier and floor BMPR reads (``engine.serving.bmpr.BMPR``); :func:`ladder` keeps only its Pareto
+front, each point measurably faster than the one above it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +43,11 @@ import torch
 from skimage.metrics import structural_similarity
 from tqdm import tqdm
 
+from engine.embedded.evaluate import teacher_scores
 from engine.fidelity import required_capabilities
 from engine.frames import frames_to_tensor, tensor_to_frames
 from engine.pipeline import Pipeline, StreamParams
-from engine.serving.fidelity import FidelityConfig, FidelityProfile, ProfilePoint
+from engine.serving.fidelity import FidelityConfig, FidelityProfile, ProfilePoint, pareto_frontier
 from engine.streaming.stream_batch import StreamBatch
 
 log = logging.getLogger(__name__)
@@ -176,8 +181,13 @@ class _Measured:
 
 
 def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = None,
-                     configs: Sequence[FidelityConfig] | None = None) -> ProfileResult:
-    """Measure ``configs`` (default: every candidate; the first one is the quality reference)."""
+                     configs: Sequence[FidelityConfig] | None = None, teachers: dict[str, str] | None = None,
+                     teacher_clips: int = 2) -> ProfileResult:
+    """Measure ``configs`` (default: every candidate; the first one is the quality reference).
+
+    ``teachers`` (an embedded model's look -> prompt): quality is PSNR against the teachers on
+    ``teacher_clips`` held-out clips, with each point's warp error ratio beside it, instead of PSNR
+    against the reference config."""
     size = run.size or pipe.default_size
     configs = list(configs) if configs is not None else candidate_configs(pipe, size, run)
     warmup = run.warmup if run.warmup is not None else max(c.kv_window_frames for c in configs)
@@ -211,13 +221,14 @@ def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = N
 
     clips = {c: np.concatenate(outputs[c]) for c in configs}
     reference = clips[configs[0]]
+    scores = teacher_scores(pipe, list(configs), teachers, teacher_clips) if teachers else {}
     points = []
     for c in configs:
         points.append(ProfilePoint(
             config=c,
             latency_s=statistics.median(chunk_times[c]),
             first_chunk_latency_s=statistics.median(first_times[c]),
-            quality=psnr(clips[c], reference),
+            quality=scores[c].psnr if scores else psnr(clips[c], reference),
             state_bytes=float(streams[c].stream.state.nbytes()),
             source="measured",
             needs=tuple(sorted({pipe.runtime.device.type} | required_capabilities(c))),
@@ -236,23 +247,50 @@ def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = N
         points=tuple(points),
         source=f"measured: engine/profiler.py, {run.chunks} chunks after {warmup} warm-up, seed {run.seed}",
         notes=(
-            f"quality = PSNR (dB, cap {PSNR_CAP:g}) of each config's output against the reference config "
-            f"{configs[0].label()} on the same synthetic clip and seed; 'ssim' per point is the mean SSIM",
+            (f"quality = mean PSNR (dB) of each config's shipped output against the teachers on {teacher_clips} "
+             f"held-out clips x {len(teachers or ())} looks (engine/embedded/evaluate.py); 'warp_ratio' per point is "
+             "its warp error over the teachers'; 'ssim' the mean SSIM against the reference config's output"
+             if scores else
+             f"quality = PSNR (dB, cap {PSNR_CAP:g}) of each config's output against the reference config "
+             f"{configs[0].label()} on the same synthetic clip and seed; 'ssim' per point is the mean SSIM"),
             "latency = median wall time of one V2V chunk (encode + DiT + decode + stabilizer where enabled), configs interleaved",
             f"measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         ),
     )
-    return ProfileResult(profile, {c: ssim(clips[c], reference) for c in configs})
+    return ProfileResult(profile, {c: ssim(clips[c], reference) for c in configs},
+                         {c: score.warp_ratio for c, score in scores.items()})
 
 
 @dataclass(frozen=True)
 class ProfileResult:
     profile: FidelityProfile
     ssim: dict[FidelityConfig, float]  # mean SSIM against the reference, per config
+    warp_ratio: dict[FidelityConfig, float] = field(default_factory=dict)  # against the teachers, where measured
 
     def save(self, path: str | Path) -> None:
-        """The profile file, with each point's SSIM beside its quality (loaders ignore the extra key)."""
+        """The profile file, with each point's SSIM (and warp error ratio) beside its quality
+        (loaders ignore the extra keys)."""
         doc: dict[str, Any] = self.profile.to_json()
         for raw, point in zip(doc["points"], self.profile.points, strict=True):
             raw["ssim"] = round(self.ssim[point.config], 5)
+            if point.config in self.warp_ratio:
+                raw["warp_ratio"] = round(self.warp_ratio[point.config], 4)
         Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+
+    def ladder(self, min_speedup: float = 0.05) -> ProfileResult:
+        """Only the ladder of :func:`ladder` (the Pareto front, each rung measurably faster)."""
+        kept = ladder(self.profile.per_stream(), min_speedup)
+        notes = (*self.profile.notes, f"kept: the Pareto front, each point at least {min_speedup:.0%} faster than "
+                                      f"the one above it ({len(kept)} of {len(self.profile.points)} measured)")
+        return replace(self, profile=replace(self.profile, points=kept, notes=notes))
+
+
+def ladder(points: Sequence[ProfilePoint], min_speedup: float = 0.05) -> tuple[ProfilePoint, ...]:
+    """The Pareto front of ``points`` from the best quality down, keeping a point only where it is at
+    least ``min_speedup`` (a fraction) faster than the last one kept: a rung the timing noise of a
+    shared machine could reorder is no rung. Sorted by latency, fastest first."""
+    kept: list[ProfilePoint] = []
+    for point in reversed(pareto_frontier(points)):
+        if not kept or point.latency_s <= (1.0 - min_speedup) * kept[-1].latency_s:
+            kept.append(point)
+    return tuple(reversed(kept))

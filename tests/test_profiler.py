@@ -10,9 +10,9 @@ import pytest
 
 from app.cli import main
 from engine.pipeline import StreamParams
-from engine.profiler import PSNR_CAP, ProfileRun, candidate_configs, profile_pipeline, synthetic_clip
+from engine.profiler import PSNR_CAP, ProfileRun, candidate_configs, ladder, profile_pipeline, synthetic_clip
 from engine.serving.bmpr import BMPR
-from engine.serving.fidelity import FidelityConfig, load_profile
+from engine.serving.fidelity import FidelityConfig, ProfilePoint, load_profile
 
 REFERENCE = FidelityConfig(steps=2, kv_window_frames=6, precision="fp32")
 CHEAP = FidelityConfig(steps=1, kv_window_frames=4, precision="fp32")
@@ -77,3 +77,68 @@ def test_step_batch_and_sparse_variants_are_measured_through_their_engine_paths(
     configs = candidate_configs(pipe, pipe.default_size, ProfileRun(sparsities=(0.5,), step_batch=True))
     assert any(c.step_batch for c in configs) and all(c.steps >= 2 for c in configs if c.step_batch)
     assert any(c.attention_sparsity == 0.5 for c in configs)
+
+
+def _point(latency_ms: float, quality: float, scale: float) -> ProfilePoint:
+    return ProfilePoint(config=FidelityConfig(steps=1, kv_window_frames=2, resolution_scale=scale, precision="fp32"),
+                        latency_s=latency_ms / 1000, first_chunk_latency_s=latency_ms / 1000, quality=quality,
+                        state_bytes=1.0, source="measured", needs=("cpu",))
+
+
+def test_the_ladder_is_the_pareto_front_with_measurable_steps() -> None:
+    points = [_point(100, 24.0, 1.0), _point(98, 23.9, 0.95), _point(80, 23.0, 0.9), _point(85, 22.0, 0.85),
+              _point(60, 22.5, 0.8), _point(30, 20.0, 0.5)]
+    rungs = ladder(points, min_speedup=0.05)
+    # 98 ms is within 5 % of 100 ms (no rung); 85 ms / 22.0 dB is dominated by 80 ms / 23.0 dB.
+    assert [p.latency_s * 1000 for p in rungs] == pytest.approx([30, 60, 80, 100])
+    assert [p.quality for p in rungs] == [20.0, 22.5, 23.0, 24.0]
+
+
+def test_teacher_quality_is_psnr_against_the_teachers_on_held_out_clips() -> None:
+    from engine.embedded.clips import heldout_specs, render_clip
+    from engine.embedded.evaluate import style_prompts
+    from engine.embedded.teachers import stylize_clip
+    from engine.pipeline import DEFAULT_MODEL, Pipeline
+
+    pipe = Pipeline.load()
+    prompts = dict(list(style_prompts(DEFAULT_MODEL.with_suffix(".json")).items())[:2])
+    full = FidelityConfig(steps=1, kv_window_frames=2, precision="fp32")
+    half = FidelityConfig(steps=1, kv_window_frames=2, resolution_scale=0.5, precision="fp32")
+    result = profile_pipeline(pipe, ProfileRun(chunks=1, warmup=1, first_repeats=1), configs=[full, half],
+                              teachers=prompts, teacher_clips=1)
+    # Independent: the Python API at the half scale, PSNR against the teachers by hand.
+    frames = render_clip(heldout_specs()[0])
+    psnrs = []
+    for style, prompt in prompts.items():
+        stream = pipe.open_stream(StreamParams(prompt=prompt, seed=0, resolution_scale=0.5))
+        out = np.concatenate([stream.process(frames[:1])] + [stream.process(frames[a : a + 4])
+                                                             for a in range(1, len(frames), 4)])
+        mse = np.mean((out.astype(np.float64) - stylize_clip(frames, style).astype(np.float64)) ** 2)
+        psnrs.append(10 * np.log10(255**2 / mse))
+    assert result.profile.find(half).quality == pytest.approx(np.mean(psnrs), abs=1e-3)
+    assert 10 < result.profile.find(half).quality < result.profile.find(full).quality < PSNR_CAP
+    assert all(0.2 < result.warp_ratio[c] < 5 for c in (full, half))
+
+
+def test_the_bundled_default_ladder_is_what_the_live_policy_routes_on() -> None:
+    from app.server.executors import bundled_live_profile
+    from engine.pipeline import Pipeline
+
+    pipe = Pipeline.load()
+    profile = bundled_live_profile(None, pipe.default_size)
+    assert profile.model == "default" and profile.source.startswith("measured")
+    assert any("against the teachers" in note for note in profile.notes)
+    points = sorted(profile.points, key=lambda p: p.latency_s)
+    assert len(points) >= 5
+    assert BMPR(profile.per_stream()).frontier == tuple(points)  # every point is on the Pareto front
+    for faster, slower in zip(points, points[1:]):
+        assert faster.latency_s <= 0.95 * slower.latency_s and faster.quality < slower.quality
+    # Every rung is one the engine runs: a stream switches to it mid-stream and keeps stylizing.
+    frames = synthetic_clip(pipe.default_size, 1 + 4 * len(points), seed=1)
+    stream = pipe.open_stream(StreamParams(prompt="oil painting"))
+    stream.process(frames[:1])
+    for k, point in enumerate(points):
+        stream.set_fidelity(point.config)
+        out = stream.process(frames[1 + 4 * k : 5 + 4 * k])
+        assert out.shape == (4, pipe.default_size[1], pipe.default_size[0], 3) and out.std() > 4
+        assert stream.state.fidelity == point.config

@@ -60,8 +60,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also measure block-sparse attention at these sparsities (default window, fp32)")
     parser.add_argument("--step-batch", action="store_true",
                         help="also measure the step batch (steps of successive chunks in one forward; default window, fp32)")
+    parser.add_argument("--quality", choices=["auto", "teachers", "reference"], default="auto",
+                        help="quality measure: 'teachers' = PSNR and warp error against the embedded model's teachers "
+                             "on held-out clips; 'reference' = PSNR against the most expensive config's output; "
+                             "auto (default): teachers for an embedded model (one with shipped looks), else reference")
+    parser.add_argument("--teacher-clips", type=int, default=2, help="held-out clips for --quality teachers (default 2)")
+    parser.add_argument("--ladder", action="store_true",
+                        help="write only the Pareto front, each point at least --min-speedup faster than the one above")
+    parser.add_argument("--min-speedup", type=float, default=0.05,
+                        help="with --ladder: the least fraction a point must be faster than the one above (default 0.05)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+
+
+def teacher_prompts(model: str, quality: str) -> dict[str, str] | None:
+    """The looks and prompts to score against the teachers, or None to score against the reference
+    config; ValueError where teachers are asked for a model that has none."""
+    from engine.embedded.evaluate import style_prompts
+    from engine.pipeline import DEFAULT_MODEL
+
+    if quality == "reference":
+        return None
+    config = DEFAULT_MODEL.with_suffix(".json") if model == "default" else Path(model).with_suffix(".json")
+    embedded = model == "default" or (model.endswith(".safetensors") and config.is_file()
+                                      and '"diffcast-embedded' in config.read_text())
+    if not embedded:
+        if quality == "teachers":
+            raise ValueError(f"--quality teachers needs an embedded model (it has teachers); {model!r} is not one")
+        return None
+    return style_prompts(config)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
                           windows=args.windows, scales=args.scales, steps=args.steps,
                           precisions=tuple(p.strip() for p in precisions.split(",") if p.strip()),
                           sparsities=args.sparsity, step_batch=args.step_batch)
-        result = profile_pipeline(pipe, spec, model_name=model)
+        teachers = teacher_prompts(model, args.quality)
+        result = profile_pipeline(pipe, spec, model_name=model, teachers=teachers, teacher_clips=args.teacher_clips)
     except ModelNotAvailableError as exc:
         log.error("%s", exc)
         return 2
@@ -93,12 +121,17 @@ def run(args: argparse.Namespace) -> int:
     profile = result.profile
     router = BMPR(profile.per_stream())
     frontier = {p.config for p in router.frontier}
-    print(f"{'config':<34} {'chunk ms':>9} {'first ms':>9} {'PSNR dB':>8} {'SSIM':>6}  frontier")
+    rungs = {p.config for p in result.ladder(args.min_speedup).profile.points}
+    print(f"{'config':<34} {'chunk ms':>9} {'first ms':>9} {'PSNR dB':>8} {'SSIM':>6} {'warp':>6}  frontier")
     for p in sorted(profile.points, key=lambda p: p.latency_s):
-        mark = "*" if p.config in frontier else ""
+        mark = ("*" if p.config in frontier else "") + (" ladder" if p.config in rungs else "")
+        warp = result.warp_ratio.get(p.config)
         print(f"{p.config.label():<34} {1000 * p.latency_s:9.1f} {1000 * p.first_chunk_latency_s:9.1f} "
-              f"{p.quality:8.2f} {result.ssim[p.config]:6.3f}  {mark}")
-    print(f"{len(profile.points)} configs, frontier {len(frontier)}, quality floor {router.floor:.2f} dB")
+              f"{p.quality:8.2f} {result.ssim[p.config]:6.3f} {'' if warp is None else f'{warp:.2f}x':>6}  {mark}")
+    print(f"{len(profile.points)} configs, frontier {len(frontier)}, ladder {len(rungs)}, "
+          f"quality floor {router.floor:.2f} dB")
+    if args.ladder:
+        result = result.ladder(args.min_speedup)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         result.save(args.out)

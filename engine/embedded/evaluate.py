@@ -36,6 +36,7 @@ from tqdm import tqdm
 from engine.embedded.clips import ClipSpec, heldout_specs, render_clip
 from engine.embedded.model import DEFAULT_CONFIG, EmbeddedSpec
 from engine.embedded.teachers import stylize_clip
+from engine.fidelity import FidelityConfig
 from engine.frames import frames_to_tensor, tensor_to_frames
 from engine.pipeline import Pipeline, StreamParams
 
@@ -56,17 +57,24 @@ class StreamedClip:
 
 
 def stylize_stream(pipe: Pipeline, frames: np.ndarray, prompt: str, seed: int = 0, steps: int | None = None,
-                   noise_scale: float | None = None) -> StreamedClip:
+                   noise_scale: float | None = None, fidelity: FidelityConfig | None = None) -> StreamedClip:
     """Stream a clip (uint8 [T, H, W, 3]) chunk by chunk as the product does: ``pipe.first_chunk_frames``
     (1) first, then ``pipe.chunk_frames`` (4) at a time; a trailing partial chunk is an error.
 
-    ``steps`` / ``noise_scale`` default to the model's own (its config's sampler). The stages are
-    those of ``StreamRuntime.step``, called one by one so that the decoded frames can be kept before
-    the stabilizer and each stage timed.
+    ``steps`` / ``noise_scale`` default to the model's own (its config's sampler); ``fidelity`` runs the
+    stream at one operating point of the engine (its steps, KV window, resolution scale, precision and
+    attention sparsity; the stream's size stays the clip's). The stages are those of
+    ``StreamRuntime.step``, called one by one so that the decoded frames can be kept before the
+    stabilizer and each stage timed.
     """
     if (frames.shape[0] - pipe.first_chunk_frames) % pipe.chunk_frames:
         raise ValueError(f"clip needs {pipe.first_chunk_frames} + {pipe.chunk_frames}k frames, got {frames.shape[0]}")
-    stream = pipe.open_stream(StreamParams(prompt=prompt, seed=seed, steps=steps, noise_scale=noise_scale))
+    params = StreamParams(prompt=prompt, seed=seed, steps=steps, noise_scale=noise_scale)
+    if fidelity is not None:
+        params = params.with_(steps=fidelity.steps, kv_window_frames=fidelity.kv_window_frames,
+                              resolution_scale=fidelity.resolution_scale, precision=fidelity.precision,
+                              attention_sparsity=fidelity.attention_sparsity)
+    stream = pipe.open_stream(params)
     runtime, state = stream.runtime, stream.state
     bounds = [0, *range(pipe.first_chunk_frames, frames.shape[0] + 1, pipe.chunk_frames)]
     shipped, raw, timings, rates = [], [], [], []
@@ -160,6 +168,44 @@ def evaluate(pipe: Pipeline, prompts: dict[str, str], clips: int | None = None, 
     return result
 
 
+@dataclass(frozen=True)
+class TeacherScore:
+    """One operating point's output against the teachers on held-out clips (shipped output)."""
+
+    psnr: float  # dB, mean over looks and clips
+    warp_ratio: float  # warp error of the output / the teachers', over all looks and clips
+
+
+def teacher_scores(pipe: Pipeline, configs: list[FidelityConfig], prompts: dict[str, str],
+                   clips: int = 2) -> dict[FidelityConfig, TeacherScore]:
+    """Score each operating point as ``evaluate`` scores the model: every look (``prompts``: style name
+    -> prompt) on the first ``clips`` held-out clips, PSNR and warp error against the teachers.
+    Clips, their flows and the teachers' outputs are computed once and shared by every config."""
+    cases = []
+    for ci, spec in enumerate(heldout_specs()[:clips]):
+        frames = render_clip(spec)
+        flows = input_flows(frames)
+        for style in prompts:
+            teacher = stylize_clip(frames, style)
+            cases.append((ci, frames, flows, style, teacher, warp_error(teacher, flows)))
+    scores = {}
+    for config in tqdm(configs, desc="teacher quality", unit="config"):
+        psnrs, warps, teacher_warps = [], [], []
+        for ci, frames, flows, style, teacher, teacher_warp in cases:
+            out = stylize_stream(pipe, frames, prompts[style], seed=ci, fidelity=config).shipped
+            psnrs.append(psnr(out, teacher))
+            warps.append(warp_error(out, flows))
+            teacher_warps.append(teacher_warp)
+        scores[config] = TeacherScore(float(np.mean(psnrs)), float(np.mean(warps)) / float(np.mean(teacher_warps)))
+    return scores
+
+
+def style_prompts(config_path: Path) -> dict[str, str]:
+    """The shipped looks of an embedded model's config and the prompt each is asked for by (the first
+    phrasing it was trained on)."""
+    return {style: phrasings[0] for style, phrasings in EmbeddedSpec.from_json(config_path.read_text()).styles.items()}
+
+
 def _timing_summary(timings: list[Timings]) -> dict[str, float]:
     enc, dit, dec, stab = (statistics.median(t[i] for t in timings) * 1000 for i in range(4))
     return {"encode": enc, "dit": dit, "decode": dec, "stabilize": stab, "total": enc + dit + dec + stab}
@@ -210,8 +256,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     torch.set_num_threads(args.threads)
     pipe = Pipeline.load(args.config.with_suffix(".safetensors"))
-    # The styles and the prompt each is asked for by: the first phrasing it was trained on.
-    prompts = {style: phrasings[0] for style, phrasings in EmbeddedSpec.from_json(args.config.read_text()).styles.items()}
+    prompts = style_prompts(args.config)
     started = time.time()
     result = evaluate(pipe, prompts, args.clips, args.grid, args.steps, args.noise_scale)
     result["speed"] = [benchmark(pipe, next(iter(prompts.values())), t) for t in args.bench_threads]
