@@ -131,7 +131,7 @@ def test_the_bundled_default_ladder_is_what_the_live_policy_routes_on() -> None:
     points = sorted(profile.points, key=lambda p: p.latency_s)
     assert len(points) >= 5
     assert BMPR(profile.per_stream()).frontier == tuple(points)  # every point is on the Pareto front
-    for faster, slower in zip(points, points[1:]):
+    for faster, slower in zip(points[:-1], points[1:], strict=True):
         assert faster.latency_s <= 0.95 * slower.latency_s and faster.quality < slower.quality
     # Every rung is one the engine runs: a stream switches to it mid-stream and keeps stylizing.
     frames = synthetic_clip(pipe.default_size, 1 + 4 * len(points), seed=1)
