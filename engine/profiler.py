@@ -277,6 +277,24 @@ class ProfileResult:
                 raw["warp_ratio"] = round(self.warp_ratio[point.config], 4)
         Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
+    def anchored(self, reference_ms: float) -> ProfileResult:
+        """Every latency times one factor, so that the reference (highest-quality) point's chunk takes
+        ``reference_ms``: a busy machine slows every config alike (they run interleaved), so the run
+        gives the ratios and a quiet machine's measurement of the reference gives the scale."""
+        if not reference_ms > 0:
+            raise ValueError(f"the anchor must be a positive number of milliseconds, got {reference_ms}")
+        measured = self.profile.reference().latency_s
+        factor = reference_ms / 1000.0 / measured
+
+        def scaled(p: ProfilePoint) -> ProfilePoint:
+            return replace(p, latency_s=p.latency_s * factor, first_chunk_latency_s=p.first_chunk_latency_s * factor)
+
+        note = (f"latencies x{factor:.4f}: measured side by side on a busy machine (reference "
+                f"{1000 * measured:.1f} ms per chunk), anchored to {reference_ms:g} ms for the reference "
+                "measured on a quiet one")
+        points = tuple(scaled(p) for p in self.profile.points)
+        return replace(self, profile=replace(self.profile, points=points, notes=(*self.profile.notes, note)))
+
     def ladder(self, min_speedup: float = 0.05) -> ProfileResult:
         """Only the ladder of :func:`ladder` (the Pareto front, each rung measurably faster)."""
         kept = ladder(self.profile.per_stream(), min_speedup)

@@ -94,6 +94,20 @@ def test_the_ladder_is_the_pareto_front_with_measurable_steps() -> None:
     assert [p.quality for p in rungs] == [20.0, 22.5, 23.0, 24.0]
 
 
+def test_anchoring_keeps_the_ratios_and_sets_the_reference() -> None:
+    from engine.profiler import ProfileResult
+    from engine.serving.fidelity import FidelityProfile
+
+    points = (_point(2000, 23.5, 1.0), _point(800, 20.0, 0.5))
+    profile = FidelityProfile(model="m", device="cpu", resolution=(256, 256), chunk_latent_frames=1,
+                              chunk_pixel_frames=4, first_chunk_pixel_frames=1, fps=16.0, points=points,
+                              source="measured")
+    anchored = ProfileResult(profile, {p.config: 1.0 for p in points}).anchored(100.0).profile
+    assert [p.latency_s for p in anchored.points] == pytest.approx([0.1, 0.04])
+    assert [p.quality for p in anchored.points] == [23.5, 20.0]
+    assert "anchored to 100 ms" in anchored.notes[-1]
+
+
 def test_teacher_quality_is_psnr_against_the_teachers_on_held_out_clips() -> None:
     from engine.embedded.clips import heldout_specs, render_clip
     from engine.embedded.evaluate import style_prompts

@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write only the Pareto front, each point at least --min-speedup faster than the one above")
     parser.add_argument("--min-speedup", type=float, default=0.05,
                         help="with --ladder: the least fraction a point must be faster than the one above (default 0.05)")
+    parser.add_argument("--anchor-ms", type=float, default=None,
+                        help="scale every latency so the reference point's chunk takes this many ms (a quiet "
+                             "machine's figure): on a busy machine the side-by-side run still gives the ratios")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
 
@@ -112,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
                           sparsities=args.sparsity, step_batch=args.step_batch)
         teachers = teacher_prompts(model, args.quality)
         result = profile_pipeline(pipe, spec, model_name=model, teachers=teachers, teacher_clips=args.teacher_clips)
+        if args.anchor_ms is not None:
+            result = result.anchored(args.anchor_ms)
     except ModelNotAvailableError as exc:
         log.error("%s", exc)
         return 2
