@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from _security_fixtures import Api
+from _security_fixtures import Api, publisher_offer
 
 from engine.capabilities import ModelCapabilities, UnsupportedModeError
 from engine.pipeline import DEFAULT_MODEL, Pipeline, StreamParams, model_capabilities
@@ -76,6 +76,10 @@ async def test_serve_lists_capabilities_and_notices_far_prompts() -> None:
         assert "trained only to restyle" in caps["unsupported"]["t2v"]
         refused = await api.offer(mode="t2v")
         assert refused.status_code == 422 and "a live stream is video-to-video" in refused.json()["detail"]
+        pc, sdp = await publisher_offer()
+        api.peers.append(pc)
+        whip = await api.client.post("/whip?mode=t2v", content=sdp, headers={"Content-Type": "application/sdp"})
+        assert whip.status_code == 400 and "a live stream is video-to-video" in whip.text, whip.text
         far = await api.offer(prompt="underwater scene")
         assert far.status_code == 200, far.text
         notice = far.json()["notice"]
@@ -86,6 +90,8 @@ async def test_serve_lists_capabilities_and_notices_far_prompts() -> None:
         assert near.status_code == 200 and near.json().get("notice") is None, near.text
         again = await api.client.post(url, json={"type": "update", "prompt": "a bowl of ramen"}, headers=auth)
         assert again.status_code == 200 and "far from every look" in again.json()["notice"], again.text
+        switch = await api.client.post(url, json={"type": "update", "mode": "t2v"}, headers=auth)
+        assert switch.status_code == 422 and "mode" in switch.json()["message"], switch.text  # fixed at opening
     finally:
         await api.close()
 
