@@ -90,7 +90,7 @@ class ServerConfig:
     min_fps: float = 2.0
     jpeg_quality: int = 80
     default_prompt: str = "oil painting"
-    # Stream defaults when a client gives none; None = the model's own (engine.pipeline.model_defaults).
+    # Stream defaults when a client gives none; None = the model's own (engine.pipeline.model_capabilities).
     default_noise_scale: float | None = None
     default_steps: int | None = None
     presets: tuple[str, ...] = (
