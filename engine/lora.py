@@ -35,7 +35,7 @@ from engine.models.lora import LoRA, LoRABank, LoRAError, LoRALayer, linear_laye
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LoRAError", "load_lora", "lora_from_state_dict", "parse_lora_spec"]
+__all__ = ["LoRAError", "load_lora", "lora_from_state_dict"]
 
 _LIST_LIMIT = 10
 PEFT_FILE = "adapter_model.safetensors"
@@ -46,14 +46,6 @@ _PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", 
 _PART = re.compile(r"(?P<module>.+?)\.(?P<kind>lora_A|lora_B|lora_down|lora_up)(?:\.default)?\.weight|"
                    r"(?P<amodule>.+?)\.alpha")
 _DOWN = {"lora_A": "down", "lora_down": "down", "lora_B": "up", "lora_up": "up"}
-
-
-def parse_lora_spec(spec: str) -> tuple[str, Path]:
-    """``NAME=PATH`` (the ``--lora`` flag) -> (name, path); LoRAError in plain words otherwise."""
-    name, sep, path = spec.partition("=")
-    if not sep or not name.strip() or not path.strip():
-        raise LoRAError(f"--lora takes NAME=PATH (e.g. ink=loras/ink.safetensors), got {spec!r}")
-    return name.strip(), Path(path.strip())
 
 
 def load_lora(path: str | Path, bank: LoRABank, name: str) -> LoRA:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from app.server.config import add_lora_arguments
+
 NAME = "serve"
 HELP = "Run the live web service: webcam in over WebRTC/WHIP, stylized video out (page, WHEP, /ws)."
 
@@ -26,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "'random:wan2.1-1.3b' = full-size random weights, no download; or a path",
     )
     parser.add_argument("--device", default="cpu", help="torch device for the engine (default cpu)")
+    add_lora_arguments(parser)
     parser.add_argument("--max-streams", type=int, default=4, help="concurrent streams before 503 (default 4)")
     parser.add_argument("--max-viewers", type=int, default=8, help="WHEP viewers per stream before 503 (default 8)")
     parser.add_argument(
@@ -131,6 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from app.server.app import serve
     from app.server.config import ServerConfig
+    from engine.models.lora import LoRAError
     from engine.pipeline import ModelNotAvailableError
 
     try:
@@ -148,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--gpus must be at least 1, got {args.gpus}")
         if args.ray or args.ray_address:
             raise SystemExit("--gpus N (pipeline ranks) cannot be combined with --ray")
+        if config.loras:
+            raise SystemExit("--lora is not available with --gpus N yet (the pipeline ranks run the base weights "
+                             "only); serve LoRAs in one process or with --ray")
         from app.server.ranks import serve_ranks
 
         serve_ranks(config, args.gpus, max(args.threads, 1))
@@ -157,9 +164,10 @@ def run(args: argparse.Namespace) -> int:
         if args.ray or args.ray_address:
             from app.server.engine_bridge import RayFactory
 
-            factory = RayFactory.start(args.model, args.device, args.workers, args.ray_address, max(args.threads, 1))
+            factory = RayFactory.start(args.model, args.device, args.workers, args.ray_address, max(args.threads, 1),
+                                       config.loras)
         serve(config, factory)
-    except ModelNotAvailableError as exc:
+    except (ModelNotAvailableError, LoRAError) as exc:
         log.error("%s", exc)
         return 2
     return 0

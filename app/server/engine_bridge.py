@@ -17,7 +17,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Hashable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -25,6 +25,7 @@ import numpy as np
 from engine.serving.fidelity import FidelityConfig
 
 if TYPE_CHECKING:
+    from app.server.config import LoRASpec
     from engine.parallel.ring import RingRuntime
     from engine.pipeline import Pipeline, StreamParams
     from engine.streaming.state import StreamState
@@ -41,6 +42,7 @@ class StreamSettings:
     steps: int = 2
     seed: int = 0
     stabilize: bool = True  # the temporal stabilizer, where the model's config has one
+    loras: dict[str, float] = field(default_factory=dict)  # strengths over the served LoRAs' defaults
 
 
 class StreamProcessor(Protocol):
@@ -274,13 +276,21 @@ class InProcessFactory:
         self._pipe = pipeline
 
     @classmethod
-    def load(cls, model: str | None, device: str = "cpu") -> InProcessFactory:
+    def load(cls, model: str | None, device: str = "cpu", loras: Sequence[LoRASpec] = ()) -> InProcessFactory:
         from engine.pipeline import Pipeline
 
         t0 = time.perf_counter()
         pipe = Pipeline.load(model=model, device=device)
+        for lora in loras:
+            pipe.load_lora(lora.name, lora.path, lora.strength)
         log.info("loaded model %s on %s in %.1f s", model or "(embedded default)", device, time.perf_counter() - t0)
         return cls(pipe)
+
+    @property
+    def loras(self) -> list[dict[str, Any]]:
+        """The loaded LoRAs (name, rank, layers, targets, default strength), for /api/config."""
+        info: list[dict[str, Any]] = self._pipe.lora_info()
+        return info
 
     @property
     def pipeline(self) -> Any:
@@ -339,6 +349,8 @@ class RankProcessor:
         (the ring keeps one KV cache per step on every rank)."""
         from engine.sampling import NoiseSource
 
+        if changes.get("loras"):
+            raise ValueError("LoRAs are not available on the pipeline ranks (no LoRA is loaded)")
         transition_chunks = int(changes.pop("transition_chunks", 0))
         refresh_sinks = bool(changes.pop("refresh_sinks", False))
         changes = {k: v for k, v in changes.items() if v is not None}
@@ -392,6 +404,8 @@ class RankFactory:
     def open(self, settings: StreamSettings) -> RankProcessor:
         from engine.pipeline import StreamParams
 
+        if settings.loras:
+            raise ValueError("LoRAs are not available on the pipeline ranks (no LoRA is loaded)")
         processor = RankProcessor(self, StreamParams(prompt=settings.prompt, noise_scale=settings.noise_scale,
                                                      steps=settings.steps, seed=settings.seed,
                                                      stabilize=settings.stabilize))
@@ -452,15 +466,17 @@ class RayFactory:
 
     @classmethod
     def start(
-        cls, model: str | None, device: str = "cpu", workers: int = 2, address: str | None = None, threads: int = 1
+        cls, model: str | None, device: str = "cpu", workers: int = 2, address: str | None = None, threads: int = 1,
+        loras: Sequence[LoRASpec] = (),
     ) -> RayFactory:
-        """Start a local Ray cluster (``address`` None) or join one, bring up ``workers`` actors, and
-        health-check them in the background."""
+        """Start a local Ray cluster (``address`` None) or join one, bring up ``workers`` actors (each
+        loading the model and ``loras``), and health-check them in the background."""
         from engine.cluster.controller import ClusterConfig, ClusterController
 
         gpus = 1.0 if device.startswith("cuda") else 0.0
         config = ClusterConfig(model=model, workers=workers, device=device, threads_per_worker=threads,
-                               gpus_per_worker=gpus)
+                               gpus_per_worker=gpus,
+                               loras=tuple((lora.name, lora.path, lora.strength) for lora in loras))
         controller = ClusterController.start(config, address)
         controller.start_monitor()
         return cls(controller)
@@ -469,6 +485,11 @@ class RayFactory:
     def size(self) -> tuple[int, int]:
         width, height = self.controller.info.default_size
         return int(width), int(height)
+
+    @property
+    def loras(self) -> list[dict[str, Any]]:
+        """The LoRAs every worker loaded (name, rank, layers, targets, default strength)."""
+        return [dict(info) for info in self.controller.info.loras]
 
     @property
     def parallel_chunks(self) -> int:

@@ -98,6 +98,8 @@ class Session:
             changes = message.changes()
             await self.runner.update(**changes)
             shown: dict[str, Any] = {k: changes[k] for k in ("noise_scale", "steps", "seed", "stabilize") if k in changes}
+            if "loras" in changes:
+                shown["loras"] = {**self.settings.loras, **changes["loras"]}
             if isinstance(message.prompt, str):
                 shown["prompt"] = message.prompt
             elif message.prompt is not None:
@@ -156,6 +158,7 @@ class Session:
             "steps": self.settings.steps,
             "seed": self.settings.seed,
             "stabilize": self.settings.stabilize,
+            "loras": self.settings.loras,
             "chunk_ms": round(1000 * self.runner.chunk_seconds, 1),
             "paused": self.runner.paused,
             "frames_in": self.assembler.received,
