@@ -20,10 +20,10 @@ import torch
 from _dit_fixtures import write_random_lora
 
 from engine.cluster.controller import ClusterConfig, ClusterController, ClusterError
+from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.pipeline import Pipeline, Stream, StreamParams
 from engine.serving.derived_profiles import derived_h100_profile
 from engine.serving.policy import PolicyConfig, SlackPolicy
-from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.serving.snapshot import Snapshot, StreamView, WorkerView
 
 

@@ -20,9 +20,10 @@ from conftest import running_server
 
 from app.cli import build_parser, main
 from app.client import pattern_frame
+from app.server import control
 from app.server.app import create_app
 from app.server.config import LoRASpec, ServerConfig, lora_specs
-from app.server.control import ControlError, parse_control
+from app.server.control import ControlError, StreamOptions, parse_control
 from app.server.engine_bridge import InProcessFactory
 from app.server.frame_path import encode_jpeg
 from engine.models.lora import MAX_LORA_STRENGTH
@@ -97,6 +98,8 @@ async def test_strength_changes_live_and_the_output_follows(lora_server: str, lo
 
 
 def test_control_messages_bound_the_strengths() -> None:
+    assert control.MAX_LORA_STRENGTH == MAX_LORA_STRENGTH  # the edge states the engine's bound
+    assert StreamOptions(loras={"ink": 0.5}).to_settings("oil", 100).loras == {"ink": 0.5}
     message = parse_control('{"type": "update", "loras": {"ink": -0.5, "film": 2}}', 50)
     assert message.changes() == {"loras": {"ink": -0.5, "film": 2.0}}  # type: ignore[union-attr]
     for text, reason in (('{"type": "update", "loras": {"ink": NaN}}', "not a number JSON allows"),
