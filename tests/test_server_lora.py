@@ -51,7 +51,8 @@ def lora_server(lora_file: Path) -> Iterator[str]:
 async def _stream(url: str, frames: int, updates_after: int | None = None,
                   updates: tuple[dict[str, Any], ...] = ()) -> tuple[list[bytes], list[dict[str, Any]]]:
     """One /ws stream of a still camera: the JPEG bytes of its first ``frames`` output frames, and its
-    replies; ``updates`` are sent once ``updates_after`` frames have come back."""
+    replies; ``updates`` are sent once ``updates_after`` frames have come back, after one bad update over
+    HTTP (its answer is recorded as a reply of type "http")."""
     outputs: list[bytes] = []
     replies: list[dict[str, Any]] = []
     async with websockets.connect(url.replace("http", "ws") + "/ws?prompt=ink&steps=1&seed=3") as ws:
@@ -67,6 +68,12 @@ async def _stream(url: str, frames: int, updates_after: int | None = None,
                     if isinstance(message, bytes):
                         outputs.append(message)
                         if len(outputs) == updates_after:
+                            async with httpx.AsyncClient() as client:
+                                answer = await client.post(
+                                    f"{url}/api/streams/{hello['stream_id']}/control",
+                                    json={"type": "update", "loras": {"ink": 1.0, "nope": 1.0}},
+                                    headers={"Authorization": f"Bearer {hello['owner_token']}"})
+                            replies.append({**answer.json(), "type": "http", "status": answer.status_code})
                             for update in updates:
                                 await ws.send(json.dumps({"type": "update", **update}))
                     else:
@@ -86,6 +93,8 @@ async def test_strength_changes_live_and_the_output_follows(lora_server: str, lo
     bad = ({"loras": {"nope": 1.0}}, {"loras": {"ink": MAX_LORA_STRENGTH * 2}}, {"loras": {"ink": 3.0}})
     changed, replies = await _stream(lora_server, 12, updates_after=3, updates=bad)
 
+    http = [r for r in replies if r["type"] == "http"]
+    assert len(http) == 1 and http[0]["status"] == 422 and "no LoRA named 'nope'" in http[0]["message"], http
     errors = [r["message"] for r in replies if r["type"] == "error"]
     assert any("no LoRA named 'nope'" in m for m in errors), errors
     assert any("loras.ink" in m and "less than or equal to 4" in m for m in errors), errors
