@@ -171,9 +171,9 @@ class Pipeline:
         self.defaults = ModelDefaults()
         self.styles = styles
         prompts = PromptEncoder(text_encoder, text_conditioning)
-        self.loras = LoRABank(dit)
+        self.loras = LoRABank.of(dit)
         self.lora_strengths: dict[str, float] = {}  # what a stream gets unless its StreamParams say otherwise
-        self.runtime = StreamRuntime(dit, vae, prompts, preset, runtime, self.loras)
+        self.runtime = StreamRuntime(dit, vae, prompts, preset, runtime)
         # Text-to-video streams share the weights but follow the CausVid / Self-Forcing recipe:
         # 3-latent-frame chunks from pure noise, 4 warped steps, one KV cache written by a clean pass.
         t2v = RuntimeConfig(
@@ -184,7 +184,7 @@ class Pipeline:
             sink_refresh=False,
             rope_reset_frame=max(runtime.rope_reset_frame, 60),
         )
-        self.t2v_runtime = StreamRuntime(dit, vae, prompts, SELF_FORCING, t2v, self.loras)
+        self.t2v_runtime = StreamRuntime(dit, vae, prompts, SELF_FORCING, t2v)
         self.first_chunk_frames = 1
         self.chunk_frames = vae.temporal_compression * runtime.chunk_latent_frames
 

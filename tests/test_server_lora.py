@@ -133,9 +133,6 @@ def test_serve_flags(lora_file: Path, tmp_path: Path, caplog: pytest.LogCaptureF
     args = build_parser().parse_args(["serve", "--lora", "ink"])
     with pytest.raises(SystemExit, match="--lora takes NAME=PATH"):
         args._run(args)
-    args = build_parser().parse_args(["serve", "--lora", f"ink={lora_file}", "--gpus", "2"])
-    with pytest.raises(SystemExit, match="not available with --gpus"):
-        args._run(args)
     bad = tmp_path / "bad.safetensors"
     write_random_lora(bad, CausalWanDiT(replace(CONFIGS["tiny"], ffn_dim=96)), ("ffn.0",))  # another model's shapes
     assert main(["serve", "--model", "tiny-random", "--lora", f"big={bad}", "--port", "0"]) == 2

@@ -152,9 +152,6 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--gpus must be at least 1, got {args.gpus}")
         if args.ray or args.ray_address:
             raise SystemExit("--gpus N (pipeline ranks) cannot be combined with --ray")
-        if config.loras:
-            raise SystemExit("--lora is not available with --gpus N yet (the pipeline ranks run the base weights "
-                             "only); serve LoRAs in one process or with --ray")
         from app.server.ranks import serve_ranks
 
         serve_ranks(config, args.gpus, max(args.threads, 1))

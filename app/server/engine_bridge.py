@@ -349,8 +349,6 @@ class RankProcessor:
         (the ring keeps one KV cache per step on every rank)."""
         from engine.sampling import NoiseSource
 
-        if changes.get("loras"):
-            raise ValueError("LoRAs are not available on the pipeline ranks (no LoRA is loaded)")
         transition_chunks = int(changes.pop("transition_chunks", 0))
         refresh_sinks = bool(changes.pop("refresh_sinks", False))
         changes = {k: v for k, v in changes.items() if v is not None}
@@ -361,8 +359,12 @@ class RankProcessor:
         if changes.get("prompt_weights") is not None:
             changes["prompt_weights"] = tuple(changes["prompt_weights"])
         seed = changes.get("seed")
-        new = self.params.with_(**changes)  # validates
         pipeline, ring = self._factory.pipeline, self._factory.ring
+        loras = changes.get("loras")
+        if loras is not None:
+            ring.rt.checked_loras(loras)  # names a LoRA that is not loaded, before anything changes
+            changes["loras"] = {**self.params.loras, **loras}
+        new = self.params.with_(**changes)  # validates
         fidelity = pipeline.fidelity_for(new)
         ring.rt.check_fidelity(fidelity)
         if new.steps != self.params.steps:
@@ -372,6 +374,8 @@ class RankProcessor:
         if {"prompt", "prompt_weights", "blend_mode"} & changes.keys():
             ring.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
                             transition_chunks=transition_chunks, refresh_sinks=refresh_sinks)
+        if loras is not None:
+            ring.set_loras(self.state, loras)
         ring.set_fidelity(self.state, fidelity)
         self.state.noise_scale = new.noise_scale
         self.state.stabilize = new.stabilize
@@ -404,11 +408,9 @@ class RankFactory:
     def open(self, settings: StreamSettings) -> RankProcessor:
         from engine.pipeline import StreamParams
 
-        if settings.loras:
-            raise ValueError("LoRAs are not available on the pipeline ranks (no LoRA is loaded)")
         processor = RankProcessor(self, StreamParams(prompt=settings.prompt, noise_scale=settings.noise_scale,
                                                      steps=settings.steps, seed=settings.seed,
-                                                     stabilize=settings.stabilize))
+                                                     stabilize=settings.stabilize, loras=settings.loras))
         # The processor protocol has no close: a dropped session's stream leaves the ranks at the next
         # chunk of any stream (on the engine thread, never from the garbage collector's thread).
         weakref.finalize(processor, self._drop, processor.id)
@@ -418,8 +420,15 @@ class RankFactory:
         state = self._states[stream_id] = self.ring.open(
             stream_id, list(params.prompts), params.size or self.pipeline.default_size,
             self.pipeline.fidelity_for(params), seed=params.seed, weights=params.prompt_weights,
-            blend_mode=params.blend_mode, noise_scale=params.noise_scale, stabilize=params.stabilize)
+            blend_mode=params.blend_mode, noise_scale=params.noise_scale, stabilize=params.stabilize,
+            loras={**self.pipeline.lora_strengths, **params.loras})
         return state
+
+    @property
+    def loras(self) -> list[dict[str, Any]]:
+        """The LoRAs every rank loaded (name, rank, layers, targets, default strength)."""
+        info: list[dict[str, Any]] = self.pipeline.lora_info()
+        return info
 
     def close_dropped(self) -> None:
         with self._lock:

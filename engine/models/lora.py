@@ -99,7 +99,20 @@ _rows: ContextVar[tuple[LoRABank, _RowStrengths] | None] = ContextVar("lora_rows
 
 
 class LoRABank:
-    """The LoRAs loaded on one model, and the hooks that run their side path."""
+    """The LoRAs loaded on one model, and the hooks that run their side path.
+
+    One bank per model (:meth:`of`): every runtime, pipeline and pipeline stage over the same weights
+    sees the same LoRAs.
+    """
+
+    @classmethod
+    def of(cls, model: nn.Module) -> LoRABank:
+        """The model's bank, made empty on first use (no hooks until a LoRA is added)."""
+        bank = model.__dict__.get("_lora_bank")
+        if not isinstance(bank, LoRABank):
+            bank = cls(model)
+            model.__dict__["_lora_bank"] = bank  # a plain attribute: not a submodule, not in the state dict
+        return bank
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

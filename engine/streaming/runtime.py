@@ -145,11 +145,9 @@ class StreamRuntime:
         prompts: PromptEncoder,
         preset: SamplerPreset,
         config: RuntimeConfig,
-        loras: LoRABank | None = None,
     ) -> None:
         self.dit = dit
-        # The LoRAs loaded on ``dit`` (shared by every runtime over the same weights); streams pick strengths.
-        self.loras = loras if loras is not None else LoRABank(dit)
+        self.loras = LoRABank.of(dit)  # the LoRAs loaded on ``dit`` (docs/lora.md); streams pick strengths
         self.vae = vae
         self.prompts = prompts
         self.preset = preset
