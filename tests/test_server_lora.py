@@ -99,6 +99,7 @@ async def test_strength_changes_live_and_the_output_follows(lora_server: str, lo
     assert any("no LoRA named 'nope'" in m for m in errors), errors
     assert any("loras.ink" in m and "less than or equal to 4" in m for m in errors), errors
     assert {"type": "ack", "applied": "update"} in replies
+    assert any(r["type"] == "stats" and r["loras"] == {"ink": 0.0} for r in replies), replies  # the served default
     # Same seed, same still input: before the change the stream makes the reference's frames; once the
     # strength is up its chunks are new ones (were the LoRA ignored, they would be the reference's too).
     seen = set(reference)

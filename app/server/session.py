@@ -219,6 +219,9 @@ class SessionManager:
         serving = self.loop
         if serving is None:
             raise RuntimeError("the session manager has no engine loop (create_app sets one)")
+        # Every served LoRA's strength for this stream, spelled out (its stats show what runs).
+        served = {lora["name"]: lora["strength"] for lora in getattr(self.factory, "loras", ())}
+        settings = dataclasses.replace(settings, loras={**served, **settings.loras})
         policy_id = serving.admit(settings.steps)  # AdmissionError -> 503
         self._opening += 1
         loop = asyncio.get_running_loop()
