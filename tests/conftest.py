@@ -39,7 +39,7 @@ def running_server(app: Any, startup_timeout_s: float = 60.0, log_level: str = "
             raise RuntimeError(f"server on port {port} did not start")
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{'https' if app.state.config.ssl_certfile else 'http'}://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=15)

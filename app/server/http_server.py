@@ -282,6 +282,8 @@ def uvicorn_server(app: Any, config: ServerConfig, *, port: int | None = None,
         # which would let any local process (or a misconfigured local proxy) set client addresses.
         proxy_headers=bool(config.forwarded_allow_ips),
         forwarded_allow_ips=list(config.forwarded_allow_ips) or None,
+        # TLS for --https (app/server/tls.py has filled both paths in by now).
+        ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile,
     ))
     # After uvicorn.Config, which (re)configures the uvicorn loggers.
     install_log_redaction()
