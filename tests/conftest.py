@@ -97,6 +97,19 @@ def camera_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_y4m(tmp_path_factory.mktemp("camera") / "camera.y4m", frames)
 
 
+@contextmanager
+def launched_chromium(path: Path, args: list[str]) -> Iterator[Any]:
+    """A headless Chromium (playwright) with ``args``, closed at the end."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(path), args=args)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
 @pytest.fixture
 def chromium_path() -> Path:
     if not CHROMIUM.exists():

@@ -14,9 +14,10 @@ from typing import Any
 import cv2
 import numpy as np
 import pytest
+from conftest import launched_chromium
+from test_browser_page import CHROMIUM_FLAGS, _assert_output_advances, _wait
 
 from app.client import http
-from tests.test_browser_page import CHROMIUM_FLAGS, _assert_output_advances, _wait
 
 pytestmark = pytest.mark.browser
 
@@ -44,14 +45,8 @@ SAME_MOMENT = """() => {
 
 @pytest.fixture
 def browser(chromium_path: Path) -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(chromium_path), args=FAKE_CAMERAS)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with launched_chromium(chromium_path, FAKE_CAMERAS) as browser:
+        yield browser
 
 
 def _page(browser: Any, **context: Any) -> Any:

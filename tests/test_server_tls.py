@@ -17,11 +17,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 from cryptography import x509
 
 from app.cli import build_parser
 from app.server.tls import CertificateError, lan_addresses, load_pair, self_signed
-from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
