@@ -120,3 +120,14 @@ async def test_osc_controls_a_stream_with_the_http_checks(
     assert "refused" in caplog.text
     for secret in (owner, session.viewer_token, "x" * 32):
         assert secret not in caplog.text
+
+
+def test_serve_says_when_the_osc_port_is_taken(caplog: pytest.LogCaptureFixture) -> None:
+    from app.cli import build_parser
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        args = build_parser().parse_args(["serve", "--osc-port", str(port), "--model", "tiny-random"])
+        assert args._run(args) == 2  # before the model loads or the HTTP port opens
+    assert f"cannot listen for OSC on udp://127.0.0.1:{port}: Address already in use" in caplog.text

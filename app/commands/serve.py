@@ -150,6 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from app.server.app import serve
     from app.server.config import ServerConfig
+    from app.server.osc import OscBindError
     from app.server.tls import with_certificate
     from engine.pipeline import ModelNotAvailableError
 
@@ -180,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
 
             factory = RayFactory.start(args.model, args.device, args.workers, args.ray_address, max(args.threads, 1))
         serve(config, factory)
-    except ModelNotAvailableError as exc:
+    except (ModelNotAvailableError, OscBindError) as exc:
         log.error("%s", exc)
         return 2
     return 0

@@ -127,6 +127,11 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     """Build the app. ``factory`` defaults to the real engine pipeline loaded from ``config.model``."""
     if config.allow_loopback_candidates:
         allow_loopback_candidates()
+    osc_socket = None
+    if config.osc_port is not None:  # before the model loads: a port in use is said at once
+        from app.server.osc import bind
+
+        osc_socket = bind(config)
     if factory is None:
         factory = InProcessFactory.load(config.model, config.device)
     config = with_model_defaults(config, factory)
@@ -139,10 +144,10 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         codec_pool = started_default_executor(asyncio.get_running_loop())
         osc = None
-        if config.osc_port is not None:
+        if osc_socket is not None:
             from app.server.osc import OscServer
 
-            osc = await OscServer.start(config, manager, access)
+            osc = await OscServer.start(config, osc_socket, manager, access)
         yield
         if osc is not None:
             await osc.close()

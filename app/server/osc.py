@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -135,6 +136,26 @@ def parse(address: str, params: Sequence[Any]) -> tuple[Parsed, int | None]:
     return Parsed(params[0], params[1], control, values), reply_port
 
 
+class OscBindError(OSError):
+    """The OSC port cannot be opened; the text says which and why."""
+
+
+def bind(config: ServerConfig) -> socket.socket:
+    """The OSC UDP socket, bound now: a port in use stops `diffcast serve` before the model loads,
+    with a message, instead of failing later inside the server's start-up."""
+    assert config.osc_port is not None
+    family = socket.AF_INET6 if ":" in config.osc_host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        sock.bind((config.osc_host, config.osc_port))
+    except OSError as exc:
+        sock.close()
+        raise OscBindError(f"cannot listen for OSC on udp://{config.osc_host}:{config.osc_port}: "
+                           f"{exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
 class OscServer(asyncio.DatagramProtocol):
     """The UDP endpoint: parses packets, queues their messages, applies them one at a time."""
 
@@ -148,11 +169,12 @@ class OscServer(asyncio.DatagramProtocol):
         self._window = (0.0, 0, 0)  # log throttle: (second it started, lines logged, lines held back)
 
     @classmethod
-    async def start(cls, config: ServerConfig, manager: SessionManager, access: AccessControl) -> OscServer:
-        assert config.osc_port is not None
+    async def start(cls, config: ServerConfig, sock: socket.socket, manager: SessionManager,
+                    access: AccessControl) -> OscServer:
+        """Serve OSC on ``sock`` (from :func:`bind`) in the running loop."""
         loop = asyncio.get_running_loop()
         server = cls(config, manager, access)
-        await loop.create_datagram_endpoint(lambda: server, local_addr=(config.osc_host, config.osc_port))
+        await loop.create_datagram_endpoint(lambda: server, sock=sock)
         server._worker = asyncio.create_task(server._run(), name="osc")
         log.info("OSC control on udp://%s:%d (docs/osc.md)", config.osc_host, config.osc_port)
         return server
