@@ -154,16 +154,19 @@ def test_camera_choices(browser: Any, live_server: Callable[..., AbstractContext
 def test_page_streams_over_https(
     browser: Any, live_server: Callable[..., AbstractContextManager[str]], tmp_path: Path
 ) -> None:
-    """`serve --https` with its self-signed certificate: a secure context, so the camera opens."""
-    from app.server.tls import self_signed
+    """The phone flow: `serve --https --host 0.0.0.0` with its self-signed certificate, the page
+    opened at the machine's LAN address (a secure context only through TLS), the camera streams."""
+    from app.server.tls import lan_addresses, self_signed
 
     cert = self_signed(tmp_path / "tls")
+    lan = next((str(a) for a in lan_addresses() if a.version == 4 and not a.is_loopback), "127.0.0.1")
     page = _page(browser, ignore_https_errors=True)  # self-signed: as a user who accepted it
-    with live_server(https=True, ssl_certfile=str(cert.certfile), ssl_keyfile=str(cert.keyfile)) as url:
+    with live_server(host="0.0.0.0", https=True, ssl_certfile=str(cert.certfile),
+                     ssl_keyfile=str(cert.keyfile)) as url:
         assert url.startswith("https://")
-        page.goto(f"{url}/?autostart=1")
+        page.goto(f"{url.replace('127.0.0.1', lan)}/?autostart=1")
         _wait(page, "window.diffcast.status === 'live'")
-        assert page.evaluate("window.isSecureContext") is True
+        assert page.evaluate("[window.isSecureContext, location.hostname]") == [True, lan]
         assert page.evaluate("window.diffcast.transport") == "webrtc"
         _assert_output_advances(page)
         page.click("#stop")
