@@ -131,3 +131,20 @@ def test_serve_says_when_the_osc_port_is_taken(caplog: pytest.LogCaptureFixture)
         args = build_parser().parse_args(["serve", "--osc-port", str(port), "--model", "tiny-random"])
         assert args._run(args) == 2  # before the model loads or the HTTP port opens
     assert f"cannot listen for OSC on udp://127.0.0.1:{port}: Address already in use" in caplog.text
+
+
+def test_refusals_are_logged_and_answered_within_a_budget(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flood of bad datagrams (their sender may be forged) gets at most 10 log lines and answers a second."""
+    import app.server.osc as osc
+    from app.server.config import ServerConfig
+
+    server = osc.OscServer(ServerConfig(), manager=None, access=None)  # type: ignore[arg-type]
+    now = [100.0]
+    monkeypatch.setattr(osc.time, "monotonic", lambda: now[0])
+    assert [server._log_refusal("refused %d", i) for i in range(15)] == [True] * 10 + [False] * 5
+    now[0] = 101.5
+    assert server._log_refusal("refused again")
+    assert "5 more OSC refusals in the last second were not logged" in caplog.text
+    assert caplog.text.count("refused ") == 11

@@ -125,7 +125,8 @@ def parse(address: str, params: Sequence[Any]) -> tuple[Parsed, int | None]:
     values = params[2:]
     expected = control.count if control.count is not None else len(values) - len(values) % 2
     reply_port = None
-    if len(values) == expected + 1 and isinstance(values[-1], int) and not isinstance(values[-1], bool):
+    last = values[-1] if values else None
+    if len(values) == expected + 1 and isinstance(last, int) and not isinstance(last, bool) and 0 <= last < 65536:
         reply_port = values.pop()
     form = f"expected {address} <stream_id> <owner_token> {control.takes}".rstrip() + " [<reply_port>]"
     if len(params) < 2 or not all(isinstance(p, str) for p in params[:2]):
@@ -226,8 +227,11 @@ class OscServer(asyncio.DatagramProtocol):
         if given_port is not None:
             reply_port = given_port
         if reason is not None:
-            self._log_refusal("OSC %s for stream %s from %s refused: %s", address, stream_id or "-", sender[0], reason)
-            self._reply(sender, reply_port, "/diffcast/error", address, stream_id, reason)
+            # Refusals are logged and answered within one budget: UDP senders can be spoofed, and
+            # answers to a flood of bad messages would be a reflection attack on someone else.
+            if self._log_refusal("OSC %s for stream %s from %s refused: %s",
+                                 address, stream_id or "-", sender[0], reason):
+                self._reply(sender, reply_port, "/diffcast/error", address, stream_id, reason)
         else:
             self._reply(sender, reply_port, "/diffcast/ack", address, stream_id)
 
@@ -250,18 +254,24 @@ class OscServer(asyncio.DatagramProtocol):
         builder = OscMessageBuilder(address)
         for arg in args:
             builder.add_arg(arg)
-        self.transport.sendto(builder.build().dgram, (sender[0], port or sender[1]))
+        try:
+            self.transport.sendto(builder.build().dgram, (sender[0], port or sender[1]))
+        except OSError as exc:  # the sender's network is gone: nothing to tell it
+            log.debug("OSC answer to %s:%d not sent: %s", sender[0], port or sender[1], exc)
 
-    def _log_refusal(self, text: str, *args: Any) -> None:
+    def _log_refusal(self, text: str, *args: Any) -> bool:
+        """Log a refusal within REFUSALS_LOGGED_PER_S; whether it was within that budget."""
         now = time.monotonic()
         started, logged, held = self._window
         if now - started >= 1.0:
             if held:
                 log.warning("%d more OSC refusals in the last second were not logged", held)
             started, logged, held = now, 0, 0
-        if logged < REFUSALS_LOGGED_PER_S:
+        within = logged < REFUSALS_LOGGED_PER_S
+        if within:
             log.warning(text, *args)
             logged += 1
         else:
             held += 1
         self._window = (started, logged, held)
+        return within
