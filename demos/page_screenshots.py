@@ -71,6 +71,7 @@ def main() -> int:
                 page.screenshot(path=str(args.out / "page-camera.png"))
                 page.select_option("#layout-select", "output")
                 page.check("#mirror")
+                page.evaluate("window.scrollTo(0, 0)")
                 page.wait_for_timeout(1000)
                 page.screenshot(path=str(args.out / "page-output-only.png"))
                 page.select_option("#layout-select", "auto")  # the next visit's defaults
