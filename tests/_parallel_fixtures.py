@@ -7,7 +7,7 @@ the tiny Wan VAE and the seeded hash text encoder; every rank seeds and builds t
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import pytest
@@ -15,6 +15,7 @@ import torch
 from _runtime_fixtures import HashTextEncoder, clip, fidelity
 
 from app.server.engine_bridge import RankFactory, StreamSettings
+from engine.fidelity import FidelityConfig
 from engine.frames import tensor_to_frames
 from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.models.wan_vae import WanVAE, WanVAEConfig
@@ -140,3 +141,68 @@ class ServiceScenario:
                 processor.update(prompt="pencil sketch")
             out.append(processor.process(frames))
         return {"frames": out, "rebalances": ring.rebalances, "ranges": [(r.start, r.stop) for r in ring.ranges]}
+
+
+# A chunk schedule per stream: the fidelity of each chunk, as the engine core would set it.
+S2 = FidelityConfig(steps=2, kv_window_frames=6, precision="fp32")
+S1 = FidelityConfig(steps=1, kv_window_frames=6, precision="fp32")
+S2_W4 = FidelityConfig(steps=2, kv_window_frames=4, precision="fp32")
+S3 = FidelityConfig(steps=3, kv_window_frames=6, precision="fp32")
+
+
+@dataclass(frozen=True)
+class BatchStream:
+    """One stream of :class:`BatchScenario`: its settings, its input clip and each chunk's fidelity."""
+
+    settings: StreamSettings
+    clip_seed: int
+    fidelities: tuple[FidelityConfig, ...]
+
+
+BATCH_STREAMS = (
+    # a and b differ only in the stabilizer switch: same prompt, seed, input and fidelities.
+    BatchStream(StreamSettings(prompt="oil painting", steps=2, seed=5, stabilize=True), 0, (S2, S1, S2, S2_W4, S1, S3)),
+    BatchStream(StreamSettings(prompt="oil painting", steps=2, seed=5, stabilize=False), 0, (S2, S1, S2, S2_W4, S1, S3)),
+    BatchStream(StreamSettings(prompt="watercolor", steps=2, seed=9, stabilize=True), 1, (S1, S2, S2, S1, S3, S2)),
+)
+
+
+def batch_clip(stream: BatchStream, chunks: int) -> list[np.ndarray]:
+    return [tensor_to_frames(c) for c in clip(chunks, seed=stream.clip_seed)]
+
+
+@dataclass(frozen=True)
+class BatchScenario:
+    """Every stream's chunk c enters the ranks in one `RankFactory.run_chunks` call (one cross-user
+    batch), each at its own fidelity for that chunk."""
+
+    streams: tuple[BatchStream, ...] = BATCH_STREAMS
+
+    @property
+    def chunks(self) -> int:
+        return len(self.streams[0].fidelities)
+
+    def reference(self, runtime: StreamRuntime) -> list[list[np.ndarray]]:
+        """Each stream alone on the single-process engine (the public Pipeline API), chunk by chunk."""
+        pipe = tiny_pipeline(runtime)
+        out = []
+        for s in self.streams:
+            stream = pipe.open_stream(StreamParams(**asdict(s.settings)))
+            frames = []
+            for config, chunk in zip(s.fidelities, batch_clip(s, self.chunks), strict=True):
+                stream.set_fidelity(config)
+                frames.append(stream.process(chunk))
+            out.append(frames)
+        return out
+
+    def __call__(self, ring: RingRuntime) -> dict[str, object]:
+        factory = RankFactory(ring, tiny_pipeline(ring.rt))
+        processors = [factory.open(s.settings) for s in self.streams]
+        clips = [batch_clip(s, self.chunks) for s in self.streams]
+        out: list[list[np.ndarray]] = [[] for _ in self.streams]
+        for c in range(self.chunks):
+            frames = factory.run_chunks([(p, clips[i][c], s.fidelities[c])
+                                         for i, (p, s) in enumerate(zip(processors, self.streams, strict=True))])
+            for i, f in enumerate(frames):
+                out[i].append(f)
+        return {"frames": out, "forwards": ring.forwards, "micro_steps": ring.micro_steps, "depth": ring.depth}

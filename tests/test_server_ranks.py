@@ -9,11 +9,14 @@ import asyncio
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 from _parallel_fixtures import (
+    S2,
+    BatchScenario,
     ServiceScenario,
     TinyFactory,
     one_thread,  # noqa: F401  (autouse fixture)
@@ -104,3 +107,25 @@ async def test_serve_gpus_streams_through_two_cpu_ranks(tmp_path: Path) -> None:
     time.sleep(2)
     alive = [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
     assert not alive, f"ranks left running: {alive}"
+
+
+def test_batched_chunks_at_per_chunk_fidelity_match_each_stream_alone() -> None:
+    """Three streams' chunks enter 2 gloo ranks together (one `run_chunks` call per chunk), each at the
+    fidelity the engine core set for that chunk (steps 2 -> 1 -> 2 -> 3, a smaller KV window); every
+    stream's frames equal that stream run alone on the single-process engine at the same fidelities.
+    Streams a and b differ only in the stabilizer switch, so their frames must differ the same way."""
+    factory = TinyFactory(layers=4, sink_refresh=True, stabilize=True)
+    scenario = BatchScenario()
+    expected = scenario.reference(factory())
+    got = run_ring(factory, scenario, world=2)
+    assert got["depth"] == 1  # sink refresh on: push() stays exact at depth 1; run() overlapped anyway
+    for want, have in zip(expected, got["frames"], strict=True):
+        assert [h.shape for h in have] == [w.shape for w in want]
+        for w, h in zip(want, have, strict=True):
+            assert int(np.abs(w.astype(np.int16) - h.astype(np.int16)).max()) <= 1
+    stabilized, plain = expected[0], expected[1]
+    assert any(int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()) > 8 for a, b in zip(stabilized, plain, strict=True))
+    # The per-chunk step counts mattered: a stream kept at 2 steps would have given other frames.
+    fixed = replace(scenario, streams=(replace(scenario.streams[0], fidelities=(S2,) * scenario.chunks),))
+    kept = fixed.reference(factory())[0]
+    assert int(np.abs(kept[1].astype(np.int16) - stabilized[1].astype(np.int16)).max()) > 8

@@ -121,6 +121,7 @@ class RingRuntime:
         self._known_prompts: set[tuple[str, int]] = set()
         self._steps: dict[str, int] = {}
         self._enter_s = 0.0
+        self._streamwise = False  # inside run(): one chunk per stream in flight, no barriers needed
 
     @property
     def ranges(self) -> list[range]:
@@ -173,7 +174,7 @@ class RingRuntime:
     def close_stream(self, state: StreamState) -> None:
         """Drop a finished stream's caches on every rank (drain its chunks first)."""
         sid = state.stream_id
-        if any(s.state is state for slots in (*self._sent.values(), *self._continuing.values()) for s in slots):
+        if self._in_flight(state):
             raise ValueError(f"stream {sid!r} still has chunks in flight; drain() first")
         self._control({"op": "forget", "sid": sid})
         self.stage.forget(sid)
@@ -194,6 +195,29 @@ class RingRuntime:
         self._enter_s = time.perf_counter() - t0
         self._micro_step(slots)
         return self._take_done()
+
+    def run(self, states: Sequence[StreamState], frames: Sequence[Tensor]) -> list[tuple[StreamState, ChunkResult]]:
+        """One chunk of each stream through the ring and back, with the ranks working at once.
+
+        The streams are dealt round-robin into ``world`` micro-steps in a row, so while rank r runs
+        one group's blocks rank r + 1 runs the previous group's (a cross-user batch is what fills the
+        pipeline). Each stream has exactly one chunk in flight, so its next chunk cannot overtake a
+        sink decision: the ring runs at full depth even with adaptive sink refresh on, exactly. Needs
+        an empty ring (nothing pushed and not drained); returns every chunk, in finishing order.
+        """
+        if self._outstanding or self._continuing:
+            raise ValueError("run() needs an empty ring; drain() the chunks pushed before")
+        if len(states) != len(frames) or not states:
+            raise ValueError("run needs one frame chunk per stream")
+        groups = min(self.world, len(states))
+        exact_depth, self.depth, self._streamwise = self.depth, self.world, True
+        try:
+            done = []
+            for g in range(groups):
+                done += self.push(states[g::groups], frames[g::groups])
+            return done + self.drain()
+        finally:
+            self.depth, self._streamwise = exact_depth, False
 
     def drain(self) -> list[tuple[StreamState, ChunkResult]]:
         """Run micro-steps without new input until every chunk in flight has finished."""
@@ -235,17 +259,33 @@ class RingRuntime:
     def _enter(self, state: StreamState, chunk: Tensor) -> _Slot:
         """A new chunk: the runtime's first stage (prompt/RoPE bookkeeping, VAE encode, noise draws);
         the KV caches and prompt K/V it would fit live on the ranks instead."""
-        steps = state.fidelity.steps
-        if self._steps.setdefault(state.stream_id, steps) != steps:
-            raise ValueError(
-                f"stream {state.stream_id!r} changed its step count to {steps} mid-stream; the pipeline keeps "
-                f"one KV cache per step, so reopen the stream to change steps"
-            )
+        steps, sid = state.fidelity.steps, state.stream_id
+        if self._steps.setdefault(sid, steps) != steps:
+            self._fit_steps(state, steps)
         size = self.rt.engine_size(state.size, state.fidelity)
         self._check_engine_size(state, size)
         state.engine_size = size
         entered = self.rt.enter_chunk(state, chunk, local_caches=False)
         return _Slot(entered, self._prompt_version(state))
+
+    def _fit_steps(self, state: StreamState, steps: int) -> None:
+        """A new step count from this chunk on: every rank fits the stream's per-step caches as the
+        single-process engine does (``StreamRuntime._fit_caches``), with its pending sink decisions
+        applied first (the copy of the deepest step must carry them)."""
+        sid = state.stream_id
+        if self._in_flight(state):
+            raise ValueError(
+                f"stream {sid!r} changed its step count to {steps} while a chunk of it is in flight; the "
+                "pipeline keeps one KV cache per step, so drain() before changing steps"
+            )
+        refresh = [r for r in self._refresh if r[0] == sid]
+        self._refresh = [r for r in self._refresh if r[0] != sid]
+        self._control({"op": "steps", "sid": sid, "steps": steps, "refresh": refresh})
+        self.stage.fit_steps(sid, steps, refresh)
+        self._steps[sid] = steps
+
+    def _in_flight(self, state: StreamState) -> bool:
+        return any(s.state is state for slots in (*self._sent.values(), *self._continuing.values()) for s in slots)
 
     @staticmethod
     def _check_engine_size(state: StreamState, size: tuple[int, int]) -> None:
@@ -281,7 +321,7 @@ class RingRuntime:
         msg = self._build(m, rows)
         self.forwards += 1
         out = self.stage.compute(msg)
-        if any(s.chunk.tau is not None for s in rows):
+        if not self._streamwise and any(s.chunk.tau is not None for s in rows):
             self._barriers.add(m)
         if self.world == 1:
             self._handle_return(out)
@@ -293,9 +333,9 @@ class RingRuntime:
             self.rebalance()
 
     def _build(self, m: int, rows: list[_Slot]) -> Message:
-        """Group the rows by cache fill level, precision and attention sparsity (one batched forward each)
-        and describe them."""
-        groups: dict[tuple[int, int, str, float], list[tuple[int, dict[str, Any]]]] = {}
+        """Group the rows by cache fill level and geometry (token count, KV window, sinks), precision and
+        attention sparsity (one batched forward each) and describe them."""
+        groups: dict[tuple[int, int, tuple[int, int, int], str, float], list[tuple[int, dict[str, Any]]]] = {}
         tensors: dict[str, Tensor] = {}
         self._sent[m] = rows
         for key, slot in enumerate(rows):
@@ -309,13 +349,13 @@ class RingRuntime:
                    "t_next": None if last else s.timesteps[s.step + 1], "frame": s.frame, "rope": s.rope,
                    "ver": slot.version, "geom": geom, "tau": s.tau, "size": st.size}
             cache = self.stage.cache_for(row)
-            fill = (cache.local_end, s.frame - cache.global_end[0], st.fidelity.precision,
+            fill = (cache.local_end, s.frame - cache.global_end[0], geom, st.fidelity.precision,
                     st.fidelity.attention_sparsity)
             groups.setdefault(fill, []).append((key, row))
             if not last:
                 tensors[f"noise.{key}"] = s.noises[s.step]
         meta_groups = []
-        for gi, ((_, _, precision, sparsity), members) in enumerate(groups.items()):
+        for gi, ((_, _, _, precision, sparsity), members) in enumerate(groups.items()):
             tensors[f"x.{gi}"] = torch.cat([rows[key].chunk.x for key, _ in members])
             meta_groups.append({"rows": [row for _, row in members], "precision": precision, "sparsity": sparsity})
         for sid, version, text in self._new_prompts:

@@ -92,6 +92,23 @@ class Stage:
             cache = self.kv[key] = resize_window(cache, window)
         return cache
 
+    def fit_steps(self, sid: str, steps: int, refresh: Sequence[tuple[str, int, int, int]] = ()) -> None:
+        """The stream's step count changes (between its chunks): apply its pending sink decisions, drop
+        the caches of steps it no longer takes, and start each added step from the deepest step's
+        context (``StreamRuntime._fit_caches``). A stream with no caches yet gets zeros lazily."""
+        self._apply_refresh(refresh)
+        have = sorted(step for s, step in self.kv if s == sid)
+        for step in have[steps:]:
+            del self.kv[(sid, step)]
+        if have:
+            for step in range(len(have), steps):
+                self.kv[(sid, step)] = self.kv[(sid, step - 1)].to(self.device)
+
+    def _apply_refresh(self, decisions: Sequence[tuple[str, int, int, int]]) -> None:
+        for sid, step, worst, newest in decisions:
+            cache = self.kv[(sid, step)]
+            cache.replace_frame(worst, *cache.read_frame(newest))
+
     def add_prompt(self, sid: str, version: int, text: Tensor) -> None:
         self.text[(sid, version)] = text
         self.prompts[(sid, version)] = self.dit.prompt_kv(text, self.blocks)
@@ -117,9 +134,7 @@ class Stage:
                 self.add_prompt(sid, version, ts[f"ctx.{sid}.{version}"])
             for sid, versions in meta["drop_prompts"]:
                 self.forget(sid, versions)
-            for sid, step, worst, newest in meta["refresh"]:
-                cache = self.kv[(sid, step)]
-                cache.replace_frame(worst, *cache.read_frame(newest))
+            self._apply_refresh(meta["refresh"])
             ret: dict[str, Any] = {"op": "return", "m": meta["m"], "continue": [], "finished": [], "refresh": []}
             for gi, group in enumerate(meta["groups"]):
                 self._group(gi, group, ts, out, meta["sink"], ret, timing["blocks"])
@@ -311,6 +326,8 @@ class StageWorker:
                 self.stage.rebalance([range(a, b) for a, b in msg.meta["ranges"]], self.channel)
             elif op == "forget":
                 self.stage.forget(msg.meta["sid"])
+            elif op == "steps":
+                self.stage.fit_steps(msg.meta["sid"], msg.meta["steps"], msg.meta["refresh"])
             elif op == "stop":
                 break
             else:
