@@ -6,7 +6,9 @@ the tiny Wan VAE and the seeded hash text encoder; every rank seeds and builds t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 import torch
 from _runtime_fixtures import HashTextEncoder, clip, fidelity
 
-from app.server.engine_bridge import RankFactory, StreamSettings
+from app.server.engine_bridge import RankFactory, RankProcessor, StreamSettings
 from engine.fidelity import FidelityConfig
 from engine.frames import tensor_to_frames
 from engine.models.wan_dit import CONFIGS, CausalWanDiT
@@ -206,3 +208,89 @@ class BatchScenario:
             for i, f in enumerate(frames):
                 out[i].append(f)
         return {"frames": out, "forwards": ring.forwards, "micro_steps": ring.micro_steps, "depth": ring.depth}
+
+
+class _FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(frozen=True)
+class PolicyScenario:
+    """`diffcast serve --gpus N`'s engine core on rank 0: `build_serving_loop` over a `RankFactory`
+    (slackserve, --max-batch 2) with two streams fed the same frames, one with the stabilizer off.
+    A hand-driven clock first leaves plenty of slack, then makes both streams urgent. Records every
+    `run_chunks` call the executor makes: which streams, their inputs, the fidelity, the outputs."""
+
+    chunks: int = 6
+    urgent_from: int = 3
+
+    def __call__(self, ring: RingRuntime) -> dict[str, object]:
+        return asyncio.run(self._serve(ring))
+
+    async def _serve(self, ring: RingRuntime) -> dict[str, object]:
+        from app.server.config import ServerConfig
+        from app.server.executors import build_serving_loop
+        from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
+
+        factory = RankFactory(ring, tiny_pipeline(ring.rt))
+        clock, pool = _FakeClock(), ThreadPoolExecutor(max_workers=1)
+        fps = 8.0
+        loop = build_serving_loop(ServerConfig(model="tiny-random", max_fps=fps, policy="slackserve", max_batch=2),
+                                  factory, pool, clock)
+        loop.core.calibrate = False  # the hand-driven clock measures no real time
+        settings = [StreamSettings(steps=4, seed=5, stabilize=True), StreamSettings(steps=4, seed=5, stabilize=False)]
+        processors, sids, assemblers = [], [], []
+        for s in settings:
+            sid = loop.admit(s.steps)
+            processor = factory.open(s)
+            assembler = ChunkAssembler(capacity=processor.chunk_frames, clock=clock)
+            playout = Playout(factory.size, processor.chunk_frames, max_fps=fps, min_fps=fps, clock=clock)
+            loop.attach(sid, StreamRunner(processor, assembler, playout, pool, factory.size), playout)
+            processors.append(processor)
+            sids.append(sid)
+            assemblers.append(assembler)
+        calls: list[list[tuple[int, np.ndarray, FidelityConfig, np.ndarray]]] = []
+        run = factory.run_chunks
+
+        def recording(chunks: Sequence[tuple[RankProcessor, np.ndarray, FidelityConfig | None]]) -> list[np.ndarray]:
+            outs = run(chunks)
+            calls.append([(processors.index(p), frames, config, out)
+                          for (p, frames, config), out in zip(chunks, outs, strict=True)])
+            return outs
+
+        factory.run_chunks = recording  # type: ignore[method-assign]
+        for c, chunk in enumerate(uint8_clip(self.chunks)):
+            if c == self.urgent_from:
+                # Less than two chunk times of playout left for both streams: URGENT, not yet stalled.
+                top = loop.policy.top_point(4)
+                clock.now = max(e.tracker.generated_s + e.tracker.initial_slack_s
+                                for e in loop.core.ledger.entries.values()) - 1.5 * top.latency_s
+            for frame in chunk:  # a moving picture: the stabilizer follows its motion
+                for assembler in assemblers:
+                    assembler.push(frame)
+            clock.now += 0.01
+            for _ in range(3):
+                loop.run_once()
+                while loop.core.jobs:
+                    await asyncio.sleep(0.005)
+        pool.shutdown(wait=True)
+        return {"calls": calls, "executor": type(loop.executor).__name__, "policy": loop.policy.config,
+                "points": [p.config for p in loop.policy.profile.points]}
+
+
+def policy_reference(runtime: StreamRuntime, calls: list[list[tuple[int, np.ndarray, FidelityConfig, np.ndarray]]],
+                     settings: Sequence[StreamSettings]) -> dict[int, list[np.ndarray]]:
+    """Each stream of a :class:`PolicyScenario` alone on the single-process engine, fed the chunks
+    it took at the fidelities the policy chose."""
+    pipe = tiny_pipeline(runtime)
+    streams = {i: pipe.open_stream(StreamParams(**asdict(s))) for i, s in enumerate(settings)}
+    out: dict[int, list[np.ndarray]] = {i: [] for i in streams}
+    for call in calls:
+        for i, frames, config, _ in call:
+            streams[i].set_fidelity(replace(config, stream_batch=1, gpus=1))
+            out[i].append(streams[i].process(frames))
+    return out

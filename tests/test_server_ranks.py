@@ -17,11 +17,14 @@ import pytest
 from _parallel_fixtures import (
     S2,
     BatchScenario,
+    PolicyScenario,
     ServiceScenario,
     TinyFactory,
     one_thread,  # noqa: F401  (autouse fixture)
+    policy_reference,
 )
 
+from app.server.engine_bridge import StreamSettings
 from engine.parallel.launch import run_ring
 from engine.parallel.ring import RingOptions
 
@@ -129,3 +132,32 @@ def test_batched_chunks_at_per_chunk_fidelity_match_each_stream_alone() -> None:
     fixed = replace(scenario, streams=(replace(scenario.streams[0], fidelities=(S2,) * scenario.chunks),))
     kept = fixed.reference(factory())[0]
     assert int(np.abs(kept[1].astype(np.int16) - stabilized[1].astype(np.int16)).max()) > 8
+
+
+def test_the_serving_policy_drives_two_ranks() -> None:
+    """The engine core on 2 gloo ranks (RankExecutor): the policy's fidelity per chunk reaches the ring
+    (it downshifts when the streams turn urgent), two streams share cross-user batches, and each
+    stream's frames equal it alone on the single-process engine at the points the policy chose, with
+    its stabilizer switch honoured."""
+    factory = TinyFactory(layers=4, sink_refresh=True, stabilize=True)
+    got = run_ring(factory, PolicyScenario(), world=2)
+    assert got["executor"] == "RankExecutor"
+    policy = got["policy"]
+    assert policy.bmpr and policy.max_batch == 2 and not policy.step_preemption
+    assert all(c.resolution_scale == 1.0 and not c.step_batch for c in got["points"])  # what the ranks run
+    calls = got["calls"]
+    assert any(len(call) == 2 for call in calls)  # a cross-user batch went into the ring together
+    steps = [{config.steps for _, _, config, _ in call} for call in calls]
+    # Full quality with slack, fewer steps (per-step caches refitted on every rank) when urgent, back up.
+    assert steps[0] == {4} and min(min(s) for s in steps) < 4 and steps[-1] == {4}, steps
+    settings = [StreamSettings(steps=4, seed=5, stabilize=True), StreamSettings(steps=4, seed=5, stabilize=False)]
+    expected = policy_reference(factory(), calls, settings)
+    seen: dict[int, list[np.ndarray]] = {0: [], 1: []}
+    for call in calls:
+        for i, _, _, out in call:
+            seen[i].append(out)
+    for i in (0, 1):
+        assert len(seen[i]) == len(expected[i]) >= 5
+        for want, have in zip(expected[i], seen[i], strict=True):
+            assert int(np.abs(want.astype(np.int16) - have.astype(np.int16)).max()) <= 1
+    assert any(int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()) > 8 for a, b in zip(expected[0], expected[1], strict=True))
