@@ -409,6 +409,8 @@ class RankFactory:
         self._states: dict[str, StreamState] = {}
         self._dropped: list[str] = []
         self._lock = threading.Lock()
+        self._running = threading.Lock()  # held while chunks are in the ring
+        self._closed = False
 
     @property
     def size(self) -> tuple[int, int]:
@@ -446,6 +448,17 @@ class RankFactory:
     def run_chunks(self, chunks: Sequence[tuple[RankProcessor, np.ndarray, FidelityConfig | None]]) -> list[np.ndarray]:
         """One chunk of each stream, at its fidelity (None: the stream's own), through the ranks together
         (:meth:`RingRuntime.run`: their micro-steps overlap across ranks); the frames of each, in order."""
+        with self._running:
+            if self._closed:
+                raise RuntimeError("the pipeline ranks are shutting down")
+            return self._run_chunks(chunks)
+
+    def close(self) -> None:
+        """No more chunks: waits for the chunks in the ring (the engine thread's) to come back."""
+        with self._running:
+            self._closed = True
+
+    def _run_chunks(self, chunks: Sequence[tuple[RankProcessor, np.ndarray, FidelityConfig | None]]) -> list[np.ndarray]:
         from engine.frames import frames_to_tensor, tensor_to_frames
 
         self.close_dropped()
