@@ -10,8 +10,10 @@ step is over. Here:
   a stream the policy preempts keeps its half-done chunk parked in its processor; evicted streams'
   states go to host memory and come back bit-identically before their next step.
 * ``ChunkExecutor`` — engines that run whole chunks at their own fidelity behind `process` (Ray
-  worker actors, pipeline ranks): one ``Work`` per chunk; the core's later steps of that chunk are
-  already done. The next issue's executors make them step-, fidelity- and migration-aware.
+  worker actors): one ``Work`` per chunk; the core's later steps of that chunk are already done.
+* ``RankExecutor`` — the pipeline ranks (`ChunkBatchFactory`): a ``Work``'s new chunks, each at the
+  policy's point, go through the ring together (their micro-steps overlap across ranks); whole
+  chunks, so no step preemption and no eviction (docs/parallel.md).
 
 ``ServingLoop`` is the asyncio side: it admits streams through the core, feeds it cursor reports,
 pauses and prompt switches, runs the control tick, and kicks idle workers when input arrives.
