@@ -150,6 +150,7 @@ S2 = FidelityConfig(steps=2, kv_window_frames=6, precision="fp32")
 S1 = FidelityConfig(steps=1, kv_window_frames=6, precision="fp32")
 S2_W4 = FidelityConfig(steps=2, kv_window_frames=4, precision="fp32")
 S3 = FidelityConfig(steps=3, kv_window_frames=6, precision="fp32")
+S2_HALF = FidelityConfig(steps=2, kv_window_frames=6, precision="fp32", resolution_scale=0.5)
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ BATCH_STREAMS = (
     # a and b differ only in the stabilizer switch: same prompt, seed, input and fidelities.
     BatchStream(StreamSettings(prompt="oil painting", steps=2, seed=5, stabilize=True), 0, (S2, S1, S2, S2_W4, S1, S3)),
     BatchStream(StreamSettings(prompt="oil painting", steps=2, seed=5, stabilize=False), 0, (S2, S1, S2, S2_W4, S1, S3)),
-    BatchStream(StreamSettings(prompt="watercolor", steps=2, seed=9, stabilize=True), 1, (S1, S2, S2, S1, S3, S2)),
+    BatchStream(StreamSettings(prompt="watercolor", steps=2, seed=9, stabilize=True), 1, (S1, S2, S2_HALF, S1, S3, S2)),
 )
 
 

@@ -101,7 +101,7 @@ def test_ring_rejects_bad_ranges() -> None:
     state = ring.open("s", "oil painting", (32, 32), fidelity(steps=2))
     ring.push([state], [clip(1)[0]])
     ring.set_fidelity(state, fidelity(steps=1))
-    with pytest.raises(ValueError, match="changed its step count to 1 while a chunk of it is in flight"):
+    with pytest.raises(ValueError, match="changed its step count or engine size while a chunk of it is in flight"):
         ring.push([state], [clip(2)[1]])
     ring.set_fidelity(state, fidelity(steps=2))
     ring.push([state], [clip(2)[1]])  # one of its two steps still to run
@@ -109,25 +109,26 @@ def test_ring_rejects_bad_ranges() -> None:
         ring.run([state], [clip(3)[2]])
 
 
-def test_step_count_changes_between_chunks_match_single_process() -> None:
-    """Steps 2 -> 1 -> 3 -> 2 with a sink refresh on: every rank fits the per-step caches the way the
-    single-process engine does (drops the extra ones, starts an added step from the deepest)."""
+def test_step_count_and_resolution_changes_between_chunks_match_single_process() -> None:
+    """Steps 2 -> 1 -> 3 -> 2 and resolution 1 -> 1/2 -> 1 with a sink refresh on: every rank fits the
+    per-step caches the way the single-process engine does (rescales them, drops the extra ones,
+    starts an added step from the deepest)."""
     from engine.parallel.comm import Channel
     from engine.parallel.ring import RingRuntime
 
-    schedule = (2, 2, 1, 1, 3, 3, 2)
+    schedule = ((2, 1.0), (2, 0.5), (1, 0.5), (1, 1.0), (3, 1.0), (3, 0.5), (2, 1.0))
     factory = TinyFactory(layers=4, sink_refresh=True, sink_tau=0.5)
     rt = factory()
     state = rt.open("s", "oil painting", (32, 32), fidelity(steps=2), seed=3)
     expected = []
-    for steps, frames in zip(schedule, clip(len(schedule)), strict=True):
-        rt.set_fidelity(state, fidelity(steps=steps))
+    for (steps, scale), frames in zip(schedule, clip(len(schedule)), strict=True):
+        rt.set_fidelity(state, replace(fidelity(steps=steps), resolution_scale=scale))
         expected.append(rt.step(state, frames).frames)
     ring = RingRuntime(factory(), Channel(torch.device("cpu")), 1, [range(0, 4)])
     ring_state = ring.open("s", "oil painting", (32, 32), fidelity(steps=2), seed=3)
     got = []
-    for steps, frames in zip(schedule, clip(len(schedule)), strict=True):
-        ring.set_fidelity(ring_state, fidelity(steps=steps))
+    for (steps, scale), frames in zip(schedule, clip(len(schedule)), strict=True):
+        ring.set_fidelity(ring_state, replace(fidelity(steps=steps), resolution_scale=scale))
         got += [r.frames for _, r in ring.run([ring_state], [frames])]
     assert ring_state.sink_refreshes == state.sink_refreshes > 0
     assert_same_streams({"s": expected}, {"s": got})

@@ -429,16 +429,12 @@ class RankFactory:
         return processor
 
     def unsupported(self, config: FidelityConfig) -> str | None:
-        """What the ranks run: the runtime's knobs (steps up to the preset's, KV window, precision and
-        attention sparsity per device), one chunk of a stream in the ring at a time, and the engine
-        size a stream opened with (streams open at full resolution)."""
+        """What the ranks run: the runtime's knobs (steps up to the preset's, KV window, resolution
+        scale, precision and attention sparsity per device), one chunk of a stream in the ring at a time."""
         if config.step_batch:
             # A step batch keeps a stream's successive chunks in the ring together; the server's seam
             # hands every chunk's frames back before the stream's next chunk enters.
             return "step batches are not run on the pipeline ranks (each chunk leaves the ring before the next enters)"
-        if config.resolution_scale != 1.0:
-            # The stream's caches are spread over the ranks (RingRuntime._check_engine_size).
-            return "the pipeline ranks run every stream at its full resolution (resolution_scale 1)"
         try:
             self.ring.rt.check_fidelity(config)
         except ValueError as exc:

@@ -47,6 +47,7 @@ from engine.parallel.partition import BlockScheduler, StageTiming, check_ranges
 from engine.parallel.stage import Stage, WeightsMode
 from engine.sampling import NoiseSource
 from engine.streaming.prompts import BlendMode, PromptTransition
+from engine.streaming.rescale import rescale_state
 from engine.streaming.runtime import ChunkInFlight, ChunkResult, StreamRuntime
 from engine.streaming.state import StreamState
 
@@ -167,8 +168,8 @@ class RingRuntime:
         state.force_sink_refresh = refresh_sinks
 
     def set_fidelity(self, state: StreamState, fidelity: FidelityConfig) -> None:
-        """Like :meth:`StreamRuntime.set_fidelity`, but the engine size is fixed once a chunk has run."""
-        self._check_engine_size(state, self.rt.engine_size(state.size, fidelity))
+        """Like :meth:`StreamRuntime.set_fidelity`: from the stream's next chunk on. A new step count or
+        engine size needs the stream's chunks out of the ring first (see :meth:`_refit`)."""
         self.rt.set_fidelity(state, fidelity)
 
     def close_stream(self, state: StreamState) -> None:
@@ -259,45 +260,38 @@ class RingRuntime:
     def _enter(self, state: StreamState, chunk: Tensor) -> _Slot:
         """A new chunk: the runtime's first stage (prompt/RoPE bookkeeping, VAE encode, noise draws);
         the KV caches and prompt K/V it would fit live on the ranks instead."""
-        steps, sid = state.fidelity.steps, state.stream_id
-        if self._steps.setdefault(sid, steps) != steps:
-            self._fit_steps(state, steps)
-        size = self.rt.engine_size(state.size, state.fidelity)
-        self._check_engine_size(state, size)
+        steps, size = state.fidelity.steps, self.rt.engine_size(state.size, state.fidelity)
+        if self._steps.setdefault(state.stream_id, steps) != steps or state.engine_size not in (None, size):
+            self._refit(state, steps, size)
         state.engine_size = size
         entered = self.rt.enter_chunk(state, chunk, local_caches=False)
         return _Slot(entered, self._prompt_version(state))
 
-    def _fit_steps(self, state: StreamState, steps: int) -> None:
-        """A new step count from this chunk on: every rank fits the stream's per-step caches as the
-        single-process engine does (``StreamRuntime._fit_caches``), with its pending sink decisions
-        applied first (the copy of the deepest step must carry them)."""
+    def _refit(self, state: StreamState, steps: int, size: tuple[int, int]) -> None:
+        """Between two chunks of a stream, a new step count or engine size (``resolution_scale``): every
+        rank fits its share of the stream's caches as the single-process engine does at a chunk
+        boundary (``StreamRuntime.fit_engine_size``, then ``_fit_caches``): its blocks' KV caches are
+        rescaled (engine/streaming/rescale.py), then extra step caches dropped and added steps copied
+        from the deepest; the last rank rescales the VAE decoder cache, rank 0 the encoder cache and
+        the noise controller's frame. Pending sink decisions of the stream are applied first."""
         sid = state.stream_id
         if self._in_flight(state):
             raise ValueError(
-                f"stream {sid!r} changed its step count to {steps} while a chunk of it is in flight; the "
-                "pipeline keeps one KV cache per step, so drain() before changing steps"
+                f"stream {sid!r} changed its step count or engine size while a chunk of it is in flight; the "
+                "ranks hold its per-step caches, so drain() before changing steps or resolution_scale"
             )
         refresh = [r for r in self._refresh if r[0] == sid]
         self._refresh = [r for r in self._refresh if r[0] != sid]
-        self._control({"op": "steps", "sid": sid, "steps": steps, "refresh": refresh})
-        self.stage.fit_steps(sid, steps, refresh)
+        sizes = (state.engine_size, size) if state.engine_size not in (None, size) else None
+        fit = {"op": "fit", "sid": sid, "steps": steps, "refresh": refresh, "sizes": sizes}
+        self._control(fit)
+        self.stage.fit(fit)
+        if sizes is not None:
+            rescale_state(state, self.rt.dit.config, self.rt.vae.spatial_compression, size)
         self._steps[sid] = steps
 
     def _in_flight(self, state: StreamState) -> bool:
         return any(s.state is state for slots in (*self._sent.values(), *self._continuing.values()) for s in slots)
-
-    @staticmethod
-    def _check_engine_size(state: StreamState, size: tuple[int, int]) -> None:
-        # The ranks hold the stream's KV caches block by block and the last rank its VAE decoder, none of
-        # them on rank 0 where the chunk enters, so rescaling them (engine/streaming/rescale.py) would
-        # take a drained ring and a round of every rank; the pipeline does not do that.
-        if state.engine_size is not None and state.engine_size != size:
-            raise ValueError(
-                f"stream {state.stream_id!r} cannot change its engine size from {state.engine_size} to {size} "
-                "mid-stream in the pipeline-parallel engine (its caches live on every rank); reopen the stream "
-                "to change resolution_scale"
-            )
 
     def _prompt_version(self, state: StreamState) -> int:
         sid = state.stream_id
