@@ -6,6 +6,7 @@ Reference: the public Pipeline API (Stream.process) on the same tiny model in th
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -101,6 +102,7 @@ async def test_serve_gpus_streams_through_two_cpu_ranks(tmp_path: Path) -> None:
         deadline = time.monotonic() + 90
         while len(session.probe.records) < 10 and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
+        status, _, body = await asyncio.to_thread(http, "GET", f"{url}/api/streams/{session.stream_id}")
         await session.close()
         assert len(session.probe.records) >= 10, (tmp_path / "serve.log").read_text()[-3000:]
     finally:
@@ -110,6 +112,10 @@ async def test_serve_gpus_streams_through_two_cpu_ranks(tmp_path: Path) -> None:
     time.sleep(2)
     alive = [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
     assert not alive, f"ranks left running: {alive}"
+    # The serving policy (the default, slack) ran on the ranks and said what it runs.
+    assert status == 200 and json.loads(body)["policy"] == "slackserve" and json.loads(body)["fidelity"]
+    served = (tmp_path / "serve.log").read_text()
+    assert "serving policy slackserve on RankExecutor" in served and "(routed per chunk)" in served, served[-3000:]
 
 
 def test_batched_chunks_at_per_chunk_fidelity_match_each_stream_alone() -> None:
