@@ -179,6 +179,7 @@ class RingRuntime:
             raise ValueError(f"stream {sid!r} still has chunks in flight; drain() first")
         self._control({"op": "forget", "sid": sid})
         self.stage.forget(sid)
+        self._refresh = [r for r in self._refresh if r[0] != sid]  # its caches are gone on every rank
         self._versions.pop(sid, None)
         self._steps.pop(sid, None)
         self._known_prompts = {k for k in self._known_prompts if k[0] != sid}
@@ -217,8 +218,24 @@ class RingRuntime:
             for g in range(groups):
                 done += self.push(states[g::groups], frames[g::groups])
             return done + self.drain()
+        except Exception:
+            self._abandon()
+            raise
         finally:
             self.depth, self._streamwise = exact_depth, False
+
+    def _abandon(self) -> None:
+        """A chunk of a run failed (out of memory in a forward, a chunk that cannot enter): the
+        micro-steps already sent come back, so every rank stays in step with rank 0, and the chunks
+        in flight are dropped, so the ring serves the next call. The run's streams are left mid-chunk
+        on the ranks: the caller closes them."""
+        while self._outstanding:
+            self.channel.recv(self.world - 1)
+            self._outstanding.popleft()
+        self._sent.clear()
+        self._continuing.clear()
+        self._barriers.clear()
+        self._done.clear()
 
     def drain(self) -> list[tuple[StreamState, ChunkResult]]:
         """Run micro-steps without new input until every chunk in flight has finished."""
