@@ -104,9 +104,15 @@ class ChunkAssembler:
         self.accepting = True
         self.received = 0
         self.dropped = 0
+        self.period_s = 0.0  # smoothed time between input frames (0 until two have arrived)
+        self._last_arrival: float | None = None
 
     def push(self, source: av.VideoFrame | np.ndarray) -> FrameMeta:
         meta = FrameMeta(self._seq, self._clock())
+        if self._last_arrival is not None:
+            gap = meta.arrival - self._last_arrival
+            self.period_s = gap if self.period_s == 0.0 else 0.9 * self.period_s + 0.1 * gap
+        self._last_arrival = meta.arrival
         self._seq += 1
         self.received += 1
         if not self.accepting:  # paused: nothing will be generated from this frame
@@ -274,6 +280,17 @@ class Playout:
         self._forget_before(now)
         span = min(FPS_WINDOW_S, now - self._start)
         return len(self._shown) / span if span > 0 else 0.0
+
+    @property
+    def started_at(self) -> float:
+        """The clock's time at the playout's start: ``next_frame``'s seconds count from it."""
+        return self._start
+
+    def recent_latency_s(self, frames: int) -> float | None:
+        """Median latency (input arrival -> played) of the last ``frames`` output frames, or None
+        before the first: what the stream's audio is delayed by (app/server/audio.py)."""
+        recent = [lat for _, lat in list(self._latencies)[-frames:]]
+        return float(np.median(recent)) if recent else None
 
     def latency_s(self) -> dict[str, float]:
         """Server-side latency (input frame arrival -> its output frame played) over the last

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiortc import RTCPeerConnection
 
+from app.server.audio import LATENCY_FRAMES, AudioPlayout
 from app.server.config import ServerConfig
 from app.server.control import (
     ControlError,
@@ -66,6 +67,21 @@ class Session:
         self.on_steps: Callable[[int], None] | None = None
         # Size and rate limit of this stream's control messages, over every transport (limits.py).
         self.control_guard: MessageGuard | None = None
+        # The publisher's audio, played out as late as the video (None: a video-only stream).
+        self.audio: AudioPlayout | None = None
+
+    def enable_audio(self) -> AudioPlayout:
+        """The stream has audio: start its delayed playout (fed by the publisher's audio track)."""
+        if self.audio is None:
+            self.audio = AudioPlayout(self.video_delay_s)
+            self.spawn(self.audio.run(), "audio-playout")
+        return self.audio
+
+    def video_delay_s(self) -> float | None:
+        """Input capture -> output shown, as the audio must be delayed: the playout's latency
+        (arrival -> shown) plus the one input frame period aiortc's video receiver holds a frame."""
+        latency = self.playout.recent_latency_s(LATENCY_FRAMES)
+        return None if latency is None else latency + self.assembler.period_s
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str, ends_session: bool = False) -> asyncio.Task[Any]:
         """Run a task that lives as long as the session; a crash ends the session, and so does the
@@ -163,6 +179,9 @@ class Session:
             "dropped_frames": self.dropped_frames,
             "repeated_frames": self.playout.repeats,
             "viewers": self.viewers,
+            "audio": self.audio is not None,
+            "audio_delay_ms": None if self.audio is None or self.audio.delay_s is None
+            else round(1000 * self.audio.delay_s, 1),
             **(self.policy_stats() if self.policy_stats is not None else {}),
         }
 
