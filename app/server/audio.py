@@ -163,6 +163,10 @@ class AudioPlayout:
                 due = self.start + tick * FRAME_S
             await asyncio.sleep(max(0.0, due - now))
 
+    @property
+    def tick_count(self) -> int:
+        return self._tick
+
     async def next_frame(self, after: int) -> tuple[int, np.ndarray]:
         """The first tick after ``after``: (tick number, int16 samples [960, 2])."""
         while self._tick <= after:
@@ -170,11 +174,11 @@ class AudioPlayout:
         return self._tick, self._current
 
 
-def audio_frame(samples: np.ndarray, tick: int) -> av.AudioFrame:
-    """int16 [960, 2] samples of output tick ``tick`` as a stamped PyAV frame."""
+def audio_frame(samples: np.ndarray, tick: int, pts: int | None = None) -> av.AudioFrame:
+    """int16 [960, 2] samples of output tick ``tick`` (or at ``pts``) as a stamped PyAV frame."""
     frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="stereo")
     frame.sample_rate = SAMPLE_RATE
-    frame.pts = tick * FRAME_SAMPLES
+    frame.pts = tick * FRAME_SAMPLES if pts is None else pts
     frame.time_base = TIME_BASE
     return frame
 

@@ -50,9 +50,12 @@ class UpdateMessage(_Message):
     steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stabilize: bool | None = None
+    # Start (true) or stop (false) recording the stream's output on the server (--record-dir).
+    record: bool | None = None
 
     def changes(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"type"}, exclude_none=True)
+        """The engine's share of the message (recording is the session's)."""
+        return self.model_dump(exclude={"type", "record"}, exclude_none=True)
 
 
 class PauseMessage(_Message):

@@ -282,6 +282,11 @@ class Playout:
         return len(self._shown) / span if span > 0 else 0.0
 
     @property
+    def tick_count(self) -> int:
+        """The number of the last tick: ``next_frame(tick_count)`` waits for the next one."""
+        return self._tick
+
+    @property
     def started_at(self) -> float:
         """The clock's time at the playout's start: ``next_frame``'s seconds count from it."""
         return self._start
