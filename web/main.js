@@ -1,4 +1,5 @@
 // The diffcast page: camera in, stylized video out; WebRTC first, WebSocket fallback when ICE fails.
+import { openMedia, playOutput, setupRecording } from "./record.js";
 import { connectWebRTC, logIn } from "./rtc.js";
 import { statCells } from "./stats.js";
 import { connectWebSocket } from "./wsclient.js";
@@ -23,6 +24,7 @@ let config = null;
 let camera = null;
 let connection = null;
 let paused = false;
+let recording = null; // record.js: microphone, server recording, client-side clip
 
 function setStatus(status) {
   state.status = status;
@@ -48,6 +50,7 @@ function options() {
 function renderStats(stats) {
   state.stats = stats;
   for (const [key, text] of Object.entries(statCells(stats))) $(`stat-${key}`).textContent = text;
+  recording.onStats(stats);
 }
 
 function onMessage(message) {
@@ -90,10 +93,7 @@ async function start() {
   notice("");
   setStatus("connecting");
   try {
-    camera = await navigator.mediaDevices.getUserMedia({
-      video: { width: 640, height: 480, facingMode: "user" },
-      audio: false,
-    });
+    camera = await openMedia({ width: 640, height: 480, facingMode: "user" });
     $("input").srcObject = camera;
     if (query.get("transport") !== "ws") {
       try {
@@ -102,9 +102,7 @@ async function start() {
           config,
           options: options(),
           iceTimeoutMs: ICE_TIMEOUT_MS,
-          onTrack: (stream) => {
-            $("output").srcObject = stream;
-          },
+          onTrack: (stream) => playOutput($("output"), stream),
           onMessage,
         });
         showOutput("video");
@@ -134,6 +132,7 @@ async function start() {
       $("view-link").hidden = false; // WHEP viewers work for either transport
     }
     setStatus("live");
+    recording.connected(connection);
     $("stop").disabled = false;
     $("pause").disabled = false;
   } catch (error) {
@@ -147,6 +146,7 @@ async function start() {
 async function stop() {
   setStatus("stopping"); // a deliberate close is not a lost connection
   if (connection) await connection.close();
+  if (connection) recording.disconnected();
   connection = null;
   if (camera) camera.getTracks().forEach((track) => track.stop());
   camera = null;
@@ -187,6 +187,7 @@ async function init() {
   $("noise-value").textContent = Number($("noise").value).toFixed(2);
   $("steps-value").textContent = $("steps").value;
   buildPresets();
+  recording = setupRecording({ $, state, config, output: $("output"), canvas: $("output-canvas"), notice });
   countVideoFrames($("output"));
   $("prompt-form").addEventListener("submit", (event) => {
     event.preventDefault();

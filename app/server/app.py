@@ -214,6 +214,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             "defaultNoiseScale": config.default_noise_scale,
             "defaultSteps": config.default_steps,
             "maxPromptChars": config.max_prompt_chars,
+            "recording": manager.recordings is not None,
             "width": width,
             "height": height,
         }
