@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -22,6 +22,9 @@ import numpy as np
 from aiortc import MediaStreamTrack, RTCRtpReceiver
 from aiortc.mediastreams import MediaStreamError
 from aiortc.rtp import RtcpSrPacket
+
+from app.client import CodedCamera
+from app.server.framecode import read_id
 
 RATE = 48_000
 FRAME = 960  # 20 ms
@@ -111,11 +114,35 @@ class SenderClock:
         return None if self.offset is None else self.offset + pts / self.rate
 
 
+class VideoStamps:
+    """Consumes a received video track with frame IDs (app/client.py's CodedCamera, served with
+    --trace-stamp): per new ID, its capture time -> (the frame's pts, when it came out of the receiver)."""
+
+    def __init__(self, camera: CodedCamera) -> None:
+        self.camera = camera
+        self.stamps: dict[float, tuple[int, float]] = {}
+
+    async def consume(self, track: MediaStreamTrack) -> None:
+        while True:
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                return
+            if not isinstance(frame, av.VideoFrame):
+                continue
+            frame_id = read_id(frame.to_ndarray(format="rgb24"))
+            captured = None if frame_id is None else self.camera.sent.get(frame_id)
+            if captured is not None and captured not in self.stamps and frame.pts is not None:
+                self.stamps[captured] = (int(frame.pts), time.monotonic())
+
+
 @dataclass
 class AudioProbe:
-    """Consumes a received audio track: keeps (pts, mono samples) to find the beeps in."""
+    """Consumes a received audio track: keeps (pts, mono samples) to find the beeps in, and when
+    each frame came out of the receiver (time.monotonic(), by pts)."""
 
     chunks: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    arrivals: dict[int, float] = field(default_factory=dict)
 
     async def consume(self, track: MediaStreamTrack) -> None:
         while True:
@@ -126,6 +153,12 @@ class AudioProbe:
             if isinstance(frame, av.AudioFrame) and frame.pts is not None:
                 data = frame.to_ndarray().reshape(-1, len(frame.layout.channels)).astype(np.float32)
                 self.chunks.append((int(frame.pts), data.mean(axis=1) / 32768))
+                self.arrivals[int(frame.pts)] = time.monotonic()
+
+    def arrival(self, pts: int) -> float | None:
+        """When the sample at ``pts`` came out of the receiver (its frame's arrival, plus its offset)."""
+        start = max((p for p in self.arrivals if p <= pts), default=None)
+        return None if start is None else self.arrivals[start] + (pts - start) / RATE
 
     @property
     def peak(self) -> float:
@@ -145,28 +178,19 @@ class AudioProbe:
 
 
 def sync_errors(
-    beeps: list[float],
-    onsets: list[int],
-    audio_clock: SenderClock,
-    video: Mapping[float, int],
-    video_clock: SenderClock,
-    window_s: float = 0.5,
+    beeps: list[float], onsets: list[float | None], frames: list[tuple[float, float | None]], window_s: float = 0.5,
 ) -> list[float]:
-    """Audio minus video delay (seconds) per beep: each beep's capture -> media time, less the same
-    for the video frames captured within ``window_s`` of it (``video``: capture time -> pts)."""
+    """Audio minus video delay (seconds) per beep: each beep's capture -> its onset (``onsets``: the
+    times the beeps' onsets were found at, on some clock), less the same for the video frames
+    captured within ``window_s`` of it (``frames``: (capture time, time on that clock))."""
     errors: list[float] = []
-    audio_delays = []
-    for onset in onsets:
-        media = audio_clock.media_time(onset)
-        if media is not None:
-            audio_delays.append(media)
-    video_delays = [(captured, video_clock.media_time(pts)) for captured, pts in video.items()]
+    heard = [t for t in onsets if t is not None]
     for beep in beeps:
-        near = [m - c for c, m in video_delays if m is not None and abs(c - beep) <= window_s]
-        if not near or not audio_delays:
+        near = [t - c for c, t in frames if t is not None and abs(c - beep) <= window_s]
+        if not near or not heard:
             continue
         video_delay = float(np.median(near))
-        # The onset of this beep: the one whose delay is closest to the video's (beeps are seconds apart).
-        delay = min((m - beep for m in audio_delays), key=lambda d: abs(d - video_delay))
+        # This beep's onset: the one whose delay is closest to the video's (beeps are seconds apart).
+        delay = min((t - beep for t in heard), key=lambda d: abs(d - video_delay))
         errors.append(delay - video_delay)
     return errors

@@ -9,9 +9,9 @@ must come out that much later for lips to stay in sync, and follow the latency a
 policy changes fidelity. The output has its own sample clock: 20 ms frames paced by the server's
 monotonic clock, stamped ``tick * 960`` at 48 kHz, so its timestamps never drift however long the
 stream runs. Each tick reads the input at "now minus the video's capture-to-output delay"; the read
-cursor advances exactly one frame per tick and is moved (a skip, or a repeat filled with silence)
-only when it is off by more than ``RESYNC_S``: a latency change, or the publisher's sample clock
-drifting against ours.
+cursor advances exactly one frame per tick and is moved only when it is off by more than
+``RESYNC_S`` (a latency change, or the publisher's sample clock drifting against ours): forward
+skips audio, backward plays silence (audio already heard is never played twice).
 
 Capture times are estimated from arrival times, net of what aiortc's receivers add: its audio
 jitter buffer releases a packet only when ``AUDIO_PREFETCH`` newer ones have arrived, and its video
@@ -41,10 +41,20 @@ AUDIO_PREFETCH = 4
 AUDIO_RECEIVE_DELAY_S = AUDIO_PREFETCH * FRAME_S
 # Off by more than this, the read cursor jumps; below it, it runs on (no clicks from jitter).
 RESYNC_S = 0.010
+# Below the input frame rate the video's latency saws up within each chunk (its frames arrived
+# faster than they are played) and drops at the next: the audio follows the saw's middle, and moves
+# only when off by more than this share of the saw's height too (else it would skip or pause at
+# every chunk). At a steady frame rate the saw is flat and RESYNC_S holds.
+RESYNC_SPREAD = 0.25
 KEEP_S = 12.0  # input audio kept: the longest video latency audio can follow
 ORIGIN_WINDOW_S = 5.0  # the capture-time model follows the publisher's clock over this window
-STALL_S = 0.2  # the output clock restarts (skipping ticks) after a stall longer than this
-LATENCY_FRAMES = 9  # the video latency is the median over this many recent output frames
+STALL_S = 1.0  # the output clock restarts (skipping ticks) after a stall longer than this
+HISTORY_TICKS = int(STALL_S / FRAME_S)  # ticks kept for consumers that fall behind: none is skipped
+# The video latency followed: the mean over the frames played this recently (short: a real change,
+# e.g. the policy moving the fidelity, is followed within it), and its saw's height over a longer
+# window (long enough to hold a few chunks even at a few frames per second).
+SYNC_WINDOW_S = 0.6
+SPREAD_WINDOW_S = 2.0
 
 Clock = Callable[[], float]
 
@@ -54,7 +64,7 @@ class AudioPlayout:
 
     def __init__(
         self,
-        video_delay_s: Callable[[], float | None],
+        video_delay_s: Callable[[], tuple[float, float] | None],
         clock: Clock = time.monotonic,
     ) -> None:
         self._video_delay_s = video_delay_s
@@ -67,10 +77,12 @@ class AudioPlayout:
         # Sliding minimum of (capture-time estimate of input sample 0) over ORIGIN_WINDOW_S.
         self._origins: deque[tuple[float, float]] = deque()
         self._cursor: int | None = None  # input sample index the next tick reads
+        self._played = 0  # input samples before this index were played: never again
         self.delay_s: float | None = None  # the capture-to-output delay the audio follows
+        self._slack = RESYNC_S  # how far off the cursor may be before it moves
         self.start = clock()  # monotonic time of tick 0
         self._tick = -1
-        self._current = np.zeros((FRAME_SAMPLES, CHANNELS), np.int16)
+        self._history: deque[tuple[int, np.ndarray]] = deque(maxlen=HISTORY_TICKS)
         self._tick_event = asyncio.Event()
         self.frames_in = 0
         self.resyncs = 0
@@ -123,30 +135,33 @@ class AudioPlayout:
 
     def _read(self, index: int) -> np.ndarray:
         out = np.zeros((FRAME_SAMPLES, CHANNELS), np.int16)
-        lo, hi = max(index, self._ring_start), min(index + FRAME_SAMPLES, self._written)
+        # After the delay grew, the cursor is back over audio already heard: silence, not a replay.
+        lo, hi = max(index, self._ring_start, self._played), min(index + FRAME_SAMPLES, self._written)
         if lo < hi:
             out[lo - index : hi - index] = self._ring[lo - self._ring_start : hi - self._ring_start]
         return out
 
     def render(self, due: float) -> np.ndarray:
         """The output frame whose first sample plays at monotonic time ``due``."""
-        delay = self._video_delay_s()
-        if delay is not None:
-            self.delay_s = delay
+        video = self._video_delay_s()
+        if video is not None:
+            self.delay_s, spread = video
+            self._slack = max(RESYNC_S, RESYNC_SPREAD * spread)
         origin = self.origin
         if self.delay_s is None or origin is None:
             return np.zeros((FRAME_SAMPLES, CHANNELS), np.int16)  # no video shown yet: nothing to match
         wanted = round((due - self.delay_s - origin) * SAMPLE_RATE)
-        if self._cursor is None or abs(self._cursor - wanted) > RESYNC_S * SAMPLE_RATE:
+        if self._cursor is None or abs(self._cursor - wanted) > self._slack * SAMPLE_RATE:
             if self._cursor is not None:
                 self.resyncs += 1
             self._cursor = wanted
         out = self._read(self._cursor)
         self._cursor += FRAME_SAMPLES
+        self._played = max(self._played, self._cursor)
         return out
 
     def tick(self, tick: int) -> None:
-        self._current = self.render(self.start + tick * FRAME_S)
+        self._history.append((tick, self.render(self.start + tick * FRAME_S)))
         self._tick = tick
         event, self._tick_event = self._tick_event, asyncio.Event()
         event.set()
@@ -158,9 +173,10 @@ class AudioPlayout:
             tick += 1
             now = self._clock()
             due = self.start + tick * FRAME_S
-            if now - due > STALL_S:  # a stalled loop skips ticks: the timestamps stay on the clock
+            if now - due > STALL_S:  # a long stall skips ticks: the timestamps stay on the clock
                 tick = int((now - self.start) / FRAME_S)
                 due = self.start + tick * FRAME_S
+            # Behind after a short stall (a busy event loop): the missed ticks now, back to back.
             await asyncio.sleep(max(0.0, due - now))
 
     @property
@@ -168,10 +184,11 @@ class AudioPlayout:
         return self._tick
 
     async def next_frame(self, after: int) -> tuple[int, np.ndarray]:
-        """The first tick after ``after``: (tick number, int16 samples [960, 2])."""
+        """The first tick after ``after`` still kept: (tick number, int16 samples [960, 2]). A
+        consumer a little behind gets every tick in turn (audio must not have holes)."""
         while self._tick <= after:
             await self._tick_event.wait()
-        return self._tick, self._current
+        return next(entry for entry in self._history if entry[0] > after)
 
 
 def audio_frame(samples: np.ndarray, tick: int, pts: int | None = None) -> av.AudioFrame:
@@ -191,7 +208,7 @@ class DelayedAudioTrack(MediaStreamTrack):
     def __init__(self, audio: AudioPlayout) -> None:
         super().__init__()
         self._audio = audio
-        self._tick = -1
+        self._tick = audio.tick_count  # from the next tick on: a new viewer gets no backlog
 
     async def recv(self) -> av.AudioFrame:
         self._tick, samples = await self._audio.next_frame(self._tick)

@@ -291,11 +291,17 @@ class Playout:
         """The clock's time at the playout's start: ``next_frame``'s seconds count from it."""
         return self._start
 
-    def recent_latency_s(self, frames: int) -> float | None:
-        """Median latency (input arrival -> played) of the last ``frames`` output frames, or None
-        before the first: what the stream's audio is delayed by (app/server/audio.py)."""
-        recent = [lat for _, lat in list(self._latencies)[-frames:]]
-        return float(np.median(recent)) if recent else None
+    def recent_latency_s(self, window_s: float) -> tuple[float, float] | None:
+        """(mean, max - min) of the latency (input arrival -> played) of the output frames played
+        in the last ``window_s`` (or of the last one played); None before the first. What the
+        stream's audio is delayed by (app/server/audio.py): below the input rate, latency saws up
+        within each chunk (its frames arrived faster than they are played); the mean is the
+        middle of that saw, the spread its height."""
+        if not self._latencies:
+            return None
+        since = self._clock() - window_s
+        recent = [lat for shown, lat in self._latencies if shown >= since] or [self._latencies[-1][1]]
+        return float(np.mean(recent)), float(np.max(recent) - np.min(recent))
 
     def latency_s(self) -> dict[str, float]:
         """Server-side latency (input frame arrival -> its output frame played) over the last

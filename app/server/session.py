@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiortc import RTCPeerConnection
 
-from app.server.audio import LATENCY_FRAMES, AudioPlayout
+from app.server.audio import SPREAD_WINDOW_S, SYNC_WINDOW_S, AudioPlayout
 from app.server.config import ServerConfig
 from app.server.control import (
     ControlError,
@@ -84,11 +84,14 @@ class Session:
             self.spawn(self.audio.run(), "audio-playout")
         return self.audio
 
-    def video_delay_s(self) -> float | None:
-        """Input capture -> output shown, as the audio must be delayed: the playout's latency
-        (arrival -> shown) plus the one input frame period aiortc's video receiver holds a frame."""
-        latency = self.playout.recent_latency_s(LATENCY_FRAMES)
-        return None if latency is None else latency + self.assembler.period_s
+    def video_delay_s(self) -> tuple[float, float] | None:
+        """Input capture -> output shown, as the audio must be delayed, and how much it varies: the
+        playout's latency (arrival -> shown) plus the one input frame period aiortc's video receiver
+        holds a frame."""
+        recent, longer = self.playout.recent_latency_s(SYNC_WINDOW_S), self.playout.recent_latency_s(SPREAD_WINDOW_S)
+        if recent is None or longer is None:
+            return None
+        return recent[0] + self.assembler.period_s, longer[1]
 
     def start_recording(self) -> None:
         """Record the output (with its audio) from now on; RecordingError when the server cannot."""
@@ -234,6 +237,7 @@ class Session:
             "audio": self.audio is not None,
             "audio_delay_ms": None if self.audio is None or self.audio.delay_s is None
             else round(1000 * self.audio.delay_s, 1),
+            "audio_resyncs": None if self.audio is None else self.audio.resyncs,
             **(self.policy_stats() if self.policy_stats is not None else {}),
         }
 
