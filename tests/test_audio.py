@@ -17,6 +17,7 @@ from app.avsync import AudioProbe, BeepMicrophone, SenderClock, VideoStamps, syn
 from app.client import CodedCamera, http
 from app.server.audio import (
     AUDIO_RECEIVE_DELAY_S,
+    CODEC_DELAY_S,
     FRAME_S,
     FRAME_SAMPLES,
     RESYNC_S,
@@ -89,7 +90,9 @@ def run_playout(minutes: float, drift_ppm: float, delays: Callable[[float], floa
         if last_played is not None:
             assert 0 < wrapped(int(out[heard[0]]) - last_played), "a sample played twice"
         last_played = int(out[-1])
-        truth = round((due + (FRAME_SAMPLES - 1) / SAMPLE_RATE - delay["now"] - t0 - net) * rate) % RAMP + 1
+        # The sample captured delay before it, less what Opus will hold back on the way (read ahead).
+        played_at = due + (FRAME_SAMPLES - 1) / SAMPLE_RATE + CODEC_DELAY_S
+        truth = round((played_at - delay["now"] - t0 - net) * rate) % RAMP + 1
         errors.append(wrapped(last_played - truth))
     return audio, errors, silent
 

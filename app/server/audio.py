@@ -15,7 +15,8 @@ skips audio, backward plays silence (audio already heard is never played twice).
 
 Capture times are estimated from arrival times, net of what aiortc's receivers add: its audio
 jitter buffer releases a packet only when ``AUDIO_PREFETCH`` newer ones have arrived, and its video
-jitter buffer releases a frame when the next frame's first packet arrives (one input frame period).
+jitter buffer releases a frame when the next frame's first packet arrives (one input frame period);
+and Opus's own delay (``CODEC_DELAY_S``) is taken off.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ TIME_BASE = Fraction(1, SAMPLE_RATE)
 # its jitter buffer when 4 newer packets have arrived, 4 x 20 ms after it did.
 AUDIO_PREFETCH = 4
 AUDIO_RECEIVE_DELAY_S = AUDIO_PREFETCH * FRAME_S
+# Opus delays what it decodes by its encoder's lookahead (libopus: 312 samples at 48 kHz, 6.5 ms),
+# once on the way in (the publisher's encoder) and once on the way out (ours): the audio is read
+# that much earlier, so the sound the viewer decodes lines up with the video.
+OPUS_LOOKAHEAD_S = 312 / 48_000
+CODEC_DELAY_S = 2 * OPUS_LOOKAHEAD_S
 # Off by more than this, the read cursor jumps; below it, it runs on (no clicks from jitter).
 RESYNC_S = 0.010
 # Below the input frame rate the video's latency saws up within each chunk (its frames arrived
@@ -150,7 +156,7 @@ class AudioPlayout:
         origin = self.origin
         if self.delay_s is None or origin is None:
             return np.zeros((FRAME_SAMPLES, CHANNELS), np.int16)  # no video shown yet: nothing to match
-        wanted = round((due - self.delay_s - origin) * SAMPLE_RATE)
+        wanted = round((due + CODEC_DELAY_S - self.delay_s - origin) * SAMPLE_RATE)
         if self._cursor is None or abs(self._cursor - wanted) > self._slack * SAMPLE_RATE:
             if self._cursor is not None:
                 self.resyncs += 1
