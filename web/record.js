@@ -30,7 +30,7 @@ export async function openMedia(video) {
 
 // The stylized output: its video and the delayed audio play together in one element.
 export function playOutput(video, stream) {
-  video.srcObject = stream;
+  if (video.srcObject !== stream) video.srcObject = stream; // a track added later plays as it comes
   if (stream.getAudioTracks().length) video.muted = false; // after the Start click: sound may play
 }
 

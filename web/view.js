@@ -23,7 +23,6 @@ function unmute() {
     video.muted = true;
     video.addEventListener("click", () => { video.muted = false; }, { once: true });
   });
-  state.audio = true;
 }
 
 async function play() {
@@ -34,8 +33,11 @@ async function play() {
   const output = new MediaStream();
   pc.ontrack = (event) => {
     output.addTrack(event.track);
-    video.srcObject = output;
-    if (event.track.kind === "audio") unmute();
+    if (video.srcObject !== output) video.srcObject = output;
+    if (event.track.kind === "audio") {
+      state.audio = true;
+      unmute();
+    }
   };
   await pc.setLocalDescription(await pc.createOffer());
   await new Promise((resolve) => {

@@ -124,9 +124,11 @@ class Session:
         await self._finish_recording(recorder, reason)
 
     async def _finish_recording(self, recorder: Recorder, reason: str) -> None:
-        info = await recorder.finish(reason)
-        if self.recordings is not None:
-            self.recordings.finished(self.id, recorder.name)
+        try:
+            info = await recorder.finish(reason)
+        finally:  # the thread finishes the file even if this wait is cancelled (the stream closing)
+            if self.recordings is not None:
+                self.recordings.finished(self.id, recorder.name)
         log.info("stream %s: recording %s finished (%s, %d frames)", self.id, recorder.name, info.ended, info.frames)
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str, ends_session: bool = False) -> asyncio.Task[Any]:
