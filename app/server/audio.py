@@ -53,6 +53,7 @@ RESYNC_S = 0.010
 # every chunk). At a steady frame rate the saw is flat and RESYNC_S holds.
 RESYNC_SPREAD = 0.25
 KEEP_S = 12.0  # input audio kept: the longest video latency audio can follow
+RING_SAMPLES = int(KEEP_S * SAMPLE_RATE)
 ORIGIN_WINDOW_S = 5.0  # the capture-time model follows the publisher's clock over this window
 STALL_S = 1.0  # the output clock restarts (skipping ticks) after a stall longer than this
 HISTORY_TICKS = int(STALL_S / FRAME_S)  # ticks kept for consumers that fall behind: none is skipped
@@ -76,8 +77,8 @@ class AudioPlayout:
         self._video_delay_s = video_delay_s
         self._clock = clock
         self._resampler = av.AudioResampler(format="s16", layout="stereo", rate=SAMPLE_RATE)
-        self._ring = np.zeros((0, CHANNELS), np.int16)
-        self._ring_start = 0  # input sample index of _ring[0]
+        # Circular: input sample i lives at _ring[i % RING_SAMPLES] while i >= _ring_start.
+        self._ring = np.zeros((RING_SAMPLES, CHANNELS), np.int16)
         self._written = 0  # input sample index one past the newest sample
         self._first_pts: int | None = None
         # Sliding minimum of (capture-time estimate of input sample 0) over ORIGIN_WINDOW_S.
@@ -119,18 +120,35 @@ class AudioPlayout:
             while self._origins[0][0] < now - ORIGIN_WINDOW_S:
                 self._origins.popleft()
 
+    @property
+    def _ring_start(self) -> int:
+        """The oldest input sample still kept."""
+        return max(0, self._written - RING_SAMPLES)
+
+    @staticmethod
+    def _span(lo: int, hi: int) -> tuple[slice, slice, int]:
+        """Input samples [lo, hi) in the ring: up to its end, then from its start; and the split."""
+        first = lo % RING_SAMPLES
+        split = min(hi - lo, RING_SAMPLES - first)
+        return slice(first, first + split), slice(0, hi - lo - split), split
+
+    def _put(self, lo: int, samples: np.ndarray) -> None:
+        head, tail, split = self._span(lo, lo + len(samples))
+        self._ring[head] = samples[:split]
+        self._ring[tail] = samples[split:]
+
+    def _get(self, lo: int, hi: int) -> np.ndarray:
+        head, tail, _ = self._span(lo, hi)
+        return np.concatenate([self._ring[head], self._ring[tail]])
+
     def _write(self, start: int, samples: np.ndarray) -> None:
+        samples = samples[-RING_SAMPLES:]
         end = start + len(samples)
-        if end > self._written:
-            grow = end - self._written
-            self._ring = np.concatenate([self._ring, np.zeros((grow, CHANNELS), np.int16)])
-            self._written = end
-        offset = start - self._ring_start
-        self._ring[offset : offset + len(samples)] = samples
-        excess = self._written - self._ring_start - int(KEEP_S * SAMPLE_RATE)
-        if excess > 0:
-            self._ring = self._ring[excess:]
-            self._ring_start += excess
+        if start > self._written:  # a gap (lost packets): silence, not what the ring held before
+            gap_lo = max(self._written, start - RING_SAMPLES)
+            self._put(gap_lo, np.zeros((start - gap_lo, CHANNELS), np.int16))
+        self._put(start, samples)
+        self._written = max(self._written, end)
 
     @property
     def origin(self) -> float | None:
@@ -144,7 +162,7 @@ class AudioPlayout:
         # After the delay grew, the cursor is back over audio already heard: silence, not a replay.
         lo, hi = max(index, self._ring_start, self._played), min(index + FRAME_SAMPLES, self._written)
         if lo < hi:
-            out[lo - index : hi - index] = self._ring[lo - self._ring_start : hi - self._ring_start]
+            out[lo - index : hi - index] = self._get(lo, hi)
         return out
 
     def render(self, due: float) -> np.ndarray:
