@@ -197,6 +197,36 @@ async def test_audio_comes_back_with_the_video_pipeline_delay(live_server: Calla
     assert abs(float(np.median(errors))) < 0.05, errors
 
 
+async def test_whip_audio_reaches_whep_viewers(live_server: Callable[..., AbstractContextManager[str]]) -> None:
+    """OBS's path: audio published over WHIP comes out to a WHEP viewer (its beeps, not silence)."""
+    with live_server(max_streams=1) as url:
+        publisher = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        publisher.addTransceiver(CodedCamera((64, 64), fps=15), direction="sendonly")
+        publisher.addTransceiver(BeepMicrophone(every_s=0.5, first_s=0.2), direction="sendonly")
+        await publisher.setLocalDescription(await publisher.createOffer())
+        status, head, raw = await asyncio.to_thread(
+            http, "POST", f"{url}/whip", publisher.localDescription.sdp.encode(), {"Content-Type": "application/sdp"})
+        assert status == 201, raw
+        await publisher.setRemoteDescription(RTCSessionDescription(sdp=raw.decode(), type="answer"))
+        viewer = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        viewer.addTransceiver("video", direction="recvonly")
+        viewer.addTransceiver("audio", direction="recvonly")
+        sound = AudioProbe()
+        viewer.on("track", lambda track: track.kind == "audio" and asyncio.ensure_future(sound.consume(track)))
+        await viewer.setLocalDescription(await viewer.createOffer())
+        status, _, raw = await asyncio.to_thread(
+            http, "POST", f"{url}/whep/{head['x-diffcast-stream-id']}", viewer.localDescription.sdp.encode(),
+            {"Content-Type": "application/sdp"})
+        assert status == 201 and "a=sendonly" in raw.decode().split("m=audio")[1], raw
+        await viewer.setRemoteDescription(RTCSessionDescription(sdp=raw.decode(), type="answer"))
+        deadline = time.monotonic() + 40
+        while len(sound.onsets()) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        await viewer.close()
+        await publisher.close()
+    assert len(sound.onsets()) >= 2 and sound.peak > 0.3, (sound.onsets(), sound.peak)
+
+
 async def test_a_stream_without_audio_stays_video_only(live_server: Callable[..., AbstractContextManager[str]]) -> None:
     with live_server(max_streams=1) as url:
         pc, answer = await _publish(url, CodedCamera((64, 64), fps=15), None)
