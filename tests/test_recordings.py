@@ -208,6 +208,7 @@ async def test_recording_off_and_full_storage_are_clear_errors(live_server: Live
         frames, _, _ = decode((await call("GET", f"{url}/api/streams/{sid}/recordings/{listing[0]['name']}",
                                           token=owner))[1])
         assert len(frames) == listing[0]["frames"] > 0  # a complete, playable file
+        assert listing[0]["duration_s"] > 0
         await pc.close()
 
 

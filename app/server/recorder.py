@@ -202,6 +202,7 @@ class Recorder:
                     if not self._fits():
                         log.warning("recording %s stopped: the recording storage is full", self.name)
                         self.info.ended = "storage full"
+                        self.info.duration_s = self.elapsed_s
                         self.full.set()
                         break
         finally:
