@@ -78,7 +78,9 @@ export function setupRecording({ $, state, config, output, canvas, notice }) {
       // ?access_token= lets a plain link download it (RFC 6750 §2.3); the token is the owner's own.
       link.href = `${base}/${item.name}?access_token=${encodeURIComponent(connection.ownerToken)}`;
       link.download = `diffcast-${item.started_at || item.name}.mp4`;
-      link.textContent = `${item.started_at || item.name} · ${Number(item.duration_s || 0).toFixed(1)} s`;
+      const when = item.started_at ? new Date(item.started_at).toLocaleString() : item.name;
+      const size = `${(item.bytes / 1e6).toFixed(1)} MB`;
+      link.textContent = `recording ${when} · ${Number(item.duration_s || 0).toFixed(1)} s · ${size} MP4`;
       const remove = document.createElement("button");
       remove.type = "button";
       remove.textContent = "delete";
