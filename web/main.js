@@ -1,4 +1,5 @@
 // The diffcast page: camera in, stylized video out; WebRTC first, WebSocket fallback when ICE fails.
+import { setupCamera } from "./camera.js";
 import { openMedia, playOutput, setupRecording } from "./record.js";
 import { connectWebRTC, logIn } from "./rtc.js";
 import { statCells } from "./stats.js";
@@ -22,6 +23,9 @@ window.diffcast = state;
 
 let config = null;
 let camera = null;
+// Camera, resolution, mirror, layout, full screen, snapshot (web/camera.js).
+const cameraChoices = setupCamera({ onError: (text) => notice(text) });
+state.camera = cameraChoices;
 let connection = null;
 let paused = false;
 let recording = null; // record.js: microphone, server recording, client-side clip
@@ -93,7 +97,7 @@ async function start() {
   notice("");
   setStatus("connecting");
   try {
-    camera = await openMedia({ width: 640, height: 480, facingMode: "user" });
+    camera = await openMedia(cameraChoices.open);
     $("input").srcObject = camera;
     if (query.get("transport") !== "ws") {
       try {
@@ -131,6 +135,7 @@ async function start() {
       $("view-link").href = `/view/${connection.streamId}?token=${connection.viewerToken}`;
       $("view-link").hidden = false; // WHEP viewers work for either transport
     }
+    cameraChoices.attach(camera, connection);
     setStatus("live");
     recording.connected(connection);
     $("stop").disabled = false;
@@ -145,6 +150,7 @@ async function start() {
 
 async function stop() {
   setStatus("stopping"); // a deliberate close is not a lost connection
+  cameraChoices.detach();
   if (connection) await connection.close();
   if (connection) recording.disconnected();
   connection = null;

@@ -9,15 +9,18 @@ export function microphoneWanted() {
   return localStorage.getItem(MIC_KEY) !== "off";
 }
 
-// The camera, with the microphone when it is wanted and there is one (else video only: a missing
-// or refused microphone must not stop the camera). The local monitor stays muted (no echo).
-export async function openMedia(video) {
-  if (microphoneWanted()) {
+async function hasMicrophone() {
+  const devices = await navigator.mediaDevices.enumerateDevices().catch(() => []);
+  return devices.some((device) => device.kind === "audioinput");
+}
+
+// The camera (``open``: camera.js's, with the chosen camera and resolution), with the microphone
+// when it is wanted and there is one (else video only: a missing or refused microphone must not
+// stop the camera). The local monitor stays muted (no echo).
+export async function openMedia(open) {
+  if (microphoneWanted() && (await hasMicrophone())) {
     try {
-      return await navigator.mediaDevices.getUserMedia({
-        video,
-        audio: { echoCancellation: true, noiseSuppression: true, channelCount: 2 },
-      });
+      return await open({ audio: { echoCancellation: true, noiseSuppression: true, channelCount: 2 } });
     } catch (error) {
       if (error.name !== "NotFoundError" && error.name !== "NotAllowedError" && error.name !== "NotReadableError") {
         throw error;
@@ -25,7 +28,7 @@ export async function openMedia(video) {
       console.warn(`no microphone (${error.name}): video only`);
     }
   }
-  return navigator.mediaDevices.getUserMedia({ video, audio: false });
+  return open({ audio: false });
 }
 
 // The stylized output: its video and the delayed audio play together in one element.
