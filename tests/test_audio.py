@@ -202,7 +202,7 @@ async def test_whip_audio_reaches_whep_viewers(live_server: Callable[..., Abstra
     with live_server(max_streams=1) as url:
         publisher = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         publisher.addTransceiver(CodedCamera((64, 64), fps=15), direction="sendonly")
-        publisher.addTransceiver(BeepMicrophone(every_s=0.5, first_s=0.2), direction="sendonly")
+        publisher.addTransceiver(BeepMicrophone(every_s=1.0, first_s=0.2), direction="sendonly")
         await publisher.setLocalDescription(await publisher.createOffer())
         status, head, raw = await asyncio.to_thread(
             http, "POST", f"{url}/whip", publisher.localDescription.sdp.encode(), {"Content-Type": "application/sdp"})
@@ -220,11 +220,12 @@ async def test_whip_audio_reaches_whep_viewers(live_server: Callable[..., Abstra
         assert status == 201 and "a=sendonly" in raw.decode().split("m=audio")[1], raw
         await viewer.setRemoteDescription(RTCSessionDescription(sdp=raw.decode(), type="answer"))
         deadline = time.monotonic() + 40
-        while len(sound.onsets()) < 2 and time.monotonic() < deadline:
+        while len(sound.onsets(quiet_s=0.5)) < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         await viewer.close()
         await publisher.close()
-    assert len(sound.onsets()) >= 2 and sound.peak > 0.3, (sound.onsets(), sound.peak)
+    # Two beeps a second apart (0.9 s of quiet between them), not one long tone or noise.
+    assert len(sound.onsets(quiet_s=0.5)) >= 2 and sound.peak > 0.3, (sound.onsets(quiet_s=0.5), sound.peak)
 
 
 async def test_a_stream_without_audio_stays_video_only(live_server: Callable[..., AbstractContextManager[str]]) -> None:
