@@ -67,14 +67,18 @@ class RecordingStore:
     def fits(self) -> bool:
         return self.used_bytes() < self.max_bytes
 
-    def new_recording(self, stream_id: str) -> tuple[Path, str]:
-        """A directory and a fresh name for a recording of ``stream_id``; RecordingError when full."""
+    def check_room(self) -> None:
+        """RecordingError when the directory has reached its quota."""
         used = self.used_bytes()
         if used >= self.max_bytes:
             raise RecordingError(
                 f"recording storage is full ({used / GB:.2f} GB of the server's {self.max_bytes / GB:g} GB): "
                 "delete recordings (DELETE /api/streams/{id}/recordings/{name}) to make room"
             )
+
+    def new_recording(self, stream_id: str) -> tuple[Path, str]:
+        """A directory and a fresh name for a recording of ``stream_id``; RecordingError when full."""
+        self.check_room()
         directory = self.root / stream_id
         directory.mkdir(exist_ok=True)
         owner = self._owner_of(stream_id)

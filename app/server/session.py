@@ -93,6 +93,13 @@ class Session:
             return None
         return recent[0] + self.assembler.period_s, longer[1]
 
+    def check_recording(self) -> None:
+        """RecordingError when a recording could not start now (not enabled, storage full)."""
+        if self.recorder is None:
+            if self.recordings is None:
+                raise RecordingError(NOT_ENABLED)
+            self.recordings.check_room()
+
     def start_recording(self) -> None:
         """Record the output (with its audio) from now on; RecordingError when the server cannot."""
         if self.recorder is not None:
@@ -160,11 +167,15 @@ class Session:
     async def apply(self, message: ControlMessage) -> None:
         if isinstance(message, UpdateMessage):
             if message.record:
-                self.start_recording()  # first: a refusal (not enabled, storage full) applies nothing
+                self.check_recording()  # first: a refusal (not enabled, storage full) applies nothing
             changes = message.changes()
             if changes:
                 await self.runner.update(**changes)
+            if message.record:
+                self.start_recording()
             shown: dict[str, Any] = {k: changes[k] for k in ("noise_scale", "steps", "seed", "stabilize") if k in changes}
+            if "loras" in changes:
+                shown["loras"] = {**self.settings.loras, **changes["loras"]}
             if isinstance(message.prompt, str):
                 shown["prompt"] = message.prompt
             elif message.prompt is not None:
@@ -227,6 +238,7 @@ class Session:
             "steps": self.settings.steps,
             "seed": self.settings.seed,
             "stabilize": self.settings.stabilize,
+            "loras": self.settings.loras,
             "chunk_ms": round(1000 * self.runner.chunk_seconds, 1),
             "paused": self.runner.paused,
             "frames_in": self.assembler.received,
@@ -296,6 +308,9 @@ class SessionManager:
         serving = self.loop
         if serving is None:
             raise RuntimeError("the session manager has no engine loop (create_app sets one)")
+        # Every served LoRA's strength for this stream, spelled out (its stats show what runs).
+        served = {lora["name"]: lora["strength"] for lora in getattr(self.factory, "loras", ())}
+        settings = dataclasses.replace(settings, loras={**served, **settings.loras})
         policy_id = serving.admit(settings.steps)  # AdmissionError -> 503
         self._opening += 1
         loop = asyncio.get_running_loop()
