@@ -16,8 +16,8 @@ from pythonosc.osc_message import OscMessage
 from pythonosc.udp_client import SimpleUDPClient
 
 from app.client import CodedCamera, http, open_session
-from app.server.control import ControlError, UpdateMessage
-from app.server.osc import RECORDING_UNAVAILABLE, parse
+from app.server.control import ControlError
+from app.server.osc import parse
 
 
 def free_udp_port() -> int:
@@ -107,12 +107,11 @@ async def test_osc_controls_a_stream_with_the_http_checks(
                                                        "prompt_weights": [0.0, 0.0]})
             assert answer[3] == reason and "not all zero" in reason
 
-            # /diffcast/record maps onto the update's `record` field, or says the server has none.
+            # /diffcast/record maps onto the update's `record` field (this server has no --record-dir).
             answer = await osc.send("/diffcast/record", sid, owner, True)
-            if "record" in UpdateMessage.model_fields:
-                assert answer[3] == http_control(url, sid, owner, {"type": "update", "record": True})[1]
-            else:
-                assert answer == ["/diffcast/error", "/diffcast/record", sid, RECORDING_UNAVAILABLE]
+            _, reason = http_control(url, sid, owner, {"type": "update", "record": True})
+            assert answer == ["/diffcast/error", "/diffcast/record", sid, reason]
+            assert "recording is not enabled on this server" in reason
         finally:
             osc.client.close()
             await session.close()

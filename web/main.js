@@ -1,5 +1,6 @@
 // The diffcast page: camera in, stylized video out; WebRTC first, WebSocket fallback when ICE fails.
 import { setupCamera } from "./camera.js";
+import { openMedia, playOutput, setupRecording } from "./record.js";
 import { connectWebRTC, logIn } from "./rtc.js";
 import { statCells } from "./stats.js";
 import { connectWebSocket } from "./wsclient.js";
@@ -27,6 +28,7 @@ const cameraChoices = setupCamera({ onError: (text) => notice(text) });
 state.camera = cameraChoices;
 let connection = null;
 let paused = false;
+let recording = null; // record.js: microphone, server recording, client-side clip
 
 function setStatus(status) {
   state.status = status;
@@ -52,6 +54,7 @@ function options() {
 function renderStats(stats) {
   state.stats = stats;
   for (const [key, text] of Object.entries(statCells(stats))) $(`stat-${key}`).textContent = text;
+  recording.onStats(stats);
 }
 
 function onMessage(message) {
@@ -94,7 +97,7 @@ async function start() {
   notice("");
   setStatus("connecting");
   try {
-    camera = await cameraChoices.open({ audio: false });
+    camera = await openMedia(cameraChoices.open);
     $("input").srcObject = camera;
     if (query.get("transport") !== "ws") {
       try {
@@ -103,9 +106,7 @@ async function start() {
           config,
           options: options(),
           iceTimeoutMs: ICE_TIMEOUT_MS,
-          onTrack: (stream) => {
-            $("output").srcObject = stream;
-          },
+          onTrack: (stream) => playOutput($("output"), stream),
           onMessage,
         });
         showOutput("video");
@@ -136,6 +137,7 @@ async function start() {
     }
     cameraChoices.attach(camera, connection);
     setStatus("live");
+    recording.connected(connection);
     $("stop").disabled = false;
     $("pause").disabled = false;
   } catch (error) {
@@ -150,6 +152,7 @@ async function stop() {
   setStatus("stopping"); // a deliberate close is not a lost connection
   cameraChoices.detach();
   if (connection) await connection.close();
+  if (connection) recording.disconnected();
   connection = null;
   if (camera) camera.getTracks().forEach((track) => track.stop());
   camera = null;
@@ -190,6 +193,7 @@ async function init() {
   $("noise-value").textContent = Number($("noise").value).toFixed(2);
   $("steps-value").textContent = $("steps").value;
   buildPresets();
+  recording = setupRecording({ $, state, config, output: $("output"), canvas: $("output-canvas"), notice });
   countVideoFrames($("output"));
   $("prompt-form").addEventListener("submit", (event) => {
     event.preventDefault();

@@ -133,6 +133,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="UDP port on the sender's host that OSC errors and acks go to when a message names none",
     )
     parser.add_argument("--break-ice", action="store_true", help="test knob: make every ICE negotiation fail")
+    parser.add_argument(
+        "--record-dir", default=None,
+        help="enable server-side recording (the control field record) into this directory (default: off)",
+    )
+    parser.add_argument(
+        "--record-max-gb", type=float, default=10.0,
+        help="most disk the recordings may use, in GB; full = new recordings refused (default 10)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads for the engine (0 = torch default)")
     parser.add_argument(
         "--ray", action="store_true",

@@ -32,6 +32,7 @@ from app.server.gateway import Gateway
 from app.server.ice import allow_loopback_candidates, browser_ice_servers
 from app.server.metrics import CONTENT_TYPE, build_registry
 from app.server.openapi import allow_documented_methods, document, errors
+from app.server.recordings import GB, RecordingStore, recordings_router
 from app.server.sdp import OfferError
 from app.server.security import (
     LOGIN_PAGE,
@@ -171,6 +172,9 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     # rest of the API answers other origins only when --allowed-origin lists them.
     app.add_middleware(RouteCors, config=config)
     app.include_router(whip_router(manager, gateway, config))
+    if config.record_dir is not None:
+        manager.recordings = RecordingStore(Path(config.record_dir), int(config.record_max_gb * GB), access.owner_token)
+    app.include_router(recordings_router(manager.recordings, access))
     # Operator dashboard at /dashboard and the JSON it polls (app/dashboard.py).
     app.include_router(dashboard_router(manager, config))
 
@@ -224,6 +228,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             "defaultNoiseScale": config.default_noise_scale,
             "defaultSteps": config.default_steps,
             "maxPromptChars": config.max_prompt_chars,
+            "recording": manager.recordings is not None,
             "width": width,
             "height": height,
             "loras": loras,

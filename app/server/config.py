@@ -143,6 +143,10 @@ class ServerConfig:
     max_fps: float = 30.0
     min_fps: float = 2.0
     jpeg_quality: int = 80
+    # Server-side recording (app/server/recordings.py): the directory (None = recording off) and
+    # the most it may hold, in GB (1024**3 bytes).
+    record_dir: str | None = None
+    record_max_gb: float = 10.0
     default_prompt: str = "oil painting"
     # Stream defaults when a client gives none; None = the model's own (engine.pipeline.model_defaults).
     default_noise_scale: float | None = None
@@ -220,6 +224,8 @@ class ServerConfig:
             osc_port=args.osc_port,
             osc_host=args.osc_host,
             osc_reply_port=args.osc_reply,
+            record_dir=args.record_dir,
+            record_max_gb=args.record_max_gb,
         )
 
     def stream_defaults(self) -> tuple[float, int]:
@@ -234,5 +240,7 @@ class ServerConfig:
         resolve_preset(self.policy)  # ValueError naming the presets
         if self.state_slots < 0:
             raise ValueError(f"state_slots must be >= 0, got {self.state_slots}")
+        if not self.record_max_gb > 0:
+            raise ValueError(f"--record-max-gb must be more than 0, got {self.record_max_gb}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")

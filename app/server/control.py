@@ -60,9 +60,12 @@ class UpdateMessage(_Message):
     stabilize: bool | None = None
     # Strengths of the served LoRAs it names (GET /api/config lists them); the others keep theirs.
     loras: LoRAStrengths | None = Field(default=None, max_length=MAX_LORAS)
+    # Start (true) or stop (false) recording the stream's output on the server (--record-dir).
+    record: bool | None = None
 
     def changes(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"type"}, exclude_none=True)
+        """The engine's share of the message (recording is the session's)."""
+        return self.model_dump(exclude={"type", "record"}, exclude_none=True)
 
 
 class PauseMessage(_Message):

@@ -31,7 +31,7 @@ from pythonosc.osc_message_builder import OscMessageBuilder
 from pythonosc.osc_packet import OscPacket, ParseError
 
 from app.server.config import ServerConfig
-from app.server.control import ControlError, UpdateMessage
+from app.server.control import ControlError
 from app.server.security import Access, AccessControl
 from app.server.session import SessionManager
 
@@ -61,16 +61,6 @@ def _blend(values: Sequence[Any]) -> dict[str, Any]:
     return {"type": "update", "prompt": list(values[0::2]), "prompt_weights": list(values[1::2])}
 
 
-RECORDING_UNAVAILABLE = "recording is not available on this server"
-
-
-def _record(values: Sequence[Any]) -> dict[str, Any]:
-    # The one place /diffcast/record meets the control messages: the `record` field of an update.
-    if "record" not in UpdateMessage.model_fields:
-        raise ControlError(RECORDING_UNAVAILABLE)
-    return {"type": "update", "record": values[0]}
-
-
 CONTROLS: dict[str, OscControl] = {
     "prompt": OscControl("<text>", 1, _update("prompt")),
     "blend": OscControl("<text> <weight> [<text> <weight> ...]", None, _blend),
@@ -78,7 +68,8 @@ CONTROLS: dict[str, OscControl] = {
     "steps": OscControl("<steps>", 1, _update("steps")),
     "seed": OscControl("<seed>", 1, _update("seed")),
     "stabilize": OscControl("<true|false>", 1, _update("stabilize")),
-    "record": OscControl("<true|false>", 1, _record),
+    # The `record` field of an update: without --record-dir, the control's own refusal answers.
+    "record": OscControl("<true|false>", 1, _update("record")),
     "pause": OscControl("", 0, lambda _: {"type": "pause"}),
     "resume": OscControl("", 0, lambda _: {"type": "resume"}),
     "reset": OscControl("", 0, lambda _: {"type": "reset"}),
@@ -109,7 +100,7 @@ class Parsed:
     values: Sequence[Any]
 
     def message(self) -> dict[str, Any]:
-        """The control message; ControlError when this server cannot take it (``record``)."""
+        """The control message, as the HTTP control route would take it."""
         return self.control.build(self.values)
 
 
@@ -222,8 +213,6 @@ class OscServer(asyncio.DatagramProtocol):
             reason = await self.apply(parsed)
         except OscFormError as exc:
             reason, given_port = str(exc), exc.reply_port
-        except ControlError as exc:  # /diffcast/record without recording
-            reason = str(exc)
         if given_port is not None:
             reply_port = given_port
         if reason is not None:
