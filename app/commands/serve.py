@@ -122,6 +122,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--workers", type=int, default=2, help="Ray worker actors (model replicas) with --ray")
     parser.add_argument(
+        "--worker-delay-ms", default=None, metavar="D1,D2,...",
+        help="test knob: extra delay per chunk on each Ray worker, in start order (makes workers unequal; "
+             "the policy finds out by measuring)",
+    )
+    parser.add_argument(
+        "--min-workers", type=int, default=1, help="fewest Ray workers the autoscaler keeps (default 1)"
+    )
+    parser.add_argument(
+        "--max-workers", type=int, default=0,
+        help="most Ray workers the autoscaler may run (default 0 = --workers, no autoscaling)",
+    )
+    parser.add_argument(
         "--gpus", type=int, default=1,
         help="pipeline-parallel ranks: the DiT's blocks split over N processes (NCCL, one GPU each, with "
              "--device cuda; gloo CPU ranks with --device cpu); the service runs in rank 0 (docs/parallel.md)",

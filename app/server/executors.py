@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor as ThreadExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -36,7 +36,7 @@ from app.server.engine_bridge import ProcessorFactory, StepProcessor, parallel_c
 from app.server.frame_path import InputFrame, Playout, StreamRunner
 from app.server.session import CapacityError
 from engine.fidelity import engine_capabilities
-from engine.serving.core import Clock, EngineCore, StepResult, Work
+from engine.serving.core import Clock, EngineCore, StepOrder, StepResult, Work
 from engine.serving.fidelity import (
     BUNDLED_PROFILES,
     FidelityProfile,
@@ -47,6 +47,7 @@ from engine.serving.fidelity import (
 from engine.serving.ledger import StreamLedger
 from engine.serving.policy import Ordering, PolicyConfig, SlackPolicy, resolve_preset
 from engine.serving.snapshot import Rehome, WorkerView
+from engine.streaming.step_processor import StepRow, run_step
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,13 @@ class _LiveExecutor:
         self.core: EngineCore | None = None  # set by the loop
         self.wakeup = asyncio.Event()
         self.forwards = 0  # batched DiT forwards run (StepExecutor), for tests and benchmarks
+        self.rehomes = 0  # streams whose state really moved to another worker
+
+    def check(self, processor: object) -> None:
+        """TypeError for a processor this executor cannot drive."""
+
+    def poll(self) -> None:
+        """Event-loop side housekeeping before each pass (worker failures, scaling); nothing here."""
 
     # -- Executor protocol --
     def worker_views(self) -> list[WorkerView]:
@@ -172,56 +180,56 @@ class _LiveExecutor:
 
 
 class StepExecutor(_LiveExecutor):
-    """The in-process engine: one denoising step per ``Work`` on the engine thread."""
+    """One denoising step per ``Work`` on a worker's engine: here the in-process engine on the engine
+    thread; `RayExecutor` (app/server/cluster_executor.py) overrides only ``_engine_step``, the call
+    that runs the step on worker ``w``'s actor."""
 
     def execute(self, work: Work) -> float:
         self._take_inputs(work)
         rows = [(order, self.streams[order.stream_id]) for order in work.orders if order.stream_id in self.streams]
         evict = [self.streams[sid] for sid in work.evict if sid in self.streams]
         restore = [self.streams[sid] for sid in work.restore if sid in self.streams]
-        self._run(work, lambda: self._step(rows, evict, restore))
+        self._run(work, lambda: self._step(work.worker_id, rows, evict, restore))
         return 0.0
+
+    def check(self, processor: object) -> None:
+        if not isinstance(processor, StepProcessor):
+            raise TypeError(f"{type(processor).__name__} cannot run a chunk step by step")
 
     def _drop_chunks(self, stream: LiveStream) -> None:
         self.threads.submit(_step_processor(stream).drop_chunks)
 
-    def _step(self, rows: Sequence[tuple[Any, LiveStream]], evict: Sequence[LiveStream],
+    def _step(self, worker_id: int, rows: Sequence[tuple[StepOrder, LiveStream]], evict: Sequence[LiveStream],
               restore: Sequence[LiveStream]) -> None:
-        """Engine thread: park, unpark, enter new chunks, one forward per batch group, finish."""
-        for stream in evict:
-            _step_processor(stream).offload()
-        for stream in restore:
-            _step_processor(stream).restore()
-        active = []
+        """Engine thread: new chunks take their input, the engine runs the step, finished chunks come out."""
+        active: list[tuple[LiveStream, StepOrder, np.ndarray | None]] = []
         for order, stream in rows:
-            processor = _step_processor(stream)
+            inputs = None
             if order.new_chunk:
                 if not stream.taken:
                     continue  # paused or reset between the readiness check and now
-                processor.set_fidelity(order.point.config)
                 inputs = stream.runner.chunk_inputs(stream.taken)
-                processor.begin_chunk(inputs)
                 stream.in_engine.append((stream.taken, inputs))
                 stream.taken = []
-                if self.delay_s:
-                    time.sleep(self.delay_s)
-            active.append((stream, processor))
-        groups: dict[Hashable, list[tuple[StepProcessor, Any]]] = {}
-        for _, processor in active:
-            for key, row in processor.step_rows():
-                groups.setdefault(key, []).append((processor, row))
-        for group in groups.values():
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)
-            group[0][0].denoise_rows([row for _, row in group])
-            self.forwards += 1
-        for stream, processor in active:
-            for out in processor.take_finished():
+            active.append((stream, order, inputs))
+        finished = self._engine_step(worker_id, active, evict, restore)
+        for (stream, _, _), outs in zip(active, finished, strict=True):
+            for out in outs:
                 try:
                     frames, inputs = stream.in_engine.popleft()
                 except IndexError:
                     continue  # a chunk whose input was forgotten (a reset): nobody waits for it
                 stream.ready.append((frames, stream.runner.chunk_outputs(inputs, out)))
+
+    def _engine_step(self, worker_id: int, active: Sequence[tuple[LiveStream, StepOrder, np.ndarray | None]],
+                     evict: Sequence[LiveStream], restore: Sequence[LiveStream]) -> list[list[np.ndarray]]:
+        """The step on the engine: every active row's finished chunks (engine-size frames)."""
+        rows = [StepRow(_step_processor(stream), order.point.config if inputs is not None else None, inputs)
+                for stream, order, inputs in active]
+        finished, forwards = run_step(rows, [_step_processor(s) for s in evict], [_step_processor(s) for s in restore],
+                                      self.delay_s, self.step_delay_s)
+        self.forwards += forwards
+        return finished
 
 
 class ChunkExecutor(_LiveExecutor):
@@ -288,8 +296,7 @@ class ServingLoop:
 
     def attach(self, sid: int, runner: StreamRunner, playout: Playout,
                on_failure: Callable[[BaseException], None] | None = None) -> None:
-        if isinstance(self.executor, StepExecutor) and not isinstance(runner.processor, StepProcessor):
-            raise TypeError(f"{type(runner.processor).__name__} cannot run a chunk step by step")
+        self.executor.check(runner.processor)
         self.executor.streams[sid] = LiveStream(sid, runner, playout, on_failure or _reraise)
         runner.on_event = lambda event: self.on_event(sid, event)
         self.executor.wakeup.set()
@@ -333,6 +340,7 @@ class ServingLoop:
 
     def run_once(self) -> None:
         """Cursor reports, the control tick when due, then every idle worker's next work."""
+        self.executor.poll()
         now = self.core.clock()
         self.report_cursors()
         if now - self._last_tick >= TICK_S:
@@ -387,7 +395,7 @@ class ServingLoop:
     def counters(self) -> dict[str, int]:
         c = self.core.counters
         return {"evictions": c.evictions, "restores": c.restores, "preemptions": c.preemptions,
-                "admissions_refused": c.admissions_refused, "rehomes": c.rehomes}
+                "admissions_refused": c.admissions_refused, "rehomes": self.executor.rehomes}
 
 
 def _reraise(exc: BaseException) -> None:
@@ -424,9 +432,10 @@ def with_emulated_delay(profile: FidelityProfile, delay_s: float, step_delay_s: 
                    notes=(*profile.notes, f"emulated delay {delay_s:g} s + {step_delay_s:g} s/step added"))
 
 
-def live_policy_config(name: str, max_batch: int, step_wise: bool) -> PolicyConfig:
-    """A preset as it runs live. One in-process engine is one worker of one device, so a preset's
-    ``gpus_per_worker`` (a simulated worker's GPU count) does not apply. ``--max-batch`` bounds the
+def live_policy_config(name: str, max_batch: int, step_wise: bool, workers: int = 1) -> PolicyConfig:
+    """A preset as it runs live. Each worker (the in-process engine, or a Ray worker actor) is one
+    device, so a preset's ``gpus_per_worker`` (a simulated worker's GPU count) does not apply; the
+    preset re-homes streams between workers where there are several. ``--max-batch`` bounds the
     cross-user batch of presets that route fidelity (BMPR) and FIFO's stream batch. Engines that run
     whole chunks behind ``process`` (Ray, ranks) keep each stream's own fidelity, unbatched, with no
     step preemption: those need the step-wise executor."""
@@ -437,7 +446,7 @@ def live_policy_config(name: str, max_batch: int, step_wise: bool) -> PolicyConf
         batch = min(preset.max_batch, max_batch)  # StreamDiffusionV2's stream batching
     else:
         batch = preset.max_batch
-    live = replace(preset, gpus_per_worker=1, max_batch=batch, rehoming=False)
+    live = replace(preset, gpus_per_worker=1, max_batch=batch, rehoming=preset.rehoming and workers > 1)
     if not step_wise:
         live = replace(live, bmpr=False, step_preemption=False, max_batch=1)
     return live
@@ -465,11 +474,22 @@ def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads:
     # Content time on this server runs at the playout clock's rate, not the profile's video rate.
     profile = replace(with_emulated_delay(profile, config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0),
                       fps=config.max_fps)
-    policy = SlackPolicy(profile, live_policy_config(config.policy, config.max_batch, step_wise))
+    controller = getattr(factory, "controller", None)  # Ray worker actors (RayFactory)
+    workers = len(controller.worker_ids) if controller is not None else 1
+    policy = SlackPolicy(profile, live_policy_config(config.policy, config.max_batch, step_wise, workers))
     slots = (config.state_slots or UNLIMITED_SLOTS) if step_wise else UNLIMITED_SLOTS  # only states it can park
     delays = (config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0)
     executor: _LiveExecutor
-    if step_wise:
+    if controller is not None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from app.server.cluster_executor import RayExecutor
+
+        # One engine thread per worker actor (each waits on its actor's step), so the workers step at once.
+        pool = ThreadPoolExecutor(max_workers=max(workers, config.max_workers), thread_name_prefix="ray-step")
+        executor = RayExecutor(controller, pool, clock, slots, config.max_fps, *delays,
+                               worker_delays_s=[d / 1000.0 for d in config.worker_delay_ms])
+    elif step_wise:
         executor = StepExecutor(1, threads, clock, slots, config.max_fps, *delays)
     else:
         executor = ChunkExecutor(parallel_chunks(factory), threads, clock, slots, config.max_fps, *delays)

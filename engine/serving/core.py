@@ -402,6 +402,29 @@ class EngineCore:
         self.kick(worker_id)
         return job
 
+    def worker_lost(self, worker_id: int, homes: Mapping[int, int | None]) -> tuple[int, ...]:
+        """A worker died. Its step in flight is dropped and its streams' started chunks abandoned; each
+        stream in ``homes`` goes on from the home the executor re-admitted it on (resident there), or
+        leaves (None: no worker left). Returns the streams of the dropped step."""
+        job = self.jobs.pop(worker_id, ())
+        now = self.clock()
+        for sid, home in homes.items():
+            entry = self._active(sid)
+            if entry is None:
+                continue
+            if entry.inflight is not None:
+                self.ledger.abandon(sid, now)
+                self.counters.abandoned += 1
+            self.pending_rehomes.pop(sid, None)
+            if home is None:
+                self.leave(sid)
+                self.forget(sid)
+                continue
+            self.ledger.move(sid, home, now, 0.0)
+            self.ledger.restore(sid)
+            self.kick(home)
+        return job
+
     # ---- re-homing and the control tick -----------------------------------------------------------
     def _apply_rehome(self, move: Rehome) -> None:
         entry = self.ledger.entries[move.stream_id]

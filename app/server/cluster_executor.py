@@ -1,0 +1,164 @@
+"""The engine core's executor over Ray worker actors (`diffcast serve --ray --workers N`).
+
+`RayExecutor` is the step-wise executor (app/server/executors.py, ``StepExecutor``) whose engine step
+is a call on worker ``w``'s actor: ``StreamWorker.run_step`` runs the same chunk stages the in-process
+engine runs (engine/streaming/step_processor.py), so the policy's whole plan holds on every worker:
+per-chunk fidelity, cross-user batches on a worker, eviction to the actor's host memory, preemption
+between denoising steps. The workers step at once, each on an engine thread of its own.
+
+What only a cluster has:
+
+* re-homing: ``rehome`` moves the stream's live state to another actor (``ClusterController.migrate``)
+  at the chunk boundary the core chose; the stream's next step waits for the move;
+* placement: a new stream opens on whichever actor the factory picked; its first step moves it to the
+  worker the policy admitted it on;
+* worker death: the controller re-admits the dead worker's streams on survivors (from their parked
+  copy where one exists); ``poll`` moves the policy's view of them there, and they keep playing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Executor as ThreadExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+from ray.exceptions import RayActorError
+
+from app.server.engine_bridge import RayProcessor
+from app.server.executors import LiveStream, StepExecutor
+from engine.cluster.controller import ClusterController, ClusterError, Recovery
+from engine.cluster.worker import ChunkOrder, StepCall
+from engine.serving.core import Clock, StepOrder, Work
+from engine.serving.snapshot import Rehome, WorkerView
+
+log = logging.getLogger(__name__)
+
+
+class RayExecutor(StepExecutor):
+    """One denoising step per ``Work`` on the worker actor the work is for."""
+
+    def __init__(self, controller: ClusterController, threads: ThreadExecutor, clock: Clock, state_slots: int,
+                 fps: float, delay_s: float = 0.0, step_delay_s: float = 0.0,
+                 worker_delays_s: Sequence[float] = ()) -> None:
+        super().__init__(0, threads, clock, state_slots, fps, delay_s, step_delay_s)
+        self.controller = controller
+        self.state_slots = state_slots
+        # Test knob (--worker-delay-ms): extra latency per chunk on the i-th worker started. The policy
+        # is not told: it sees the slow worker through its streams' measured chunk times.
+        ids = controller.worker_ids
+        self.worker_delays_s = {wid: worker_delays_s[i] for i, wid in enumerate(ids) if i < len(worker_delays_s)}
+        self.draining: set[int] = set()
+        self.views = self._live_views(ids)
+        self._moves: dict[int, Future[None]] = {}  # Ray stream id -> its migration in flight
+        self._move_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rehome")
+        self._recoveries: list[Recovery] = []
+        self._lock = threading.Lock()
+        controller.recovery_listeners.append(self._on_recovery)
+
+    def _live_views(self, ids: Sequence[int]) -> list[WorkerView]:
+        return [WorkerView(wid, 0, self.state_slots, draining=wid in self.draining) for wid in ids]
+
+    def check(self, processor: object) -> None:
+        if not isinstance(processor, RayProcessor):
+            raise TypeError(f"{type(processor).__name__} does not run on the Ray workers")
+
+    # -- the engine step on an actor -------------------------------------------------------------------
+
+    def _engine_step(self, worker_id: int, active: Sequence[tuple[LiveStream, StepOrder, np.ndarray | None]],
+                     evict: Sequence[LiveStream], restore: Sequence[LiveStream]) -> list[list[np.ndarray]]:
+        for stream in (*(s for s, _, _ in active), *evict, *restore):
+            self._place(_ray_id(stream), worker_id)
+        orders = tuple(ChunkOrder(_ray_id(stream), order.point.config if inputs is not None else None, inputs)
+                       for stream, order, inputs in active)
+        call = StepCall(orders, tuple(_ray_id(s) for s in evict), tuple(_ray_id(s) for s in restore),
+                        self.delay_s + self.worker_delays_s.get(worker_id, 0.0), self.step_delay_s)
+        outcome = self.controller.run_step(worker_id, call)
+        self.forwards += outcome.forwards
+        return [outcome.finished.get(order.stream_id, []) for order in orders]
+
+    def _place(self, ray_id: int, worker_id: int) -> None:
+        """Engine thread: the stream's state is on ``worker_id`` before its step (a move the policy
+        ordered finishes first; a new stream moves from where the factory opened it)."""
+        move = self._moves.get(ray_id)
+        if move is not None:
+            move.exception()  # waits; a failed move was logged, the stream stays where it is
+        if self.controller.home(ray_id) != worker_id:
+            self.controller.migrate(ray_id, worker_id)
+
+    def _drop_chunks(self, stream: LiveStream) -> None:
+        self.controller.drop_chunks(_ray_id(stream))
+
+    def _complete(self, work: Work, seconds: float, exc: BaseException | None) -> None:
+        if isinstance(exc, RayActorError | ClusterError) and work.worker_id not in self.controller.worker_ids:
+            # The worker died under the step: the controller re-admitted its streams, ``poll`` moves them.
+            self.wakeup.set()
+            return
+        super()._complete(work, seconds, exc)
+
+    # -- re-homing --------------------------------------------------------------------------------------
+
+    def rehome(self, move: Rehome) -> float:
+        """Move the stream's state to ``move.dst`` now (a chunk boundary); its next step waits for it."""
+        stream = self.streams.get(move.stream_id)
+        if stream is None:
+            return 0.0
+        ray_id = _ray_id(stream)
+        previous = self._moves.get(ray_id)
+        self._moves[ray_id] = self._move_pool.submit(self._migrate, ray_id, move, previous)
+        return move.residual_s
+
+    def _migrate(self, ray_id: int, move: Rehome, previous: Future[None] | None) -> None:
+        if previous is not None:
+            previous.exception()
+        try:
+            if self.controller.home(ray_id) != move.dst:
+                stats = self.controller.migrate(ray_id, move.dst)
+                with self._lock:
+                    self.rehomes += 1
+                log.info("policy re-homed stream %d: worker %d -> %d (hold %.0f ms)", move.stream_id, move.src,
+                         move.dst, 1000 * stats.hold_s)
+        except Exception:
+            log.exception("re-homing stream %d to worker %d failed; it stays where it is", move.stream_id, move.dst)
+
+    # -- worker failures ------------------------------------------------------------------------------
+
+    def _on_recovery(self, recovery: Recovery) -> None:
+        """Any thread: the controller recovered from a dead worker; the loop applies it at its next pass."""
+        with self._lock:
+            self._recoveries.append(recovery)
+
+    def poll(self) -> None:
+        with self._lock:
+            recoveries, self._recoveries = self._recoveries, []
+        core = self.core
+        if not recoveries or core is None:
+            return
+        self.views = self._live_views(self.controller.worker_ids)
+        by_ray = {_ray_id(s): s for s in self.streams.values()}
+        for recovery in recoveries:
+            homes: dict[int, int | None] = {}
+            for ray_id, home in recovery.readmitted.items():
+                stream = by_ray.get(ray_id)
+                if stream is not None:
+                    homes[stream.sid] = home
+                    stream.in_engine.clear()
+                    stream.ready, stream.taken = [], []
+            lost = [by_ray[r] for r in recovery.lost if r in by_ray]
+            for stream in lost:
+                homes[stream.sid] = None
+            core.worker_lost(recovery.worker_id, homes)
+            for stream in lost:
+                self.streams.pop(stream.sid, None)
+                stream.on_failure(ClusterError(f"worker {recovery.worker_id} died and no worker is left"))
+            log.warning("policy moved streams %s of dead worker %d to their new homes", sorted(homes),
+                        recovery.worker_id)
+        self.wakeup.set()
+
+
+def _ray_id(stream: LiveStream) -> int:
+    processor = stream.runner.processor
+    assert isinstance(processor, RayProcessor)
+    return processor.stream_id
