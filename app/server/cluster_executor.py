@@ -11,7 +11,8 @@ What only a cluster has:
 * re-homing: ``rehome`` moves the stream's live state to another actor (``ClusterController.migrate``)
   at the chunk boundary the core chose; the stream's next step waits for the move;
 * placement: a new stream opens on whichever actor the factory picked; its first step moves it to the
-  worker the policy admitted it on;
+  worker the policy admitted it on; after that the controller's placement is the truth, and a move
+  made outside the policy (an operator's ``ClusterController.migrate``) is followed by the policy;
 * worker death: the controller re-admits the dead worker's streams on survivors (from their parked
   copy where one exists); ``poll`` moves the policy's view of them there, and they keep playing.
 """
@@ -31,7 +32,7 @@ from app.server.engine_bridge import RayProcessor
 from app.server.executors import LiveStream, StepExecutor
 from engine.cluster.controller import ClusterController, ClusterError, Recovery
 from engine.cluster.worker import ChunkOrder, StepCall
-from engine.serving.core import Clock, StepOrder, Work
+from engine.serving.core import Clock, EngineCore, StepOrder, Work
 from engine.serving.snapshot import Rehome, WorkerView
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class RayExecutor(StepExecutor):
         self.draining: set[int] = set()
         self.views = self._live_views(ids)
         self._moves: dict[int, Future[None]] = {}  # Ray stream id -> its migration in flight
+        self._placed: set[int] = set()  # Ray streams placed where the policy admitted them
         self._move_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rehome")
         self._recoveries: list[Recovery] = []
         self._lock = threading.Lock()
@@ -85,8 +87,9 @@ class RayExecutor(StepExecutor):
         move = self._moves.get(ray_id)
         if move is not None:
             move.exception()  # waits; a failed move was logged, the stream stays where it is
-        if self.controller.home(ray_id) != worker_id:
+        if ray_id not in self._placed and self.controller.home(ray_id) != worker_id:
             self.controller.migrate(ray_id, worker_id)
+        self._placed.add(ray_id)
 
     def _drop_chunks(self, stream: LiveStream) -> None:
         self.controller.drop_chunks(_ray_id(stream))
@@ -131,10 +134,31 @@ class RayExecutor(StepExecutor):
             self._recoveries.append(recovery)
 
     def poll(self) -> None:
+        core = self.core
+        if core is None:
+            return
+        self._recover(core)
+        self._follow(core)
+
+    def _follow(self, core: EngineCore) -> None:
+        """Streams moved outside the policy: the policy's view follows the controller's placement."""
+        placement = self.controller.placement()
+        running = core.running()
+        for stream in self.streams.values():
+            ray_id = _ray_id(stream)
+            move = self._moves.get(ray_id)
+            if ray_id not in self._placed or stream.sid in running or (move is not None and not move.done()):
+                continue
+            home = placement.get(ray_id)
+            entry = core.ledger.entries.get(stream.sid)
+            if home is not None and entry is not None and entry.worker != home:
+                stream.in_engine.clear()
+                core.moved(stream.sid, home)
+
+    def _recover(self, core: EngineCore) -> None:
         with self._lock:
             recoveries, self._recoveries = self._recoveries, []
-        core = self.core
-        if not recoveries or core is None:
+        if not recoveries:
             return
         self.views = self._live_views(self.controller.worker_ids)
         by_ray = {_ray_id(s): s for s in self.streams.values()}

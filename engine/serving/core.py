@@ -425,6 +425,19 @@ class EngineCore:
             self.kick(home)
         return job
 
+    def moved(self, stream_id: int, worker_id: int) -> None:
+        """The stream's state was moved to ``worker_id`` outside the policy (an operator's migration):
+        the ledger follows; a partial chunk it had parked did not travel and starts again."""
+        entry = self._active(stream_id)
+        if entry is None or self._running(stream_id) or entry.worker == worker_id:
+            return
+        if entry.inflight is not None:
+            self.ledger.abandon(stream_id, self.clock())
+            self.counters.abandoned += 1
+        self.pending_rehomes.pop(stream_id, None)
+        self.ledger.move(stream_id, worker_id, self.clock(), 0.0)
+        self.kick(worker_id)
+
     # ---- re-homing and the control tick -----------------------------------------------------------
     def _apply_rehome(self, move: Rehome) -> None:
         entry = self.ledger.entries[move.stream_id]
