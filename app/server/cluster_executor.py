@@ -121,6 +121,7 @@ class RayExecutor(StepExecutor):
                 stats = self.controller.migrate(ray_id, move.dst)
                 with self._lock:
                     self.rehomes += 1
+                self.note("rehome", move.stream_id, move.dst, src=move.src, hold_ms=round(1000 * stats.hold_s, 1))
                 log.info("policy re-homed stream %d: worker %d -> %d (hold %.0f ms)", move.stream_id, move.src,
                          move.dst, 1000 * stats.hold_s)
         except Exception:
@@ -174,6 +175,8 @@ class RayExecutor(StepExecutor):
             for stream in lost:
                 homes[stream.sid] = None
             core.worker_lost(recovery.worker_id, homes)
+            for sid, new_home in homes.items():
+                self.note("readmit" if new_home is not None else "lost", sid, new_home, src=recovery.worker_id)
             for stream in lost:
                 self.streams.pop(stream.sid, None)
                 stream.on_failure(ClusterError(f"worker {recovery.worker_id} died and no worker is left"))

@@ -57,6 +57,8 @@ POLL_S = 0.005  # idle wait for input when no stream has a chunk ready
 TICK_S = 0.5  # control tick: credits and tiers for the stats, re-homes
 LEDGER_LOG_ROWS = 1000  # per-stream tracker log kept: a live stream may run for days
 UNLIMITED_SLOTS = 1 << 20
+LOAD_WINDOW_S = 5.0  # a worker's load: the share of the last seconds its engine was busy
+ACTIONS_KEPT = 50  # the policy's recent actions, for the dashboard
 
 
 class AdmissionError(CapacityError):
@@ -96,6 +98,23 @@ class _LiveExecutor:
         self.wakeup = asyncio.Event()
         self.forwards = 0  # batched DiT forwards run (StepExecutor), for tests and benchmarks
         self.rehomes = 0  # streams whose state really moved to another worker
+        self.scale_events = {"up": 0, "down": 0}  # workers added and removed by the autoscaler
+        self.device = "cpu"  # what each worker runs on, for the operator's view
+        # Per worker, (end, seconds) of its recent engine jobs: its load over LOAD_WINDOW_S.
+        self._busy: dict[int, deque[tuple[float, float]]] = {}
+        # The policy's recent actions as they happened (re-homes, evictions, preemptions, scaling,
+        # recoveries): {"t", "action", "stream", "worker", ...}, newest last.
+        self.actions: deque[dict[str, Any]] = deque(maxlen=ACTIONS_KEPT)
+
+    def note(self, action: str, stream: int | None = None, worker: int | None = None, **more: Any) -> None:
+        self.actions.append({"t": time.time(), "action": action, "stream": stream, "worker": worker, **more})
+
+    def load(self, worker_id: int) -> float:
+        """Share of the last LOAD_WINDOW_S seconds the worker's engine was busy."""
+        now = time.monotonic()
+        busy = self._busy.get(worker_id, ())
+        start = now - LOAD_WINDOW_S
+        return min(1.0, sum(max(0.0, end - max(end - wall, start)) for end, wall in busy) / LOAD_WINDOW_S)
 
     def check(self, processor: object) -> None:
         """TypeError for a processor this executor cannot drive."""
@@ -131,7 +150,12 @@ class _LiveExecutor:
         future = loop.run_in_executor(self.threads, job)
 
         def done(f: asyncio.Future[None]) -> None:
-            seconds = (time.perf_counter() - t0) / steps
+            wall = time.perf_counter() - t0
+            busy = self._busy.setdefault(work.worker_id, deque())
+            busy.append((time.monotonic(), wall))
+            while busy and busy[0][0] < time.monotonic() - LOAD_WINDOW_S:
+                busy.popleft()
+            seconds = wall / steps
             exc = f.exception() if not f.cancelled() else asyncio.CancelledError()
             self._complete(work, seconds, exc)
 
@@ -186,6 +210,12 @@ class StepExecutor(_LiveExecutor):
 
     def execute(self, work: Work) -> float:
         self._take_inputs(work)
+        for sid in work.evict:
+            self.note("evict", sid, work.worker_id)
+        for sid in work.restore:
+            self.note("restore", sid, work.worker_id)
+        for sid in work.preempted:
+            self.note("preempt", sid, work.worker_id)
         rows = [(order, self.streams[order.stream_id]) for order in work.orders if order.stream_id in self.streams]
         evict = [self.streams[sid] for sid in work.evict if sid in self.streams]
         restore = [self.streams[sid] for sid in work.restore if sid in self.streams]
@@ -392,6 +422,24 @@ class ServingLoop:
             "cpr": round(tracker.cpr, 3),
         }
 
+    def workers(self) -> list[dict[str, Any]]:
+        """Every worker as the policy sees it: its streams (policy ids), their tiers, its load."""
+        placement: dict[int, list[int]] = {}
+        for sid, entry in self.core.ledger.entries.items():
+            if not entry.left:
+                placement.setdefault(entry.worker, []).append(sid)
+        rows = []
+        for view in self.executor.worker_views():
+            sids = sorted(placement.get(view.worker_id, []))
+            tiers = dict.fromkeys(("urgent", "normal", "relaxed"), 0)
+            for sid in sids:
+                stats = self.core.stats.get(sid)
+                if stats is not None and stats.tier in tiers:
+                    tiers[stats.tier] += 1
+            rows.append({"id": view.worker_id, "device": self.executor.device, "streams": sids, "tiers": tiers,
+                         "load": round(self.executor.load(view.worker_id), 3), "draining": view.draining})
+        return rows
+
     def counters(self) -> dict[str, int]:
         c = self.core.counters
         return {"evictions": c.evictions, "restores": c.restores, "preemptions": c.preemptions,
@@ -493,6 +541,7 @@ def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads:
         executor = StepExecutor(1, threads, clock, slots, config.max_fps, *delays)
     else:
         executor = ChunkExecutor(parallel_chunks(factory), threads, clock, slots, config.max_fps, *delays)
+    executor.device = config.device
     ledger = StreamLedger(max_lookahead_s=None, max_log=LEDGER_LOG_ROWS)
     core = EngineCore(policy, executor, clock, ledger, calibrate=True)
     loop = ServingLoop(core, executor, config.max_fps)

@@ -26,7 +26,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.serving.credit import Tier
 from engine.serving.fidelity import ProfilePoint
@@ -41,6 +41,9 @@ from engine.serving.snapshot import (
     TickPlan,
     WorkerView,
 )
+
+if TYPE_CHECKING:
+    from engine.serving.scaler import Scaler
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +155,8 @@ class EngineCore:
     pending_rehomes: dict[int, Rehome] = field(default_factory=dict)
     fidelity_counts: dict[str, int] = field(default_factory=dict)
     stats: dict[int, StreamStats] = field(default_factory=dict)
+    # The autoscaler that acts (engine/serving/scaler.py): adds and removes the executor's workers.
+    scaler: Scaler | None = None
     speed_ratio: float = 1.0
     applied_ratio: float = 1.0
     _ratio_samples: int = 0
@@ -449,15 +454,24 @@ class EngineCore:
         self.executor.wake_at(move.dst, entry.available_t)
         self.kick(move.src)
 
+    def request_rehome(self, move: Rehome) -> None:
+        """Move a stream at its next chunk boundary (now, if it has no chunk started)."""
+        entry = self._active(move.stream_id)
+        if entry is None:
+            return
+        if entry.inflight is not None:
+            self.pending_rehomes[move.stream_id] = move
+        else:
+            self._apply_rehome(move)
+
     def tick(self) -> TickPlan:
         """The control tick: credits and tiers for every stream, re-homes (each at its stream's next
         chunk boundary), the autoscaler's advice."""
         plan = self.policy.tick(self.snapshot())
         for move in plan.rehomes:
-            if self.ledger.entries[move.stream_id].inflight is not None:
-                self.pending_rehomes[move.stream_id] = move
-            else:
-                self._apply_rehome(move)
+            self.request_rehome(move)
+        if self.scaler is not None:
+            self.scaler.step(self, plan)
         for i, sid in enumerate(plan.stream_ids.tolist()):
             stats = self.stats.get(int(sid))
             if stats is not None:
