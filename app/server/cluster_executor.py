@@ -14,7 +14,9 @@ What only a cluster has:
   worker the policy admitted it on; after that the controller's placement is the truth, and a move
   made outside the policy (an operator's ``ClusterController.migrate``) is followed by the policy;
 * worker death: the controller re-admits the dead worker's streams on survivors (from their parked
-  copy where one exists); ``poll`` moves the policy's view of them there, and they keep playing.
+  copy where one exists); ``poll`` moves the policy's view of them there, and they keep playing;
+* scaling: it is the autoscaler's worker pool (engine/serving/scaler.py): ``add_worker`` starts an actor
+  in the background (it joins once its model is loaded), ``remove_worker`` stops a drained one.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor as ThreadExecutor
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 from ray.exceptions import RayActorError
@@ -57,6 +59,9 @@ class RayExecutor(StepExecutor):
         self._placed: set[int] = set()  # Ray streams placed where the policy admitted them
         self._move_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rehome")
         self._recoveries: list[Recovery] = []
+        self._scale_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scale")
+        self._starting = 0  # workers being started
+        self._joined: list[Future[list[int]]] = []
         self._lock = threading.Lock()
         controller.recovery_listeners.append(self._on_recovery)
 
@@ -140,6 +145,58 @@ class RayExecutor(StepExecutor):
             return
         self._recover(core)
         self._follow(core)
+        self._join()
+
+    # -- the autoscaler's worker pool -------------------------------------------------------------------
+
+    def pending_workers(self) -> int:
+        return self._starting
+
+    def add_worker(self) -> None:
+        self._starting += 1
+        self.scale_events["up"] += 1
+        self.note("scale-up", workers=len(self.views) + self._starting)
+        future = self._scale_pool.submit(self.controller.add_workers, 1)
+        future.add_done_callback(self._on_joined)
+
+    def _on_joined(self, future: Future[list[int]]) -> None:
+        with self._lock:
+            self._joined.append(future)
+
+    def _join(self) -> None:
+        with self._lock:
+            joined, self._joined = self._joined, []
+        for future in joined:
+            self._starting -= 1
+            if future.exception() is not None:
+                log.error("autoscaler: a new worker failed to start: %s", future.exception())
+                continue
+            known = [v.worker_id for v in self.views]
+            self.views = self._live_views([*known, *(w for w in future.result() if w not in known)])
+            self.wakeup.set()
+
+    def set_draining(self, worker_id: int, draining: bool) -> None:
+        (self.draining.add if draining else self.draining.discard)(worker_id)
+        self.views = self._live_views([v.worker_id for v in self.views])
+        if draining:
+            self.note("drain", worker=worker_id)
+
+    def remove_worker(self, worker_id: int) -> None:
+        """The policy no longer places anything there; the actor stops once the moves off it are done."""
+        self.views = [v for v in self.views if v.worker_id != worker_id]
+        self.draining.discard(worker_id)
+        self.scale_events["down"] += 1
+        self.note("scale-down", worker=worker_id, workers=len(self.views))
+        moves = list(self._moves.values())
+
+        def stop() -> None:
+            wait(moves)
+            try:
+                self.controller.remove_worker(worker_id)
+            except ClusterError as exc:
+                log.error("autoscaler: worker %d not removed: %s", worker_id, exc)
+
+        self._scale_pool.submit(stop)
 
     def _follow(self, core: EngineCore) -> None:
         """Streams moved outside the policy: the policy's view follows the controller's placement."""

@@ -75,6 +75,8 @@ class ServerConfig:
     # number started, no autoscaling).
     min_workers: int = 1
     max_workers: int = 0
+    # Scale-in waits this long after the last scale event (workers are not removed and re-added).
+    scale_in_cooldown_s: float = 60.0
     # Serving policy preset the engine core runs (engine.serving.policy.policy_presets, or the alias
     # "slack" = "slackserve"): admission, order, per-chunk fidelity, batching, eviction, preemption.
     # "fifo" = streams take turns at their own fixed fidelity.
@@ -147,6 +149,7 @@ class ServerConfig:
             worker_delay_ms=parse_delays(getattr(args, "worker_delay_ms", None)),
             min_workers=getattr(args, "min_workers", 1),
             max_workers=getattr(args, "max_workers", 0),
+            scale_in_cooldown_s=getattr(args, "scale_in_cooldown_s", 60.0),
             policy=args.policy,
             state_slots=args.state_slots,
             profile=args.profile,
@@ -171,6 +174,8 @@ class ServerConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if any(d < 0 for d in self.worker_delay_ms):
             raise ValueError(f"--worker-delay-ms values must be >= 0, got {list(self.worker_delay_ms)}")
+        if self.scale_in_cooldown_s < 0:
+            raise ValueError(f"--scale-in-cooldown-s must be >= 0, got {self.scale_in_cooldown_s}")
         if self.min_workers < 1:
             raise ValueError(f"--min-workers must be at least 1, got {self.min_workers}")
         if self.max_workers and self.max_workers < self.min_workers:

@@ -278,15 +278,16 @@ class RayFactory:
 
     @classmethod
     def start(
-        cls, model: str | None, device: str = "cpu", workers: int = 2, address: str | None = None, threads: int = 1
+        cls, model: str | None, device: str = "cpu", workers: int = 2, address: str | None = None, threads: int = 1,
+        max_workers: int = 0,
     ) -> RayFactory:
         """Start a local Ray cluster (``address`` None) or join one, bring up ``workers`` actors, and
         health-check them in the background."""
         from engine.cluster.controller import ClusterConfig, ClusterController
 
         gpus = 1.0 if device.startswith("cuda") else 0.0
-        config = ClusterConfig(model=model, workers=workers, device=device, threads_per_worker=threads,
-                               gpus_per_worker=gpus)
+        config = ClusterConfig(model=model, workers=workers, max_workers=max_workers, device=device,
+                               threads_per_worker=threads, gpus_per_worker=gpus)
         controller = ClusterController.start(config, address)
         controller.start_monitor()
         return cls(controller)

@@ -46,7 +46,9 @@ from engine.serving.fidelity import (
 )
 from engine.serving.ledger import StreamLedger
 from engine.serving.policy import Ordering, PolicyConfig, SlackPolicy, resolve_preset
+from engine.serving.scaler import Scaler
 from engine.serving.snapshot import Rehome, WorkerView
+from engine.sim.runner import advisory_autoscale
 from engine.streaming.step_processor import StepRow, run_step
 
 log = logging.getLogger(__name__)
@@ -524,26 +526,32 @@ def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads:
                       fps=config.max_fps)
     controller = getattr(factory, "controller", None)  # Ray worker actors (RayFactory)
     workers = len(controller.worker_ids) if controller is not None else 1
-    policy = SlackPolicy(profile, live_policy_config(config.policy, config.max_batch, step_wise, workers))
+    most = max(workers, config.max_workers if controller is not None else 1)
+    policy = SlackPolicy(profile, live_policy_config(config.policy, config.max_batch, step_wise, most))
     slots = (config.state_slots or UNLIMITED_SLOTS) if step_wise else UNLIMITED_SLOTS  # only states it can park
     delays = (config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0)
     executor: _LiveExecutor
+    scaler: Scaler | None = None
     if controller is not None:
         from concurrent.futures import ThreadPoolExecutor
 
         from app.server.cluster_executor import RayExecutor
 
         # One engine thread per worker actor (each waits on its actor's step), so the workers step at once.
-        pool = ThreadPoolExecutor(max_workers=max(workers, config.max_workers), thread_name_prefix="ray-step")
+        pool = ThreadPoolExecutor(max_workers=most, thread_name_prefix="ray-step")
         executor = RayExecutor(controller, pool, clock, slots, config.max_fps, *delays,
                                worker_delays_s=[d / 1000.0 for d in config.worker_delay_ms])
+        if config.max_workers:
+            # K: streams one worker sustains in real time at the policy's fastest acceptable point.
+            scale = replace(advisory_autoscale(profile), min_workers=config.min_workers, max_workers=config.max_workers)
+            scaler = Scaler(scale, executor, cooldown_s=config.scale_in_cooldown_s)
     elif step_wise:
         executor = StepExecutor(1, threads, clock, slots, config.max_fps, *delays)
     else:
         executor = ChunkExecutor(parallel_chunks(factory), threads, clock, slots, config.max_fps, *delays)
     executor.device = config.device
     ledger = StreamLedger(max_lookahead_s=None, max_log=LEDGER_LOG_ROWS)
-    core = EngineCore(policy, executor, clock, ledger, calibrate=True)
+    core = EngineCore(policy, executor, clock, ledger, calibrate=True, scaler=scaler)
     loop = ServingLoop(core, executor, config.max_fps)
     log.info("serving policy %s on %s: %d fidelity points, initial slack %.2f s, content rate %g fps",
              policy.name, type(executor).__name__, len(profile.points), policy.initial_slack_s, config.max_fps)

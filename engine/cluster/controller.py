@@ -53,6 +53,7 @@ class ClusterError(RuntimeError):
 class ClusterConfig:
     model: str | None = None  # as Pipeline.load: None = embedded default, "tiny-random", or a path
     workers: int = 2
+    max_workers: int = 0  # the most the autoscaler may run (a local cluster gets CPUs for them); 0 = workers
     device: str = "cpu"
     threads_per_worker: int = 1  # torch threads in each actor
     cpus_per_worker: float = 1.0  # Ray scheduling resources of one actor
@@ -158,7 +159,7 @@ class ClusterController:
     @classmethod
     def start(cls, config: ClusterConfig, address: str | None = None) -> ClusterController:
         """Connect to (or start) Ray and bring up ``config.workers`` actors, each with a model replica."""
-        num_cpus = max(2, int(config.workers * config.cpus_per_worker) + 1)
+        num_cpus = max(2, int(max(config.workers, config.max_workers) * config.cpus_per_worker) + 1)
         connect(address, num_cpus=None if address else num_cpus, object_store_mb=config.object_store_mb)
         controller = cls(config)
         controller.add_workers(config.workers)
