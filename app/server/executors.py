@@ -544,7 +544,8 @@ def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads:
         if config.max_workers:
             # K: streams one worker sustains in real time at the policy's fastest acceptable point.
             scale = replace(advisory_autoscale(profile), min_workers=config.min_workers, max_workers=config.max_workers)
-            scaler = Scaler(scale, executor, cooldown_s=config.scale_in_cooldown_s)
+            scaler = Scaler(scale, executor, cooldown_s=config.scale_in_cooldown_s,
+                            capacity=lambda p: advisory_autoscale(p).streams_per_worker)
     elif step_wise:
         executor = StepExecutor(1, threads, clock, slots, config.max_fps, *delays)
     else:

@@ -16,10 +16,12 @@ run it; only the executor's way of starting and stopping a worker differs.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from engine.serving.autoscale import AutoscaleConfig, plan_scaling
+from engine.serving.fidelity import FidelityProfile
 from engine.serving.snapshot import Rehome, TickPlan, WorkerView
 
 if TYPE_CHECKING:
@@ -62,12 +64,20 @@ class Scaler:
     pool: WorkerPool
     cooldown_s: float = 60.0  # scale-in waits this long after the last scale event (no flapping)
     move_cap: int = 2  # streams moved off each draining worker per tick
-    last_event_t: float = field(default=-float("inf"))
+    # K (streams one worker sustains) from the policy's current profile: live, the core recalibrates
+    # the profile to the measured engine speed, and K follows. None: ``config.streams_per_worker``.
+    capacity: Callable[[FidelityProfile], float] | None = None
+    last_event_t: float | None = None  # the first step counts as one: no scale-in right at start
     events: list[ScaleEvent] = field(default_factory=list)
     drains: list[tuple[float, int]] = field(default_factory=list)  # (t, worker) each drain began
 
     def step(self, core: EngineCore, plan: TickPlan) -> None:
         now = plan.now
+        if self.last_event_t is None:
+            self.last_event_t = now
+        config = self.config
+        if self.capacity is not None:
+            config = replace(config, streams_per_worker=self.capacity(core.policy.profile))
         views = self.pool.worker_views()
         credit = {int(sid): float(c) for sid, c in zip(plan.stream_ids.tolist(), plan.credits.tolist(), strict=True)}
         by_worker: dict[int, list[int]] = {v.worker_id: [] for v in views}
@@ -77,7 +87,7 @@ class Scaler:
         for sids in by_worker.values():
             sids.sort(key=lambda s: credit.get(s, 0.0))
         draining = [v.worker_id for v in views if v.draining]
-        scale = plan_scaling(by_worker, draining, self.config, self.move_cap)
+        scale = plan_scaling(by_worker, draining, config, self.move_cap)
         serving = len(views) - len(draining) + self.pool.pending_workers()
         if scale.desired_workers > serving:
             self._scale_out(scale.desired_workers - serving, draining, now, len(views))
