@@ -378,6 +378,7 @@ class EngineCore:
             return StepResult(abandoned=job)
         delivered: list[int] = []
         discarded: list[int] = []
+        moves: list[Rehome] = []
         for sid in job:
             entry = self.ledger.entries[sid]
             duration = self.policy.chunk_duration_s(first=entry.first_chunk)
@@ -392,7 +393,11 @@ class EngineCore:
             (delivered if fresh else discarded).append(sid)
             move = self.pending_rehomes.pop(sid, None)
             if move is not None:
-                self._apply_rehome(move)
+                moves.append(move)
+        # After every chunk of the batch is done: a move kicks its source worker, whose next dispatch
+        # must not see a batch partner's finished chunk as one still in flight.
+        for move in moves:
+            self._apply_rehome(move)
         self.kick(worker_id)
         return StepResult(tuple(delivered), tuple(discarded))
 
