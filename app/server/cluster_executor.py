@@ -75,13 +75,15 @@ class RayExecutor(StepExecutor):
     # -- the engine step on an actor -------------------------------------------------------------------
 
     def _engine_step(self, worker_id: int, active: Sequence[tuple[LiveStream, StepOrder, np.ndarray | None]],
-                     evict: Sequence[LiveStream], restore: Sequence[LiveStream]) -> list[list[np.ndarray]]:
+                     evict: Sequence[LiveStream], restore: Sequence[LiveStream],
+                     drop: Sequence[LiveStream]) -> list[list[np.ndarray]]:
         for stream in (*(s for s, _, _ in active), *evict, *restore):
             self._place(_ray_id(stream), worker_id)
         orders = tuple(ChunkOrder(_ray_id(stream), order.point.config if inputs is not None else None, inputs)
                        for stream, order, inputs in active)
         call = StepCall(orders, tuple(_ray_id(s) for s in evict), tuple(_ray_id(s) for s in restore),
-                        self.delay_s + self.worker_delays_s.get(worker_id, 0.0), self.step_delay_s)
+                        self.delay_s + self.worker_delays_s.get(worker_id, 0.0), self.step_delay_s,
+                        tuple(_ray_id(s) for s in drop))
         outcome = self.controller.run_step(worker_id, call)
         self.forwards += outcome.forwards
         return [outcome.finished.get(order.stream_id, []) for order in orders]
@@ -95,9 +97,6 @@ class RayExecutor(StepExecutor):
         if ray_id not in self._placed and self.controller.home(ray_id) != worker_id:
             self.controller.migrate(ray_id, worker_id)
         self._placed.add(ray_id)
-
-    def _drop_chunks(self, stream: LiveStream) -> None:
-        self.controller.drop_chunks(_ray_id(stream))
 
     def _complete(self, work: Work, seconds: float, exc: BaseException | None) -> None:
         if isinstance(exc, RayActorError | ClusterError) and work.worker_id not in self.controller.worker_ids:

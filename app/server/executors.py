@@ -100,6 +100,9 @@ class _LiveExecutor:
         self.wakeup = asyncio.Event()
         self.forwards = 0  # batched DiT forwards run (StepExecutor), for tests and benchmarks
         self.rehomes = 0  # streams whose state really moved to another worker
+        # Benchmark knob (demos/bench_cluster.py): each step lasts at least the profile's estimate; the
+        # engine thread sleeps only the difference, so a scaled profile is what the workers really cost.
+        self.pad_to_profile = False
         self.scale_events = {"up": 0, "down": 0}  # workers added and removed by the autoscaler
         self.device = "cpu"  # what each worker runs on, for the operator's view
         # Per worker, (end, seconds) of its recent engine jobs: its load over LOAD_WINDOW_S.
@@ -149,6 +152,13 @@ class _LiveExecutor:
         """Run ``job`` on an engine thread; its wall time, per denoising step it covers, goes to the core."""
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        if self.pad_to_profile:
+            inner, until = job, t0 + work.est_step_s * steps
+
+            def job() -> None:
+                inner()
+                time.sleep(max(0.0, until - time.perf_counter()))
+
         future = loop.run_in_executor(self.threads, job)
 
         def done(f: asyncio.Future[None]) -> None:
@@ -190,19 +200,12 @@ class _LiveExecutor:
             stream = self.streams.get(sid)
             if stream is not None:
                 stream.ready = []
-        for sid in result.abandoned:
-            stream = self.streams.get(sid)
-            if stream is not None:
-                stream.in_engine.clear()
-                self._drop_chunks(stream)
         for sid in (*result.delivered, *result.discarded, *result.abandoned):
             entry = core.ledger.entries.get(sid)
             if entry is not None and entry.left:
                 core.forget(sid)
         self.wakeup.set()
 
-    def _drop_chunks(self, stream: LiveStream) -> None:
-        """The engine forgets the stream's abandoned chunks (on the engine thread, after what is queued)."""
 
 
 class StepExecutor(_LiveExecutor):
@@ -221,19 +224,20 @@ class StepExecutor(_LiveExecutor):
         rows = [(order, self.streams[order.stream_id]) for order in work.orders if order.stream_id in self.streams]
         evict = [self.streams[sid] for sid in work.evict if sid in self.streams]
         restore = [self.streams[sid] for sid in work.restore if sid in self.streams]
-        self._run(work, lambda: self._step(work.worker_id, rows, evict, restore))
+        drop = [self.streams[sid] for sid in work.drop if sid in self.streams]
+        self._run(work, lambda: self._step(work.worker_id, rows, evict, restore, drop))
         return 0.0
 
     def check(self, processor: object) -> None:
         if not isinstance(processor, StepProcessor):
             raise TypeError(f"{type(processor).__name__} cannot run a chunk step by step")
 
-    def _drop_chunks(self, stream: LiveStream) -> None:
-        self.threads.submit(_step_processor(stream).drop_chunks)
-
     def _step(self, worker_id: int, rows: Sequence[tuple[StepOrder, LiveStream]], evict: Sequence[LiveStream],
-              restore: Sequence[LiveStream]) -> None:
-        """Engine thread: new chunks take their input, the engine runs the step, finished chunks come out."""
+              restore: Sequence[LiveStream], drop: Sequence[LiveStream] = ()) -> None:
+        """Engine thread: abandoned chunks are forgotten, new chunks take their input, the engine runs the
+        step, finished chunks come out."""
+        for stream in drop:
+            stream.in_engine.clear()
         active: list[tuple[LiveStream, StepOrder, np.ndarray | None]] = []
         for order, stream in rows:
             inputs = None
@@ -244,7 +248,7 @@ class StepExecutor(_LiveExecutor):
                 stream.in_engine.append((stream.taken, inputs))
                 stream.taken = []
             active.append((stream, order, inputs))
-        finished = self._engine_step(worker_id, active, evict, restore)
+        finished = self._engine_step(worker_id, active, evict, restore, drop)
         for (stream, _, _), outs in zip(active, finished, strict=True):
             for out in outs:
                 try:
@@ -254,8 +258,11 @@ class StepExecutor(_LiveExecutor):
                 stream.ready.append((frames, stream.runner.chunk_outputs(inputs, out)))
 
     def _engine_step(self, worker_id: int, active: Sequence[tuple[LiveStream, StepOrder, np.ndarray | None]],
-                     evict: Sequence[LiveStream], restore: Sequence[LiveStream]) -> list[list[np.ndarray]]:
+                     evict: Sequence[LiveStream], restore: Sequence[LiveStream],
+                     drop: Sequence[LiveStream]) -> list[list[np.ndarray]]:
         """The step on the engine: every active row's finished chunks (engine-size frames)."""
+        for stream in drop:
+            _step_processor(stream).drop_chunks()
         rows = [StepRow(_step_processor(stream), order.point.config if inputs is not None else None, inputs)
                 for stream, order, inputs in active]
         finished, forwards = run_step(rows, [_step_processor(s) for s in evict], [_step_processor(s) for s in restore],

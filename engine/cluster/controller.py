@@ -294,14 +294,6 @@ class ClusterController:
                     entry.parked = blob
         return outcome
 
-    def drop_chunks(self, stream_id: int) -> None:
-        """The stream's chunks in flight are forgotten on its worker (after the calls queued there)."""
-        with self._table:
-            entry = self._streams.get(stream_id)
-            actor = self._workers.get(entry.home) if entry is not None else None
-        if actor is not None:
-            actor.drop_chunks.remote(stream_id)
-
     def home(self, stream_id: int) -> int:
         return self._entry(stream_id).home
 

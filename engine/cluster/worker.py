@@ -80,6 +80,7 @@ class StepCall:
     restore: tuple[int, ...] = ()
     delay_s: float = 0.0  # emulated extra latency per chunk entering (--engine-delay-ms, --worker-delay-ms)
     step_delay_s: float = 0.0  # per forward (--engine-step-delay-ms)
+    drop: tuple[int, ...] = ()  # streams whose chunks in flight the policy abandoned: forgotten first
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,8 @@ class StreamWorker:
     def run_step(self, call: StepCall) -> StepOutcome:
         """One ``Work`` (engine.streaming.step_processor.run_step, as the in-process engine runs it)."""
         t0 = time.perf_counter()
+        for sid in call.drop:
+            self.drop_chunks(sid)
         rows = []
         for order in call.orders:
             self._runnable(order.stream_id)

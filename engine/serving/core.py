@@ -71,6 +71,9 @@ class Work:
     evict: tuple[int, ...] = ()
     restore: tuple[int, ...] = ()
     preempted: tuple[int, ...] = ()  # their partial chunks stay parked until they are dispatched again
+    # Streams whose chunks the core abandoned since their last step: the engine forgets them first
+    # (part of the work, so that it happens in order with the steps on that engine).
+    drop: tuple[int, ...] = ()
     continues: bool = False  # the next step of the worker's previous work (a step boundary, no preemption)
     est_step_s: float = 0.0  # the profile's estimate of this step's time
 
@@ -153,6 +156,7 @@ class EngineCore:
     calibrate: bool = False
     jobs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # worker -> streams of its step in flight
     pending_rehomes: dict[int, Rehome] = field(default_factory=dict)
+    abandoned: set[int] = field(default_factory=set)  # streams whose engine must drop chunks (next Work)
     fidelity_counts: dict[str, int] = field(default_factory=dict)
     stats: dict[int, StreamStats] = field(default_factory=dict)
     # The autoscaler that acts (engine/serving/scaler.py): adds and removes the executor's workers.
@@ -210,6 +214,7 @@ class EngineCore:
         entry = self.ledger.entries.get(stream_id)
         if entry is not None and entry.left and not self._running(stream_id):
             entry.inflight = None
+            self.abandoned.discard(stream_id)
             self.ledger.forget(stream_id)
             self.stats.pop(stream_id, None)
 
@@ -295,8 +300,10 @@ class EngineCore:
         lead = self.ledger.entries[decision.stream_ids[0]].inflight
         assert lead is not None
         self.jobs[wid] = decision.stream_ids
+        drop = tuple(sid for sid in decision.stream_ids if sid in self.abandoned)
+        self.abandoned.difference_update(drop)
         work = Work(wid, tuple(orders), decision.evict, restored, preempted,
-                    continues=step_boundary and not preempted, est_step_s=lead.est_step_s)
+                    continues=step_boundary and not preempted, est_step_s=lead.est_step_s, drop=drop)
         delay = self.executor.execute(work)
         if delay > 0:  # the step starts once the restored states are back
             for sid in decision.stream_ids:
@@ -356,6 +363,7 @@ class EngineCore:
             # going for its other streams and the stale output is discarded at the end).
             self.ledger.abandon(job[0], now)
             self.counters.abandoned += 1
+            self.abandoned.add(job[0])
             self.jobs.pop(worker_id)
             self.kick(worker_id)
             return StepResult(abandoned=job)
@@ -374,6 +382,7 @@ class EngineCore:
                 if self.ledger.entries[sid].left:
                     self.ledger.leave(sid, running=False)
             self.counters.abandoned += len(job)
+            self.abandoned.update(job)
             self.kick(worker_id)
             return StepResult(abandoned=job)
         delivered: list[int] = []
