@@ -106,8 +106,10 @@ def ttfcs(result: SimResult) -> list[float]:
 
 def simulate(preset: str, profile: FidelityProfile, events: list[TraceEvent], max_batch: int) -> dict[str, float]:
     policy = SlackPolicy(profile, live_policy_config(preset, max_batch, True, WORKERS))
-    # A live stream cannot run ahead of its camera: its slack never grows past the initial slack.
-    sim = SimConfig(workers=WORKERS, nodes=1, state_slots=1 << 10, tick_s=0.5, max_lookahead_s=policy.initial_slack_s)
+    # A live stream cannot run ahead of its camera: a chunk's input is all there only once its last frame
+    # was captured, when the slack is at most the initial slack minus one chunk.
+    lookahead = policy.initial_slack_s - profile.chunk_duration_s
+    sim = SimConfig(workers=WORKERS, nodes=1, state_slots=1 << 10, tick_s=0.5, max_lookahead_s=lookahead)
     result = Simulator(policy, profile, events, sim).run()
     return row(summarise(result), ttfcs(result))
 
@@ -197,6 +199,10 @@ async def run_live(preset: str, controller: ClusterController, profile_path: Pat
     loop = build_serving_loop(config, factory, pool)
     loop.executor.pad_to_profile = True
     loop.core.calibrate = False  # both sides plan with the same profile
+    # The simulator's playout: the viewer starts one initial slack after arrival and plays at the content
+    # rate (pausing when told). The server's own player starts at its first frame and adapts its rate,
+    # so its cursor reports would measure another player: the ledger keeps the simulator's one.
+    loop.report_cursors = lambda: None  # type: ignore[method-assign]
     runner = asyncio.create_task(loop.run())
     t0 = time.monotonic()
     arrivals = [e for e in events if e.kind is EventKind.ARRIVE]
