@@ -54,6 +54,7 @@ from engine.sim.workload import EventKind, TraceEvent  # noqa: E402
 FPS = 8.0  # content rate: a 4-frame chunk is 0.5 s of video
 WORKERS = 2
 PROMPTS = ("oil painting", "charcoal drawing", "watercolor sketch")
+DRAIN_S = 180.0  # longest a stream waits for its last chunks after its camera stopped
 KEYS = ("cpr", "ttfc_p50_s", "ttfc_p95_s", "stalls_per_stream", "rehomes", "evictions")
 log = logging.getLogger("bench_cluster")
 
@@ -138,7 +139,9 @@ class LiveStream:
         settings = StreamSettings(prompt=PROMPTS[0], steps=4, seed=self.arrive.stream)
         processor = await asyncio.get_running_loop().run_in_executor(self.pool, factory.open, settings)
         size = factory.size
-        assembler = ChunkAssembler(capacity=8 * processor.chunk_frames)
+        # Room for the whole stream: like the simulator's, a stream that falls behind catches up later
+        # instead of skipping input (the server's own assembler keeps only the newest frames).
+        assembler = ChunkAssembler(capacity=self.arrive.frames + processor.chunk_frames)
         playout = Playout(size, processor.chunk_frames, max_fps=FPS, min_fps=FPS)
         runner = StreamRunner(processor, assembler, playout, self.pool, size)
         loop.attach(sid, runner, playout, on_failure=self._failed)
@@ -152,8 +155,9 @@ class LiveStream:
                 assembler.push(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
                 pushed += 1
             await asyncio.sleep(max(0.0, start + (pushed + 1) / FPS - time.monotonic()))
-        # The last frames' chunks finish (or the policy gives up on them), then the stream leaves.
-        deadline = time.monotonic() + 5.0
+        # Every chunk is made (as in the simulator, where a stream lasts until its content is generated),
+        # then the stream leaves.
+        deadline = time.monotonic() + DRAIN_S
         core = loop.core
         while sid in core.ledger.entries and time.monotonic() < deadline and (
                 runner.has_chunk() or sid in core.running() or core.ledger.entries[sid].inflight is not None):
