@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from app.server.config import ServerConfig  # noqa: E402
 from app.server.engine_bridge import RayFactory, StreamSettings  # noqa: E402
 from app.server.executors import AdmissionError, ServingLoop, build_serving_loop, live_policy_config  # noqa: E402
-from app.server.frame_path import ChunkAssembler, Playout, StreamRunner  # noqa: E402
+from app.server.frame_path import ChunkAssembler, InputFrame, Playout, StreamRunner  # noqa: E402
 from engine.cluster.controller import ClusterConfig, ClusterController  # noqa: E402
 from engine.serving.fidelity import FidelityProfile, bundled_profile  # noqa: E402
 from engine.serving.policy import SlackPolicy  # noqa: E402
@@ -85,8 +85,10 @@ def scaled_profile(scale: float) -> FidelityProfile:
                    notes=(*profile.notes, f"every latency x{scale:g} (demos/bench_cluster.py)"))
 
 
-def row(summary: Summary, ttfc: list[float]) -> dict[str, float]:
+def row(summary: Summary, ttfc: list[float], result: SimResult) -> dict[str, Any]:
     return {
+        "chunks": sum(s.chunks_on_time + s.chunks_late for s in result.streams),
+        "fidelity": dict(sorted(result.fidelity_counts.items(), key=lambda kv: -kv[1])[:3]),
         "cpr": round(summary.cpr, 3),
         "ttfc_p50_s": round(float(np.percentile(ttfc, 50)), 3) if ttfc else math.nan,
         "ttfc_p95_s": round(float(np.percentile(ttfc, 95)), 3) if ttfc else math.nan,
@@ -105,17 +107,27 @@ def ttfcs(result: SimResult) -> list[float]:
 # ---- the simulator ---------------------------------------------------------------------------------
 
 
-def simulate(preset: str, profile: FidelityProfile, events: list[TraceEvent], max_batch: int) -> dict[str, float]:
+def simulate(preset: str, profile: FidelityProfile, events: list[TraceEvent], max_batch: int) -> dict[str, Any]:
     policy = SlackPolicy(profile, live_policy_config(preset, max_batch, True, WORKERS))
     # A live stream cannot run ahead of its camera: a chunk's input is all there only once its last frame
     # was captured, when the slack is at most the initial slack minus one chunk.
     lookahead = policy.initial_slack_s - profile.chunk_duration_s
     sim = SimConfig(workers=WORKERS, nodes=1, state_slots=1 << 10, tick_s=0.5, max_lookahead_s=lookahead)
     result = Simulator(policy, profile, events, sim).run()
-    return row(summarise(result), ttfcs(result))
+    return row(summarise(result), ttfcs(result), result)
 
 
 # ---- the live cluster --------------------------------------------------------------------------------
+
+
+class QueuedAssembler(ChunkAssembler):
+    """Oldest frames first, none skipped: like the simulator's, a stream that falls behind catches up
+    later instead of skipping input (the server's own assembler plays the newest frames)."""
+
+    def take(self, n: int) -> list[InputFrame]:
+        if not self.ready(n):
+            raise RuntimeError(f"take({n}) with only {len(self._frames)} frames buffered")
+        return [self._frames.popleft() for _ in range(n)]
 
 
 class LiveStream:
@@ -139,9 +151,7 @@ class LiveStream:
         settings = StreamSettings(prompt=PROMPTS[0], steps=4, seed=self.arrive.stream)
         processor = await asyncio.get_running_loop().run_in_executor(self.pool, factory.open, settings)
         size = factory.size
-        # Room for the whole stream: like the simulator's, a stream that falls behind catches up later
-        # instead of skipping input (the server's own assembler keeps only the newest frames).
-        assembler = ChunkAssembler(capacity=self.arrive.frames + processor.chunk_frames)
+        assembler = QueuedAssembler(capacity=self.arrive.frames + processor.chunk_frames)
         playout = Playout(size, processor.chunk_frames, max_fps=FPS, min_fps=FPS)
         runner = StreamRunner(processor, assembler, playout, self.pool, size)
         loop.attach(sid, runner, playout, on_failure=self._failed)
@@ -195,7 +205,7 @@ class LiveStream:
 
 
 async def run_live(preset: str, controller: ClusterController, profile_path: Path, events: list[TraceEvent],
-                   max_batch: int) -> dict[str, float]:
+                   max_batch: int) -> dict[str, Any]:
     factory = RayFactory(controller)
     config = ServerConfig(model="tiny-random", max_fps=FPS, policy=preset, max_batch=max_batch,
                           profile=str(profile_path))
@@ -226,7 +236,7 @@ async def run_live(preset: str, controller: ClusterController, profile_path: Pat
                        rehomes=counters["rehomes"], evictions=counters["evictions"], restores=counters["restores"],
                        preemptions=counters["preemptions"], timeline=[], fidelity_counts=dict(loop.core.fidelity_counts),
                        end_t=time.monotonic() - t0, worker_busy_s={})
-    return row(summarise(result), ttfcs(result))
+    return row(summarise(result), ttfcs(result), result)
 
 
 def main() -> int:

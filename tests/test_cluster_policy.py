@@ -33,8 +33,9 @@ from app.server.engine_bridge import InProcessFactory, RayFactory, StreamSetting
 from app.server.executors import ServingLoop, build_serving_loop
 from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
 from engine.cluster.controller import ClusterConfig, ClusterController
-from engine.cluster.worker import StepCall, StepOutcome
+from engine.cluster.worker import ChunkOrder, StepCall, StepOutcome
 from engine.fidelity import FidelityConfig
+from engine.pipeline import StreamParams
 
 FPS = 8.0
 SLOW_MS = 400.0  # worker 0's extra latency per chunk: two streams there cannot keep up
@@ -166,6 +167,7 @@ async def test_policy_rehomes_off_a_slow_worker_parks_states_and_survives_a_kill
     finally:
         for s in (a, b, c):
             s.stop()
+            cluster.close(s.ray_id)
         runner.cancel()
         pool.shutdown(wait=False)
 
@@ -183,3 +185,48 @@ async def test_policy_rehomes_off_a_slow_worker_parks_states_and_survives_a_kill
         for got, want in zip(outs, twin_outputs(local, stream.settings, chunks[: len(outs)]), strict=True):
             np.testing.assert_array_equal(got, want)
     assert not np.array_equal(recorder.outputs[a.ray_id][1], recorder.outputs[c.ray_id][1])
+
+
+def test_a_parked_stream_survives_its_workers_death_bit_identically(cluster: ClusterController) -> None:
+    """Re-admission keeps the state where a copy exists: the policy parked the stream (evicted to host
+    memory), its worker is SIGKILLed, and it goes on from the controller's copy on another worker with
+    the frames of a stream that never parked or moved (a fresh restart would give other frames)."""
+    torch.set_num_threads(1)
+    local = InProcessFactory.load("tiny-random")
+    if len(cluster.worker_ids) < 2:
+        cluster.add_workers(2 - len(cluster.worker_ids))
+    src, dst = cluster.worker_ids[:2]
+    settings = StreamSettings(steps=2, seed=7)
+    twin = local.open(settings)
+    config = twin.fidelity()  # type: ignore[attr-defined]
+    params = StreamParams(prompt=settings.prompt, noise_scale=settings.noise_scale, steps=settings.steps, seed=7)
+    cluster.open(901, params, worker_id=src)
+    rng = np.random.default_rng(7)
+    size = local.size
+
+    def chunk(n: int) -> np.ndarray:
+        return rng.integers(0, 256, (n, size[1], size[0], 3), dtype=np.uint8)
+
+    def run(frames: np.ndarray, worker: int, restore: tuple[int, ...] = ()) -> np.ndarray:
+        outcome = cluster.run_step(worker, StepCall((ChunkOrder(901, config, frames),), restore=restore))
+        while not outcome.finished[901]:
+            outcome = cluster.run_step(worker, StepCall((ChunkOrder(901),)))
+        [out] = outcome.finished[901]
+        return out
+
+    for n in (1, 4, 4):
+        frames = chunk(n)
+        np.testing.assert_array_equal(run(frames, src), twin.process(frames))
+    cluster.run_step(src, StepCall((), evict=(901,)))  # parked; the controller keeps the copy
+    pid = ray.get(cluster.actor(src).info.remote()).pid
+    deaths = len(cluster.recoveries)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + WAIT_S
+    while len(cluster.recoveries) == deaths:
+        assert time.monotonic() < deadline, "the worker's death was not detected"
+        time.sleep(0.1)
+    assert cluster.recoveries[-1].readmitted[901] == dst
+    for _ in range(2):
+        frames = chunk(4)
+        np.testing.assert_array_equal(run(frames, dst, restore=(901,)), twin.process(frames))
+    cluster.close(901)
