@@ -108,7 +108,7 @@ def ttfcs(result: SimResult) -> list[float]:
 
 
 def simulate(preset: str, profile: FidelityProfile, events: list[TraceEvent], max_batch: int) -> dict[str, Any]:
-    policy = SlackPolicy(profile, live_policy_config(preset, max_batch, True, WORKERS))
+    policy = SlackPolicy(profile, live_policy_config(preset, max_batch, True, workers=WORKERS))
     # A live stream cannot run ahead of its camera: a chunk's input is all there only once its last frame
     # was captured, when the slack is at most the initial slack minus one chunk.
     lookahead = policy.initial_slack_s - profile.chunk_duration_s

@@ -1,4 +1,5 @@
 // The diffcast page: camera in, stylized video out; WebRTC first, WebSocket fallback when ICE fails.
+import { setupCamera } from "./camera.js";
 import { connectWebRTC, logIn } from "./rtc.js";
 import { statCells } from "./stats.js";
 import { connectWebSocket } from "./wsclient.js";
@@ -21,6 +22,9 @@ window.diffcast = state;
 
 let config = null;
 let camera = null;
+// Camera, resolution, mirror, layout, full screen, snapshot (web/camera.js).
+const cameraChoices = setupCamera({ onError: (text) => notice(text) });
+state.camera = cameraChoices;
 let connection = null;
 let paused = false;
 
@@ -90,10 +94,7 @@ async function start() {
   notice("");
   setStatus("connecting");
   try {
-    camera = await navigator.mediaDevices.getUserMedia({
-      video: { width: 640, height: 480, facingMode: "user" },
-      audio: false,
-    });
+    camera = await cameraChoices.open({ audio: false });
     $("input").srcObject = camera;
     if (query.get("transport") !== "ws") {
       try {
@@ -133,6 +134,7 @@ async function start() {
       $("view-link").href = `/view/${connection.streamId}?token=${connection.viewerToken}`;
       $("view-link").hidden = false; // WHEP viewers work for either transport
     }
+    cameraChoices.attach(camera, connection);
     setStatus("live");
     $("stop").disabled = false;
     $("pause").disabled = false;
@@ -146,6 +148,7 @@ async function start() {
 
 async function stop() {
   setStatus("stopping"); // a deliberate close is not a lost connection
+  cameraChoices.detach();
   if (connection) await connection.close();
   connection = null;
   if (camera) camera.getTracks().forEach((track) => track.stop());

@@ -110,6 +110,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace-stamp", action="store_true",
         help="copy each input frame's frame-ID band onto its output (glass-to-glass measurements)",
     )
+    parser.add_argument(
+        "--https", action="store_true",
+        help="serve over TLS (a phone's browser gives the page its camera only over HTTPS): with a self-signed "
+             "certificate made on first run and kept (docs/service.md), unless --ssl-certfile/--ssl-keyfile",
+    )
+    parser.add_argument("--ssl-certfile", default=None, metavar="PEM", help="TLS certificate (chain); implies --https")
+    parser.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="private key of --ssl-certfile")
+    parser.add_argument(
+        "--osc-port", type=int, default=None, metavar="PORT",
+        help="accept OSC control messages on this UDP port (docs/osc.md; default: off)",
+    )
+    parser.add_argument(
+        "--osc-host", default="127.0.0.1",
+        help="address the OSC port listens on (default 127.0.0.1; 0.0.0.0 for controllers on the LAN)",
+    )
+    parser.add_argument(
+        "--osc-reply", type=int, default=None, metavar="PORT",
+        help="UDP port on the sender's host that OSC errors and acks go to when a message names none",
+    )
     parser.add_argument("--break-ice", action="store_true", help="test knob: make every ICE negotiation fail")
     parser.add_argument("--threads", type=int, default=0, help="torch threads for the engine (0 = torch default)")
     parser.add_argument(
@@ -147,10 +166,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from app.server.app import serve
     from app.server.config import ServerConfig
+    from app.server.osc import OscBindError
+    from app.server.tls import with_certificate
     from engine.pipeline import ModelNotAvailableError
 
     try:
-        config = ServerConfig.from_args(args)
+        # Before the model loads: a bad certificate is said at once (CertificateError is a ValueError).
+        config = with_certificate(ServerConfig.from_args(args))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if args.threads > 0:
@@ -182,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
             factory = RayFactory.start(args.model, args.device, args.workers, args.ray_address, max(args.threads, 1),
                                        args.max_workers)
         serve(config, factory)
-    except ModelNotAvailableError as exc:
+    except (ModelNotAvailableError, OscBindError) as exc:
         log.error("%s", exc)
         return 2
     return 0

@@ -128,6 +128,11 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     """Build the app. ``factory`` defaults to the real engine pipeline loaded from ``config.model``."""
     if config.allow_loopback_candidates:
         allow_loopback_candidates()
+    osc_socket = None
+    if config.osc_port is not None:  # before the model loads: a port in use is said at once
+        from app.server.osc import bind
+
+        osc_socket = bind(config)
     if factory is None:
         factory = InProcessFactory.load(config.model, config.device)
     config = with_model_defaults(config, factory)
@@ -139,7 +144,14 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         codec_pool = started_default_executor(asyncio.get_running_loop())
+        osc = None
+        if osc_socket is not None:
+            from app.server.osc import OscServer
+
+            osc = await OscServer.start(config, osc_socket, manager, access)
         yield
+        if osc is not None:
+            await osc.close()
         await manager.close_all()
         codec_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -313,7 +325,8 @@ def serve(config: ServerConfig, factory: ProcessorFactory | None = None) -> None
     one place `diffcast serve` runs uvicorn, in process and in rank 0 of ``--gpus N`` alike (the
     guarded server of app/server/http_server.py)."""
     from app.server.http_server import serve_until_stopped, uvicorn_server
+    from app.server.tls import page_urls
 
     app = create_app(config, factory)
-    log.info("serving on http://%s:%d/", config.host, config.port)
+    log.info("serving on %s", " ".join(page_urls(config)))
     serve_until_stopped(uvicorn_server(app, config))

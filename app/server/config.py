@@ -102,6 +102,16 @@ class ServerConfig:
     # Stream defaults when a client gives none; None = the model's own (engine.pipeline.model_defaults).
     default_noise_scale: float | None = None
     default_steps: int | None = None
+    # TLS (app/server/tls.py): https=True with no files = the kept self-signed certificate, made on
+    # first run; serve() fills the two paths in before uvicorn starts.
+    https: bool = False
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    # OSC control over UDP (app/server/osc.py); None = off. Loopback unless --osc-host widens it.
+    osc_port: int | None = None
+    osc_host: str = "127.0.0.1"
+    # UDP port on the sender's host that refusals (and acks) go to when a message names none.
+    osc_reply_port: int | None = None
     presets: tuple[str, ...] = (
         "oil painting",
         "watercolor sketch",
@@ -118,6 +128,12 @@ class ServerConfig:
         with a plain-words message for a value out of range."""
         if args.max_streams < 1:
             raise ValueError(f"--max-streams must be at least 1, got {args.max_streams}")
+        if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both, or neither (with --https "
+                             "a self-signed certificate is made)")
+        for flag, port in (("--osc-port", args.osc_port), ("--osc-reply", args.osc_reply)):
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(f"{flag} must be a UDP port (1-65535), got {port}")
         return cls(
             host=args.host,
             port=args.port,
@@ -156,6 +172,12 @@ class ServerConfig:
             max_batch=args.max_batch,
             trace_stamp=args.trace_stamp,
             break_ice=args.break_ice,
+            https=args.https or args.ssl_certfile is not None,
+            ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile,
+            osc_port=args.osc_port,
+            osc_host=args.osc_host,
+            osc_reply_port=args.osc_reply,
         )
 
     def stream_defaults(self) -> tuple[float, int]:

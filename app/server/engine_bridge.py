@@ -16,10 +16,13 @@ import threading
 import time
 import uuid
 import weakref
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+
+from engine.serving.fidelity import FidelityConfig
 
 # The step-wise stream lives in engine/ (Ray worker actors run it too); the server's name for it stays.
 from engine.streaming.step_processor import InProcessProcessor as InProcessProcessor
@@ -123,13 +126,34 @@ class InProcessFactory:
         return InProcessProcessor(stream, int(self._pipe.first_chunk_frames), int(self._pipe.chunk_frames))
 
 
+@runtime_checkable
+class ChunkBatchFactory(Protocol):
+    """A factory whose engine runs whole chunks of several streams together, each at the fidelity
+    the engine core sets per chunk (the pipeline ranks: the chunks go into the ring together and
+    their micro-steps overlap across ranks). The core drives it with cross-user batches and
+    per-chunk fidelity, but not step by step: no step preemption, no eviction."""
+
+    @property
+    def size(self) -> tuple[int, int]: ...
+
+    def open(self, settings: StreamSettings) -> StreamProcessor: ...
+
+    def unsupported(self, config: FidelityConfig) -> str | None:
+        """Why the engine cannot run a chunk at ``config``, in plain words; None when it can."""
+        ...
+
+    def run_chunks(self, chunks: Sequence[tuple[Any, np.ndarray, FidelityConfig | None]]) -> list[np.ndarray]:
+        """One chunk of each ``(processor, uint8 [T, H, W, 3], fidelity)`` together (None: the stream's
+        current fidelity); their frames, in order."""
+        ...
+
+
 class RankProcessor:
     """One stream on the pipeline ranks (a `StreamProcessor`); every call runs on the engine thread.
 
-    The seam is synchronous (one chunk in, the same chunk's frames out), so each ``process`` call
-    pushes its chunk and drains the ring: streams are served correctly through the ranks, but
-    micro-steps of different calls do not overlap yet (no throughput gain over one rank until the
-    frame path can take chunks back later than it hands them in).
+    The seam is synchronous (chunks in, the same chunks' frames out): ``process`` runs one chunk
+    through the ring and back, :meth:`RankFactory.run_chunks` several streams' chunks together (the
+    engine core's cross-user batches), which is what keeps every rank busy at once.
     """
 
     def __init__(self, factory: RankFactory, params: StreamParams) -> None:
@@ -146,21 +170,30 @@ class RankProcessor:
     def chunk_frames(self) -> int:
         return int(self._factory.pipeline.chunk_frames)
 
-    def process(self, frames: np.ndarray) -> np.ndarray:
-        from engine.frames import frames_to_tensor, tensor_to_frames
+    @property
+    def expected_frames(self) -> int:
+        return self.chunk_frames if self.state.chunks else self.first_chunk_frames
 
-        self._factory.close_dropped()
-        expected = self.chunk_frames if self.state.chunks else self.first_chunk_frames
-        ring = self._factory.ring
-        done = ring.push([self.state], [frames_to_tensor(frames, expected)]) + ring.drain()
-        mine = [result for state, result in done if state is self.state]
-        if len(mine) != 1:
-            raise RuntimeError(f"the pipeline returned {len(mine)} chunks for stream {self.id}, expected 1")
-        return tensor_to_frames(mine[0].frames)
+    def process(self, frames: np.ndarray) -> np.ndarray:
+        return self._factory.run_chunks([(self, frames, None)])[0]
+
+    def fidelity(self) -> FidelityConfig:
+        config: FidelityConfig = self.state.fidelity
+        return config
+
+    def set_fidelity(self, config: FidelityConfig) -> None:
+        """The engine core's point for the stream's next chunk (a ValueError for one the ranks cannot
+        run: see :meth:`RankFactory.unsupported`)."""
+        config = replace(config, stream_batch=1, gpus=1)  # the batch is the executor's business
+        reason = self._factory.unsupported(config)
+        if reason is not None:
+            raise ValueError(f"fidelity {config.label()} cannot run on the pipeline ranks: {reason}")
+        if config != self.state.fidelity:
+            self._factory.ring.set_fidelity(self.state, config)
 
     def update(self, **changes: Any) -> None:
-        """The controls of `engine.pipeline.Stream.update`; a step-count change restarts the stream
-        (the ring keeps one KV cache per step on every rank)."""
+        """The controls of `engine.pipeline.Stream.update` (a step-count change takes effect at the
+        next chunk: every rank fits the stream's per-step caches, as the single-process engine does)."""
         from engine.sampling import NoiseSource
 
         transition_chunks = int(changes.pop("transition_chunks", 0))
@@ -177,10 +210,6 @@ class RankProcessor:
         pipeline, ring = self._factory.pipeline, self._factory.ring
         fidelity = pipeline.fidelity_for(new)
         ring.rt.check_fidelity(fidelity)
-        if new.steps != self.params.steps:
-            self.params = new
-            self.reset()
-            return
         if {"prompt", "prompt_weights", "blend_mode"} & changes.keys():
             ring.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
                             transition_chunks=transition_chunks, refresh_sinks=refresh_sinks)
@@ -207,6 +236,8 @@ class RankFactory:
         self._states: dict[str, StreamState] = {}
         self._dropped: list[str] = []
         self._lock = threading.Lock()
+        self._running = threading.Lock()  # held while chunks are in the ring
+        self._closed = False
 
     @property
     def size(self) -> tuple[int, int]:
@@ -223,6 +254,47 @@ class RankFactory:
         # chunk of any stream (on the engine thread, never from the garbage collector's thread).
         weakref.finalize(processor, self._drop, processor.id)
         return processor
+
+    def unsupported(self, config: FidelityConfig) -> str | None:
+        """What the ranks run: the runtime's knobs (steps up to the preset's, KV window, resolution
+        scale, precision and attention sparsity per device), one chunk of a stream in the ring at a time."""
+        if config.step_batch:
+            # A step batch keeps a stream's successive chunks in the ring together; the server's seam
+            # hands every chunk's frames back before the stream's next chunk enters.
+            return "step batches are not run on the pipeline ranks (each chunk leaves the ring before the next enters)"
+        try:
+            self.ring.rt.check_fidelity(config)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def run_chunks(self, chunks: Sequence[tuple[RankProcessor, np.ndarray, FidelityConfig | None]]) -> list[np.ndarray]:
+        """One chunk of each stream, at its fidelity (None: the stream's own), through the ranks together
+        (:meth:`RingRuntime.run`: their micro-steps overlap across ranks); the frames of each, in order."""
+        with self._running:
+            if self._closed:
+                raise RuntimeError("the pipeline ranks are shutting down")
+            return self._run_chunks(chunks)
+
+    def close(self) -> None:
+        """No more chunks: waits for the chunks in the ring (the engine thread's) to come back."""
+        with self._running:
+            self._closed = True
+
+    def _run_chunks(self, chunks: Sequence[tuple[RankProcessor, np.ndarray, FidelityConfig | None]]) -> list[np.ndarray]:
+        from engine.frames import frames_to_tensor, tensor_to_frames
+
+        self.close_dropped()
+        for processor, _, config in chunks:
+            if config is not None:
+                processor.set_fidelity(config)
+        states = [p.state for p, _, _ in chunks]
+        done = {id(state): result for state, result in
+                self.ring.run(states, [frames_to_tensor(f, p.expected_frames) for p, f, _ in chunks])}
+        missing = [p.id for p, _, _ in chunks if id(p.state) not in done]
+        if missing:
+            raise RuntimeError(f"the pipeline returned no chunk for streams {missing}")
+        return [tensor_to_frames(done[id(state)].frames) for state in states]
 
     def open_state(self, stream_id: str, params: StreamParams) -> StreamState:
         state = self._states[stream_id] = self.ring.open(

@@ -9,9 +9,13 @@ step is over. Here:
   stabilises. Streams whose steps the policy groups share one forward (split by cache fill level);
   a stream the policy preempts keeps its half-done chunk parked in its processor; evicted streams'
   states go to host memory and come back bit-identically before their next step.
-* ``ChunkExecutor`` — engines that run whole chunks at their own fidelity behind `process` (Ray
-  worker actors, pipeline ranks): one ``Work`` per chunk; the core's later steps of that chunk are
-  already done. The next issue's executors make them step-, fidelity- and migration-aware.
+* ``RayExecutor`` (app/server/cluster_executor.py) — the ``StepExecutor`` over Ray worker actors:
+  each ``Work`` is one step on worker ``w``'s actor; re-homing, worker failures, autoscaling.
+* ``ChunkExecutor`` — engines that run whole chunks at their own fidelity behind `process`: one
+  ``Work`` per chunk; the core's later steps of that chunk are already done.
+* ``RankExecutor`` — the pipeline ranks (`ChunkBatchFactory`): a ``Work``'s new chunks, each at the
+  policy's point, go through the ring together (their micro-steps overlap across ranks); whole
+  chunks, so no step preemption and no eviction (docs/parallel.md).
 
 ``ServingLoop`` is the asyncio side: it admits streams through the core, feeds it cursor reports,
 pauses and prompt switches, runs the control tick, and kicks idle workers when input arrives.
@@ -32,10 +36,16 @@ from typing import Any
 import numpy as np
 
 from app.server.config import ServerConfig
-from app.server.engine_bridge import ProcessorFactory, StepProcessor, parallel_chunks, per_chunk_fidelity
+from app.server.engine_bridge import (
+    ChunkBatchFactory,
+    ProcessorFactory,
+    StepProcessor,
+    parallel_chunks,
+    per_chunk_fidelity,
+)
 from app.server.frame_path import InputFrame, Playout, StreamRunner
 from app.server.session import CapacityError
-from engine.fidelity import engine_capabilities
+from engine.fidelity import FidelityConfig, engine_capabilities
 from engine.serving.core import Clock, EngineCore, StepOrder, StepResult, Work
 from engine.serving.fidelity import (
     BUNDLED_PROFILES,
@@ -298,6 +308,43 @@ class ChunkExecutor(_LiveExecutor):
             stream.taken = []
 
 
+class RankExecutor(ChunkExecutor):
+    """Pipeline ranks (`ChunkBatchFactory`): every new chunk at the policy's point, a cross-user batch
+    as one `run_chunks` call (all its chunks enter the ring together and overlap across ranks)."""
+
+    def __init__(self, factory: ChunkBatchFactory, threads: ThreadExecutor, clock: Clock, fps: float,
+                 delay_s: float = 0.0, step_delay_s: float = 0.0) -> None:
+        super().__init__(1, threads, clock, UNLIMITED_SLOTS, fps, delay_s, step_delay_s)
+        self.factory = factory
+
+    def execute(self, work: Work) -> float:
+        if not any(order.new_chunk for order in work.orders):
+            return super().execute(work)  # the chunk's later steps: already run with its first
+        self._take_inputs(work)
+        rows = [(o.point.config, self.streams[o.stream_id]) for o in work.orders
+                if o.new_chunk and o.stream_id in self.streams]
+        steps = max(o.point.config.steps for o in work.orders)
+        self._run(work, lambda: self._batch(rows, steps), steps)
+        return 0.0
+
+    def _batch(self, rows: Sequence[tuple[FidelityConfig, LiveStream]], steps: int) -> None:
+        """Engine thread: set each chunk's fidelity, run the chunks together, keep their frames."""
+        batch = []
+        for config, stream in rows:
+            if not stream.taken:
+                continue  # paused or reset between the readiness check and now
+            batch.append((stream, stream.taken, stream.runner.chunk_inputs(stream.taken), config))
+            stream.taken = []
+        if not batch:
+            return
+        if self.delay_s or self.step_delay_s:
+            time.sleep(self.delay_s * len(batch) + self.step_delay_s * steps)
+        outs = self.factory.run_chunks([(stream.runner.processor, inputs, config)
+                                        for stream, _, inputs, config in batch])
+        for (stream, frames, inputs, _), out in zip(batch, outs, strict=True):
+            stream.ready.append((frames, stream.runner.chunk_outputs(inputs, out)))
+
+
 def _step_processor(stream: LiveStream) -> StepProcessor:
     processor = stream.runner.processor
     if not isinstance(processor, StepProcessor):
@@ -489,13 +536,16 @@ def with_emulated_delay(profile: FidelityProfile, delay_s: float, step_delay_s: 
                    notes=(*profile.notes, f"emulated delay {delay_s:g} s + {step_delay_s:g} s/step added"))
 
 
-def live_policy_config(name: str, max_batch: int, step_wise: bool, workers: int = 1) -> PolicyConfig:
-    """A preset as it runs live. Each worker (the in-process engine, or a Ray worker actor) is one
-    device, so a preset's ``gpus_per_worker`` (a simulated worker's GPU count) does not apply; the
-    preset re-homes streams between workers where there are several. ``--max-batch`` bounds the
+def live_policy_config(name: str, max_batch: int, step_wise: bool, chunk_batches: bool = False,
+                       workers: int = 1) -> PolicyConfig:
+    """A preset as it runs live. Each worker (the in-process engine, a Ray worker actor, the ranks) is
+    one device, so a preset's ``gpus_per_worker`` (a simulated worker's GPU count) does not apply; the
+    preset re-homes streams between ``workers`` where there are several. ``--max-batch`` bounds the
     cross-user batch of presets that route fidelity (BMPR) and FIFO's stream batch. Engines that run
-    whole chunks behind ``process`` (Ray, ranks) keep each stream's own fidelity, unbatched, with no
-    step preemption: those need the step-wise executor."""
+    whole chunks behind ``process`` (Ray) keep each stream's own fidelity, unbatched, with no step
+    preemption: those need the step-wise executor. Engines that run batches of whole chunks at
+    per-chunk fidelity (``chunk_batches``: the pipeline ranks) keep routing and batches, but a chunk
+    runs to its end (no step preemption) and states stay where they are (no eviction)."""
     preset = resolve_preset(name)
     if preset.bmpr:
         batch = max_batch  # cross-user batches of streams routed to the same point
@@ -504,16 +554,22 @@ def live_policy_config(name: str, max_batch: int, step_wise: bool, workers: int 
     else:
         batch = preset.max_batch
     live = replace(preset, gpus_per_worker=1, max_batch=batch, rehoming=preset.rehoming and workers > 1)
-    if not step_wise:
+    if chunk_batches:
+        live = replace(live, step_preemption=False)
+    elif not step_wise:
         live = replace(live, bmpr=False, step_preemption=False, max_batch=1)
     return live
 
 
-def runnable_profile(profile: FidelityProfile, device: str, step_wise: bool) -> FidelityProfile:
-    """Only the points this engine runs: capabilities of its device; one device per worker; and, for
-    engines behind ``process``, whatever fidelity the stream opened with (their single reference)."""
+def runnable_profile(profile: FidelityProfile, device: str, step_wise: bool,
+                     unsupported: Callable[[FidelityConfig], str | None] | None = None) -> FidelityProfile:
+    """Only the points this engine runs: capabilities of its device; one device per worker; for
+    engines that say what they run (``unsupported``: the pipeline ranks) only those points; and, for
+    other engines behind ``process``, whatever fidelity the stream opened with (their single reference)."""
     kept = profile.runnable(engine_capabilities(device.split(":")[0])).filtered(lambda c: c.gpus == 1)
-    if not step_wise:
+    if unsupported is not None:
+        kept = kept.filtered(lambda c: unsupported(replace(c, stream_batch=1)) is None)
+    elif not step_wise:
         kept = kept.filtered(lambda c: c == kept.reference().config or c.stream_batch > 1)
     return kept
 
@@ -522,19 +578,21 @@ def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads:
                        clock: Clock = time.monotonic) -> ServingLoop:
     """The engine core with the executor that fits ``factory``'s engine."""
     step_wise = per_chunk_fidelity(factory)
+    batches = factory if isinstance(factory, ChunkBatchFactory) else None
     profile = load_profile(config.profile) if config.profile else bundled_live_profile(config.model, factory.size)
     if tuple(profile.resolution) != tuple(factory.size):
         log.warning("fidelity profile %s was measured at %s but the engine runs at %s: latencies are off; "
                     "measure one with `diffcast profile --out FILE` and pass --profile FILE",
                     profile.model, profile.resolution, factory.size)
-    profile = runnable_profile(profile, config.device, step_wise)
+    profile = runnable_profile(profile, config.device, step_wise, batches.unsupported if batches else None)
     # Content time on this server runs at the playout clock's rate, not the profile's video rate.
     profile = replace(with_emulated_delay(profile, config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0),
                       fps=config.max_fps)
     controller = getattr(factory, "controller", None)  # Ray worker actors (RayFactory)
     workers = len(controller.worker_ids) if controller is not None else 1
     most = max(workers, config.max_workers if controller is not None else 1)
-    policy = SlackPolicy(profile, live_policy_config(config.policy, config.max_batch, step_wise, most))
+    policy = SlackPolicy(profile, live_policy_config(config.policy, config.max_batch, step_wise, batches is not None,
+                                                     workers=most))
     slots = (config.state_slots or UNLIMITED_SLOTS) if step_wise else UNLIMITED_SLOTS  # only states it can park
     delays = (config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0)
     executor: _LiveExecutor
@@ -555,12 +613,18 @@ def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads:
                             capacity=lambda p: advisory_autoscale(p).streams_per_worker)
     elif step_wise:
         executor = StepExecutor(1, threads, clock, slots, config.max_fps, *delays)
+    elif batches is not None:
+        executor = RankExecutor(batches, threads, clock, config.max_fps, *delays)
     else:
         executor = ChunkExecutor(parallel_chunks(factory), threads, clock, slots, config.max_fps, *delays)
     executor.device = config.device
     ledger = StreamLedger(max_lookahead_s=None, max_log=LEDGER_LOG_ROWS)
     core = EngineCore(policy, executor, clock, ledger, calibrate=True, scaler=scaler)
     loop = ServingLoop(core, executor, config.max_fps)
-    log.info("serving policy %s on %s: %d fidelity points, initial slack %.2f s, content rate %g fps",
-             policy.name, type(executor).__name__, len(profile.points), policy.initial_slack_s, config.max_fps)
+    pc = policy.config
+    log.info("serving policy %s on %s: %d fidelity points (%s), cross-user batches up to %d, step preemption %s, "
+             "eviction %s, initial slack %.2f s, content rate %g fps", policy.name, type(executor).__name__,
+             len(profile.points), "routed per chunk" if pc.bmpr else "fixed", pc.max_batch,
+             "on" if pc.step_preemption else "off", "on" if slots < UNLIMITED_SLOTS else "off",
+             policy.initial_slack_s, config.max_fps)
     return loop

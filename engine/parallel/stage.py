@@ -22,6 +22,7 @@ from engine.models.wan_dit import KVCache, PromptCache
 from engine.parallel.comm import Channel, Message
 from engine.parallel.partition import check_ranges
 from engine.sampling import renoise, x0_from_velocity
+from engine.streaming.rescale import rescale_kv_cache, rescale_vae_cache, token_grid
 from engine.streaming.runtime import StreamRuntime, resize_window
 
 WeightsMode = Literal["all", "own"]
@@ -92,6 +93,32 @@ class Stage:
             cache = self.kv[key] = resize_window(cache, window)
         return cache
 
+    def fit(self, meta: dict[str, Any]) -> None:
+        """A stream's new step count or engine size between its chunks (:meth:`RingRuntime._refit`): its
+        pending sink decisions, then its caches rescaled (``rescale_state``'s order), then the step
+        caches fitted (``StreamRuntime._fit_caches``). A stream with no caches yet gets zeros lazily."""
+        sid, steps = meta["sid"], meta["steps"]
+        self._apply_refresh(meta["refresh"])
+        if meta["sizes"] is not None:
+            old, new = (tuple(size) for size in meta["sizes"])
+            sc = self.rt.vae.spatial_compression
+            grids = token_grid(self.dit.config, sc, old), token_grid(self.dit.config, sc, new)
+            for key in [k for k in self.kv if k[0] == sid]:
+                self.kv[key] = rescale_kv_cache(self.kv[key], self.dit.config, *grids)
+            if sid in self.decoders:
+                self.decoders[sid] = rescale_vae_cache(self.decoders[sid], old, new)
+        have = sorted(step for s, step in self.kv if s == sid)
+        for step in have[steps:]:
+            del self.kv[(sid, step)]
+        if have:
+            for step in range(len(have), steps):
+                self.kv[(sid, step)] = self.kv[(sid, step - 1)].to(self.device)
+
+    def _apply_refresh(self, decisions: Sequence[tuple[str, int, int, int]]) -> None:
+        for sid, step, worst, newest in decisions:
+            cache = self.kv[(sid, step)]
+            cache.replace_frame(worst, *cache.read_frame(newest))
+
     def add_prompt(self, sid: str, version: int, text: Tensor) -> None:
         self.text[(sid, version)] = text
         self.prompts[(sid, version)] = self.dit.prompt_kv(text, self.blocks)
@@ -117,9 +144,7 @@ class Stage:
                 self.add_prompt(sid, version, ts[f"ctx.{sid}.{version}"])
             for sid, versions in meta["drop_prompts"]:
                 self.forget(sid, versions)
-            for sid, step, worst, newest in meta["refresh"]:
-                cache = self.kv[(sid, step)]
-                cache.replace_frame(worst, *cache.read_frame(newest))
+            self._apply_refresh(meta["refresh"])
             ret: dict[str, Any] = {"op": "return", "m": meta["m"], "continue": [], "finished": [], "refresh": []}
             for gi, group in enumerate(meta["groups"]):
                 self._group(gi, group, ts, out, meta["sink"], ret, timing["blocks"])
@@ -311,6 +336,8 @@ class StageWorker:
                 self.stage.rebalance([range(a, b) for a, b in msg.meta["ranges"]], self.channel)
             elif op == "forget":
                 self.stage.forget(msg.meta["sid"])
+            elif op == "fit":
+                self.stage.fit(msg.meta)
             elif op == "stop":
                 break
             else:
