@@ -28,7 +28,7 @@ from concurrent.futures import Executor as ThreadExecutor
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from app.server.engine_bridge import RayProcessor
 from app.server.executors import LiveStream, StepExecutor
@@ -38,6 +38,10 @@ from engine.serving.core import Clock, EngineCore, StepOrder, Work
 from engine.serving.snapshot import Rehome, WorkerView
 
 log = logging.getLogger(__name__)
+
+
+class StreamMovedError(RuntimeError):
+    """A stream of the step lives on another worker now (moved outside the policy): the step did not run."""
 
 
 class RayExecutor(StepExecutor):
@@ -84,9 +88,26 @@ class RayExecutor(StepExecutor):
         call = StepCall(orders, tuple(_ray_id(s) for s in evict), tuple(_ray_id(s) for s in restore),
                         self.delay_s + self.worker_delays_s.get(worker_id, 0.0), self.step_delay_s,
                         tuple(_ray_id(s) for s in drop))
-        outcome = self.controller.run_step(worker_id, call)
+        streams = [s for s, _, _ in active]
+        if self._moved_away(worker_id, streams):
+            raise StreamMovedError(f"streams moved away from worker {worker_id}")
+        try:
+            outcome = self.controller.run_step(worker_id, call)
+        except RayTaskError:
+            if self._moved_away(worker_id, streams):  # moved between the check and the call
+                raise StreamMovedError(f"streams moved away from worker {worker_id}") from None
+            raise
         self.forwards += outcome.forwards
         return [outcome.finished.get(order.stream_id, []) for order in orders]
+
+    def _moved_away(self, worker_id: int, streams: Sequence[LiveStream]) -> bool:
+        for stream in streams:
+            try:
+                if self.controller.home(_ray_id(stream)) != worker_id:
+                    return True
+            except ClusterError:
+                continue  # closed: its session is ending
+        return False
 
     def _place(self, ray_id: int, worker_id: int) -> None:
         """Engine thread: the stream's state is on ``worker_id`` before its step (a move the policy
@@ -101,6 +122,13 @@ class RayExecutor(StepExecutor):
     def _complete(self, work: Work, seconds: float, exc: BaseException | None) -> None:
         if isinstance(exc, RayActorError | ClusterError) and work.worker_id not in self.controller.worker_ids:
             # The worker died under the step: the controller re-admitted its streams, ``poll`` moves them.
+            self.wakeup.set()
+            return
+        if isinstance(exc, StreamMovedError) and self.core is not None:
+            # An operator moved a stream away under the step: the policy follows it, the rest go again.
+            self.core.step_lost(work.worker_id)
+            self._follow(self.core)
+            self.core.kick(work.worker_id)
             self.wakeup.set()
             return
         super()._complete(work, seconds, exc)

@@ -444,6 +444,20 @@ class EngineCore:
             self.kick(home)
         return job
 
+    def step_lost(self, worker_id: int) -> tuple[int, ...]:
+        """The worker's step did not run (a stream's state was moved away under it): the chunks its
+        streams had started are abandoned (their engine drops them at their next step). The caller
+        schedules the worker again. Returns the streams of the lost step."""
+        job = self.jobs.pop(worker_id, ())
+        now = self.clock()
+        for sid in job:
+            entry = self._active(sid)
+            if entry is not None and entry.inflight is not None:
+                self.ledger.abandon(sid, now)
+                self.counters.abandoned += 1
+                self.abandoned.add(sid)
+        return job
+
     def moved(self, stream_id: int, worker_id: int) -> None:
         """The stream's state was moved to ``worker_id`` outside the policy (an operator's migration):
         the ledger follows; a partial chunk it had parked did not travel and starts again."""
