@@ -19,6 +19,7 @@ from _runtime_fixtures import HashTextEncoder, clip, fidelity
 from app.server.engine_bridge import RankFactory, RankProcessor, StreamSettings
 from engine.fidelity import FidelityConfig
 from engine.frames import tensor_to_frames
+from engine.lora import load_lora
 from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.models.wan_vae import WanVAE, WanVAEConfig
 from engine.parallel.ring import RingRuntime
@@ -44,6 +45,7 @@ class TinyFactory:
     sink_refresh: bool = True
     sink_tau: float = 0.2
     stabilize: bool = False  # the temporal stabilizer stage (applied on rank 0)
+    lora: str | None = None  # a LoRA file every rank loads as "ink"
 
     def __call__(self, device: torch.device | str = "cpu") -> StreamRuntime:
         torch.manual_seed(0)
@@ -51,7 +53,10 @@ class TinyFactory:
         vae = WanVAE(WanVAEConfig.tiny()).to(device).eval()
         config = RuntimeConfig(sink_refresh=self.sink_refresh, sink_tau=self.sink_tau,
                                stabilizer=StabilizerConfig() if self.stabilize else None)
-        return StreamRuntime(dit, vae, PromptEncoder(HashTextEncoder()), STREAMDIFFUSION_V2, config)
+        runtime = StreamRuntime(dit, vae, PromptEncoder(HashTextEncoder()), STREAMDIFFUSION_V2, config)
+        if self.lora is not None:
+            load_lora(self.lora, runtime.loras, "ink")
+        return runtime
 
 
 PROMPTS = ("oil painting", "watercolor", "neon city")
@@ -124,23 +129,29 @@ class ServiceScenario:
 
     chunks: int = 5
     switch_at: int = 3
+    # LoRA strengths (of the factory's "ink") at the start and from ``switch_at`` on; None: no LoRA.
+    loras: tuple[float, float] | None = None
+
+    def _strengths(self, c: int) -> dict[str, float]:
+        return {} if self.loras is None else {"ink": self.loras[int(c >= self.switch_at)]}
 
     def reference(self, runtime: StreamRuntime) -> list[np.ndarray]:
-        stream = tiny_pipeline(runtime).open_stream(StreamParams(prompt="oil painting", steps=2, seed=5))
+        stream = tiny_pipeline(runtime).open_stream(StreamParams(prompt="oil painting", steps=2, seed=5,
+                                                                 loras=self._strengths(0)))
         out = []
         for c, frames in enumerate(uint8_clip(self.chunks)):
             if c == self.switch_at:
-                stream.update(prompt="pencil sketch")
+                stream.update(prompt="pencil sketch", loras=self._strengths(c))
             out.append(stream.process(frames))
         return out
 
     def __call__(self, ring: RingRuntime) -> dict[str, object]:
         factory = RankFactory(ring, tiny_pipeline(ring.rt))
-        processor = factory.open(StreamSettings(prompt="oil painting", steps=2, seed=5))
+        processor = factory.open(StreamSettings(prompt="oil painting", steps=2, seed=5, loras=self._strengths(0)))
         out = []
         for c, frames in enumerate(uint8_clip(self.chunks)):
             if c == self.switch_at:
-                processor.update(prompt="pencil sketch")
+                processor.update(prompt="pencil sketch", loras=self._strengths(c))
             out.append(processor.process(frames))
         return {"frames": out, "rebalances": ring.rebalances, "ranges": [(r.start, r.stop) for r in ring.ranges]}
 

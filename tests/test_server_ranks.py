@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _dit_fixtures import write_random_lora
 from _parallel_fixtures import (
     S2,
     BatchScenario,
@@ -26,6 +27,7 @@ from _parallel_fixtures import (
 )
 
 from app.server.engine_bridge import StreamSettings
+from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.parallel.launch import run_ring
 from engine.parallel.ring import RingOptions
 
@@ -44,6 +46,22 @@ def test_processor_over_two_ranks_matches_the_pipeline_api() -> None:
         # uint8 frames: fp32-rounding differences may flip a rounding step, never more.
         assert int(np.abs(e.astype(np.int16) - g.astype(np.int16)).max()) <= 1
     assert not np.array_equal(expected[-1], expected[-2])
+
+
+def test_loras_over_two_ranks_match_the_pipeline_api(tmp_path: Path) -> None:
+    """A LoRA on, then its strength changed live with a prompt switch, while the scheduler moves blocks
+    (the prompt K/V are re-encoded with the stream's strengths on every rank)."""
+    lora = tmp_path / "ink.safetensors"
+    write_random_lora(lora, CausalWanDiT(replace(CONFIGS["tiny"], num_layers=4)),
+                      ("self_attn.q", "cross_attn.k", "cross_attn.v", "ffn.0"), size=0.5)
+    factory = TinyFactory(layers=4, sink_refresh=True, lora=str(lora))
+    scenario = ServiceScenario(chunks=4, switch_at=2, loras=(1.5, 0.5))
+    expected = scenario.reference(factory())
+    plain = ServiceScenario(chunks=4, switch_at=2).reference(TinyFactory(layers=4, sink_refresh=True)())
+    got = run_ring(factory, scenario, world=2, options=RingOptions(rebalance_every=1, min_gain=0.0))["frames"]
+    for e, g in zip(expected, got, strict=True):
+        assert int(np.abs(e.astype(np.int16) - g.astype(np.int16)).max()) <= 1
+    assert np.abs(expected[-1].astype(np.int16) - plain[-1].astype(np.int16)).mean() > 2  # the LoRA shows
 
 
 def test_gpus_flag_rejects_bad_values() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from app.server.config import add_lora_arguments
+
 NAME = "serve"
 HELP = "Run the live web service: webcam in over WebRTC/WHIP, stylized video out (page, WHEP, /ws)."
 
@@ -26,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "'random:wan2.1-1.3b' = full-size random weights, no download; or a path",
     )
     parser.add_argument("--device", default="cpu", help="torch device for the engine (default cpu)")
+    add_lora_arguments(parser)
     parser.add_argument("--max-streams", type=int, default=4, help="concurrent streams before 503 (default 4)")
     parser.add_argument("--max-viewers", type=int, default=8, help="WHEP viewers per stream before 503 (default 8)")
     parser.add_argument(
@@ -168,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     from app.server.config import ServerConfig
     from app.server.osc import OscBindError
     from app.server.tls import with_certificate
+    from engine.models.lora import LoRAError
     from engine.pipeline import ModelNotAvailableError
 
     try:
@@ -202,9 +206,9 @@ def run(args: argparse.Namespace) -> int:
             from app.server.engine_bridge import RayFactory
 
             factory = RayFactory.start(args.model, args.device, args.workers, args.ray_address, max(args.threads, 1),
-                                       args.max_workers)
+                                       config.loras, args.max_workers)
         serve(config, factory)
-    except (ModelNotAvailableError, OscBindError) as exc:
+    except (ModelNotAvailableError, OscBindError, LoRAError) as exc:
         log.error("%s", exc)
         return 2
     return 0

@@ -134,7 +134,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
 
         osc_socket = bind(config)
     if factory is None:
-        factory = InProcessFactory.load(config.model, config.device)
+        factory = InProcessFactory.load(config.model, config.device, config.loras)
     config = with_model_defaults(config, factory)
     manager = SessionManager(factory, config)
     manager.loop = build_serving_loop(config, factory, manager.executor)
@@ -214,6 +214,8 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
                             samesite="strict", secure=request.url.scheme == "https")
         return response
 
+    loras = list(getattr(factory, "loras", ()))  # name, rank, layers, targets, strength (docs/lora.md)
+
     @app.get("/api/config")
     async def client_config() -> dict[str, Any]:
         width, height = manager.size
@@ -226,6 +228,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             "maxPromptChars": config.max_prompt_chars,
             "width": width,
             "height": height,
+            "loras": loras,
         }
 
     @app.post("/api/offer", responses={200: {"model": OfferReply}, **errors("/api/offer", 400, 503)})

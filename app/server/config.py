@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 # The generic (StreamDiffusionV2-style) operating point: stream defaults for a model that names none.
@@ -11,11 +12,64 @@ GENERIC_STEPS = 2
 
 
 @dataclass(frozen=True)
+class LoRASpec:
+    """A LoRA to load at start-up (``--lora NAME=PATH``) and the strength new streams get."""
+
+    name: str
+    path: str
+    strength: float = 1.0
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--lora`` / ``--lora-strength``, shared by `diffcast serve` and `diffcast stylize` (docs/lora.md)."""
+    parser.add_argument(
+        "--lora", action="append", default=[], metavar="NAME=PATH",
+        help="load a LoRA safetensors file (diffusers/PEFT or original Wan/kohya keys) under NAME (repeatable); "
+             "applied as a side path, the base weights stay as they are",
+    )
+    parser.add_argument(
+        "--lora-strength", action="append", default=[], metavar="NAME=S",
+        help="strength of LoRA NAME for new streams (default 1; 0 loads it switched off; repeatable)",
+    )
+
+
+def lora_specs(loras: list[str], strengths: list[str]) -> tuple[LoRASpec, ...]:
+    """The LoRAs the flags describe; ValueError in plain words for a malformed or dangling flag."""
+    specs: dict[str, LoRASpec] = {}
+    for text in loras:
+        name, path = _pair(text, "--lora", "NAME=PATH (e.g. ink=loras/ink.safetensors)")
+        if name in specs:
+            raise ValueError(f"--lora names {name!r} twice")
+        specs[name] = LoRASpec(name, path)
+    for text in strengths:
+        name, value = _pair(text, "--lora-strength", "NAME=S (e.g. ink=0.7)")
+        if name not in specs:
+            raise ValueError(f"--lora-strength names {name!r}, which no --lora loads")
+        try:
+            strength = float(value)
+        except ValueError:
+            raise ValueError(f"--lora-strength {text!r}: {value!r} is not a number") from None
+        if not math.isfinite(strength):
+            raise ValueError(f"--lora-strength {text!r}: the strength must be a finite number")
+        specs[name] = LoRASpec(name, specs[name].path, strength)
+    return tuple(specs.values())
+
+
+def _pair(text: str, flag: str, form: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise ValueError(f"{flag} takes {form}, got {text!r}")
+    return name.strip(), value.strip()
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     # None = the engine's embedded default model; "tiny-random" = tiny random-weight model (tests).
     model: str | None = None
+    # LoRAs loaded with the model (--lora); streams set their strengths (docs/lora.md).
+    loras: tuple[LoRASpec, ...] = ()
     device: str = "cpu"
     max_streams: int = 4
     # WHEP viewers per stream: each one costs a video encoder on the server.
@@ -138,6 +192,7 @@ class ServerConfig:
             host=args.host,
             port=args.port,
             model=args.model,
+            loras=lora_specs(args.lora, args.lora_strength),
             device=args.device,
             max_streams=args.max_streams,
             max_viewers=args.max_viewers,

@@ -8,7 +8,7 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
 
 from app.server.config import GENERIC_NOISE_SCALE, GENERIC_STEPS
 from app.server.engine_bridge import StreamSettings
@@ -20,6 +20,14 @@ MIN_NOISE_SCALE = 0.2
 # Seeds arrive as JSON numbers: above 2**53 a JavaScript client cannot send them exactly, and the
 # OpenAPI document (FastAPI writes bounds as floats) could not state a larger bound exactly.
 MAX_SEED = 2**53 - 1
+# LoRA strengths: engine.models.lora.MAX_LORA_STRENGTH (this module does not import torch). A message
+# names at most MAX_LORAS of them.
+MAX_LORA_STRENGTH = 4.0
+MAX_LORAS = 16
+LoRAStrengths = dict[
+    Annotated[str, StringConstraints(min_length=1, max_length=64)],
+    Annotated[float, Field(ge=-MAX_LORA_STRENGTH, le=MAX_LORA_STRENGTH)],
+]
 
 
 # Control (Cc: NUL, newlines, escapes), format (Cf: bidi overrides, zero-width spaces) and surrogate
@@ -50,6 +58,8 @@ class UpdateMessage(_Message):
     steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stabilize: bool | None = None
+    # Strengths of the served LoRAs it names (GET /api/config lists them); the others keep theirs.
+    loras: LoRAStrengths | None = Field(default=None, max_length=MAX_LORAS)
 
     def changes(self) -> dict[str, Any]:
         return self.model_dump(exclude={"type"}, exclude_none=True)
@@ -137,6 +147,7 @@ class StreamOptions(_Message):
     steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     stabilize: bool = True
+    loras: LoRAStrengths | None = Field(default=None, max_length=MAX_LORAS)  # over the served defaults
 
     def to_settings(
         self, default_prompt: str, max_prompt_chars: int, default_noise_scale: float = GENERIC_NOISE_SCALE,
@@ -149,6 +160,7 @@ class StreamOptions(_Message):
             steps=self.steps if self.steps is not None else default_steps,
             seed=self.seed,
             stabilize=self.stabilize,
+            loras=dict(self.loras or {}),
         )
 
 

@@ -17,7 +17,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -29,6 +29,7 @@ from engine.streaming.step_processor import InProcessProcessor as InProcessProce
 from engine.streaming.step_processor import StepProcessor as StepProcessor
 
 if TYPE_CHECKING:
+    from app.server.config import LoRASpec
     from engine.parallel.ring import RingRuntime
     from engine.pipeline import Pipeline, StreamParams
     from engine.streaming.state import StreamState
@@ -45,6 +46,7 @@ class StreamSettings:
     steps: int = 2
     seed: int = 0
     stabilize: bool = True  # the temporal stabilizer, where the model's config has one
+    loras: dict[str, float] = field(default_factory=dict)  # strengths over the served LoRAs' defaults
 
 
 class StreamProcessor(Protocol):
@@ -101,13 +103,21 @@ class InProcessFactory:
         self._pipe = pipeline
 
     @classmethod
-    def load(cls, model: str | None, device: str = "cpu") -> InProcessFactory:
+    def load(cls, model: str | None, device: str = "cpu", loras: Sequence[LoRASpec] = ()) -> InProcessFactory:
         from engine.pipeline import Pipeline
 
         t0 = time.perf_counter()
         pipe = Pipeline.load(model=model, device=device)
+        for lora in loras:
+            pipe.load_lora(lora.name, lora.path, lora.strength)
         log.info("loaded model %s on %s in %.1f s", model or "(embedded default)", device, time.perf_counter() - t0)
         return cls(pipe)
+
+    @property
+    def loras(self) -> list[dict[str, Any]]:
+        """The loaded LoRAs (name, rank, layers, targets, default strength), for /api/config."""
+        info: list[dict[str, Any]] = self._pipe.lora_info()
+        return info
 
     @property
     def pipeline(self) -> Any:
@@ -206,13 +216,19 @@ class RankProcessor:
         if changes.get("prompt_weights") is not None:
             changes["prompt_weights"] = tuple(changes["prompt_weights"])
         seed = changes.get("seed")
-        new = self.params.with_(**changes)  # validates
         pipeline, ring = self._factory.pipeline, self._factory.ring
+        loras = changes.get("loras")
+        if loras is not None:
+            ring.rt.checked_loras(loras)  # names a LoRA that is not loaded, before anything changes
+            changes["loras"] = {**self.params.loras, **loras}
+        new = self.params.with_(**changes)  # validates
         fidelity = pipeline.fidelity_for(new)
         ring.rt.check_fidelity(fidelity)
         if {"prompt", "prompt_weights", "blend_mode"} & changes.keys():
             ring.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
                             transition_chunks=transition_chunks, refresh_sinks=refresh_sinks)
+        if loras is not None:
+            ring.set_loras(self.state, loras)
         ring.set_fidelity(self.state, fidelity)
         self.state.noise_scale = new.noise_scale
         self.state.stabilize = new.stabilize
@@ -249,7 +265,7 @@ class RankFactory:
 
         processor = RankProcessor(self, StreamParams(prompt=settings.prompt, noise_scale=settings.noise_scale,
                                                      steps=settings.steps, seed=settings.seed,
-                                                     stabilize=settings.stabilize))
+                                                     stabilize=settings.stabilize, loras=settings.loras))
         # The processor protocol has no close: a dropped session's stream leaves the ranks at the next
         # chunk of any stream (on the engine thread, never from the garbage collector's thread).
         weakref.finalize(processor, self._drop, processor.id)
@@ -300,8 +316,15 @@ class RankFactory:
         state = self._states[stream_id] = self.ring.open(
             stream_id, list(params.prompts), params.size or self.pipeline.default_size,
             self.pipeline.fidelity_for(params), seed=params.seed, weights=params.prompt_weights,
-            blend_mode=params.blend_mode, noise_scale=params.noise_scale, stabilize=params.stabilize)
+            blend_mode=params.blend_mode, noise_scale=params.noise_scale, stabilize=params.stabilize,
+            loras={**self.pipeline.lora_strengths, **params.loras})
         return state
+
+    @property
+    def loras(self) -> list[dict[str, Any]]:
+        """The LoRAs every rank loaded (name, rank, layers, targets, default strength)."""
+        info: list[dict[str, Any]] = self.pipeline.lora_info()
+        return info
 
     def close_dropped(self) -> None:
         with self._lock:
@@ -351,15 +374,16 @@ class RayFactory:
     @classmethod
     def start(
         cls, model: str | None, device: str = "cpu", workers: int = 2, address: str | None = None, threads: int = 1,
-        max_workers: int = 0,
+        loras: Sequence[LoRASpec] = (), max_workers: int = 0,
     ) -> RayFactory:
-        """Start a local Ray cluster (``address`` None) or join one, bring up ``workers`` actors, and
-        health-check them in the background."""
+        """Start a local Ray cluster (``address`` None) or join one, bring up ``workers`` actors (each
+        loading the model and ``loras``), and health-check them in the background."""
         from engine.cluster.controller import ClusterConfig, ClusterController
 
         gpus = 1.0 if device.startswith("cuda") else 0.0
         config = ClusterConfig(model=model, workers=workers, max_workers=max_workers, device=device,
-                               threads_per_worker=threads, gpus_per_worker=gpus)
+                               threads_per_worker=threads, gpus_per_worker=gpus,
+                               loras=tuple((lora.name, lora.path, lora.strength) for lora in loras))
         controller = ClusterController.start(config, address)
         controller.start_monitor()
         return cls(controller)
@@ -368,6 +392,11 @@ class RayFactory:
     def size(self) -> tuple[int, int]:
         width, height = self.controller.info.default_size
         return int(width), int(height)
+
+    @property
+    def loras(self) -> list[dict[str, Any]]:
+        """The LoRAs every worker loaded (name, rank, layers, targets, default strength)."""
+        return [dict(info) for info in self.controller.info.loras]
 
     @property
     def parallel_chunks(self) -> int:

@@ -55,7 +55,9 @@ def serve_ranks(config: ServerConfig, ranks: int, threads: int = 1) -> None:
     # SIGTERM must stop the ranks too (run_ring stops them on an exception), not orphan them.
     signal.signal(signal.SIGTERM, interrupted)
     try:
-        run_ring(LoadedModel(config.model), ServeProgram(config, logging.getLogger().getEffectiveLevel()), ranks, device=device, threads=threads,
+        loras = tuple((lora.name, lora.path, lora.strength) for lora in config.loras)
+        run_ring(LoadedModel(config.model, loras), ServeProgram(config, logging.getLogger().getEffectiveLevel()), ranks,
+                 device=device, threads=threads,
                  options=RingOptions(rebalance_every=REBALANCE_EVERY), timeout_s=24 * 3600.0)
     except KeyboardInterrupt as exc:
         log.info("stopped (%s); the pipeline ranks are down", exc)

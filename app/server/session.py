@@ -98,6 +98,8 @@ class Session:
             changes = message.changes()
             await self.runner.update(**changes)
             shown: dict[str, Any] = {k: changes[k] for k in ("noise_scale", "steps", "seed", "stabilize") if k in changes}
+            if "loras" in changes:
+                shown["loras"] = {**self.settings.loras, **changes["loras"]}
             if isinstance(message.prompt, str):
                 shown["prompt"] = message.prompt
             elif message.prompt is not None:
@@ -156,6 +158,7 @@ class Session:
             "steps": self.settings.steps,
             "seed": self.settings.seed,
             "stabilize": self.settings.stabilize,
+            "loras": self.settings.loras,
             "chunk_ms": round(1000 * self.runner.chunk_seconds, 1),
             "paused": self.runner.paused,
             "frames_in": self.assembler.received,
@@ -216,6 +219,9 @@ class SessionManager:
         serving = self.loop
         if serving is None:
             raise RuntimeError("the session manager has no engine loop (create_app sets one)")
+        # Every served LoRA's strength for this stream, spelled out (its stats show what runs).
+        served = {lora["name"]: lora["strength"] for lora in getattr(self.factory, "loras", ())}
+        settings = dataclasses.replace(settings, loras={**served, **settings.loras})
         policy_id = serving.admit(settings.steps)  # AdmissionError -> 503
         self._opening += 1
         loop = asyncio.get_running_loop()

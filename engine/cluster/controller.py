@@ -56,6 +56,7 @@ class ClusterConfig:
     max_workers: int = 0  # the most the autoscaler may run (a local cluster gets CPUs for them); 0 = workers
     device: str = "cpu"
     threads_per_worker: int = 1  # torch threads in each actor
+    loras: tuple[tuple[str, str, float], ...] = ()  # (name, path, default strength) every actor loads
     cpus_per_worker: float = 1.0  # Ray scheduling resources of one actor
     gpus_per_worker: float = 0.0
     state_slots: int = 4  # resident streams per worker, as the policy's WorkerView sees it
@@ -173,7 +174,7 @@ class ClusterController:
         with self._table:
             ids = list(range(self._next_worker, self._next_worker + count))
             self._next_worker += count
-        actors = {wid: self._actor_cls.remote(cfg.model, cfg.device, cfg.threads_per_worker) for wid in ids}
+        actors = {wid: self._actor_cls.remote(cfg.model, cfg.device, cfg.threads_per_worker, cfg.loras) for wid in ids}
         infos = ray.get([a.info.remote() for a in actors.values()])
         with self._table:
             self._workers.update(actors)

@@ -35,6 +35,7 @@ class WorkerInfo:
     first_chunk_frames: int
     chunk_frames: int
     default_size: tuple[int, int]
+    loras: tuple[dict[str, Any], ...] = ()  # Pipeline.lora_info() of the replica
 
 
 @dataclass(frozen=True)
@@ -103,13 +104,16 @@ class StreamWorker:
     """A model replica plus its streams: resident (ready to run), suspended (state in host memory), or
     frozen (exported for a migration; dropped once the controller confirms the move)."""
 
-    def __init__(self, model: str | None, device: str = "cpu", threads: int = 1) -> None:
+    def __init__(self, model: str | None, device: str = "cpu", threads: int = 1,
+                 loras: tuple[tuple[str, str, float], ...] = ()) -> None:
         if threads > 0:
             # One thread per actor: actors share the machine's cores, and fixed threading keeps the
             # floating-point reduction order, hence a migrated stream's output, bit-identical.
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
         self.pipe = Pipeline.load(model, device=device)
+        for name, path, strength in loras:
+            self.pipe.load_lora(name, path, strength)
         self.device = device
         self._streams: dict[int, Stream] = {}
         # The step-wise view of each stream (the engine core's Work runs through it), and the frame
@@ -123,7 +127,8 @@ class StreamWorker:
     def info(self) -> WorkerInfo:
         pipe = self.pipe
         width, height = pipe.default_size
-        return WorkerInfo(pipe.name, os.getpid(), pipe.first_chunk_frames, pipe.chunk_frames, (int(width), int(height)))
+        return WorkerInfo(pipe.name, os.getpid(), pipe.first_chunk_frames, pipe.chunk_frames, (int(width), int(height)),
+                          tuple(pipe.lora_info()))
 
     def ping(self) -> dict[str, int]:
         """Health check; also the counts the controller reports."""

@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,8 +117,8 @@ class RingRuntime:
         self._continuing: dict[int, list[_Slot]] = {}
         self._refresh: list[tuple[str, int, int, int]] = []
         self._done: list[tuple[StreamState, ChunkResult]] = []
-        self._versions: dict[str, tuple[Tensor, int]] = {}
-        self._new_prompts: list[tuple[str, int, Tensor]] = []
+        self._versions: dict[str, tuple[Tensor, int, dict[str, float]]] = {}  # embedding, version, LoRAs
+        self._new_prompts: list[tuple[str, int, Tensor, dict[str, float]]] = []
         self._known_prompts: set[tuple[str, int]] = set()
         self._steps: dict[str, int] = {}
         self._enter_s = 0.0
@@ -132,7 +132,7 @@ class RingRuntime:
 
     def open(self, stream_id: str, prompt: str | Sequence[str], size: tuple[int, int], fidelity: FidelityConfig,
              seed: int = 0, weights: Sequence[float] | None = None, blend_mode: BlendMode = "linear",
-             noise_scale: float = 0.8, stabilize: bool = True) -> StreamState:
+             noise_scale: float = 0.8, stabilize: bool = True, loras: Mapping[str, float] | None = None) -> StreamState:
         """Like :meth:`StreamRuntime.open`, but the prompt's cross-attention K/V live on the ranks."""
         if stream_id in self._steps:
             raise ValueError(f"stream {stream_id!r} is already open in this pipeline")
@@ -142,6 +142,7 @@ class RingRuntime:
         if w <= 0 or h <= 0:
             raise ValueError(f"frame size {size} at scale {fidelity.resolution_scale} is too small")
         dataclasses.replace(rt.config.noise, noise_scale=noise_scale)  # validates the noise strength
+        strengths = rt.checked_loras(loras or {})
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         return StreamState(
             stream_id=stream_id,
@@ -154,7 +155,12 @@ class RingRuntime:
             vae_decoder=None,  # the last rank decodes
             noise_scale=noise_scale,
             stabilize=stabilize,
+            loras=strengths,
         )
+
+    def set_loras(self, state: StreamState, loras: Mapping[str, float]) -> None:
+        """Like :meth:`StreamRuntime.set_loras`; the ranks re-encode the prompt K/V with the next chunk."""
+        state.loras = self.rt.checked_loras({**state.loras, **loras})
 
     def set_prompt(self, state: StreamState, prompt: str | Sequence[str], weights: Sequence[float] | None = None,
                    blend_mode: BlendMode = "linear", transition_chunks: int = 0, refresh_sinks: bool = False) -> None:
@@ -311,13 +317,18 @@ class RingRuntime:
         return any(s.state is state for slots in (*self._sent.values(), *self._continuing.values()) for s in slots)
 
     def _prompt_version(self, state: StreamState) -> int:
+        """The version of the stream's prompt K/V on the ranks: a new one for a new embedding or new LoRA
+        strengths (a LoRA on the text embedding or the cross-attention K/V changes them)."""
         sid = state.stream_id
         known = self._versions.get(sid)
-        if known is not None and known[0] is state.embedding:
+        if known is not None and known[0] is state.embedding and known[2] == state.loras:
             return known[1]
         version = 0 if known is None else known[1] + 1
-        self._versions[sid] = (state.embedding, version)
-        self._new_prompts.append((sid, version, self.rt.dit.embed_text(state.embedding)))
+        loras = dict(state.loras)
+        self._versions[sid] = (state.embedding, version, loras)
+        with self.rt.loras.rows([loras]):
+            text = self.rt.dit.embed_text(state.embedding)
+        self._new_prompts.append((sid, version, text, loras))
         return version
 
     def _micro_step(self, new: list[_Slot]) -> None:
@@ -358,7 +369,7 @@ class RingRuntime:
             last = s.step + 1 == len(s.timesteps)
             row = {"key": key, "sid": st.stream_id, "step": s.step, "last": last, "t": s.timesteps[s.step],
                    "t_next": None if last else s.timesteps[s.step + 1], "frame": s.frame, "rope": s.rope,
-                   "ver": slot.version, "geom": geom, "tau": s.tau, "size": st.size}
+                   "ver": slot.version, "geom": geom, "tau": s.tau, "size": st.size, "loras": s.loras}
             cache = self.stage.cache_for(row)
             fill = (cache.local_end, s.frame - cache.global_end[0], geom, st.fidelity.precision,
                     st.fidelity.attention_sparsity)
@@ -369,14 +380,14 @@ class RingRuntime:
         for gi, ((_, _, _, precision, sparsity), members) in enumerate(groups.items()):
             tensors[f"x.{gi}"] = torch.cat([rows[key].chunk.x for key, _ in members])
             meta_groups.append({"rows": [row for _, row in members], "precision": precision, "sparsity": sparsity})
-        for sid, version, text in self._new_prompts:
+        for sid, version, text, _ in self._new_prompts:
             tensors[f"ctx.{sid}.{version}"] = text
-        prompts = [(sid, version) for sid, version, _ in self._new_prompts]
-        self._known_prompts.update(prompts)
+        prompts = [(sid, version, loras) for sid, version, _, loras in self._new_prompts]
+        self._known_prompts.update((sid, version) for sid, version, _ in prompts)
         self._new_prompts = []
         live = {(s.state.stream_id, s.version) for slots in (*self._sent.values(), *self._continuing.values())
                 for s in slots}
-        live.update((sid, v) for sid, (_, v) in self._versions.items())
+        live.update((sid, v) for sid, (_, v, _) in self._versions.items())
         dead = self._known_prompts - live
         self._known_prompts -= dead
         drop: dict[str, list[int]] = {}

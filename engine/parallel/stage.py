@@ -65,6 +65,7 @@ class Stage:
         self.first, self.last = rank == 0, rank == world - 1
         self.kv: dict[tuple[str, int], KVCache] = {}
         self.text: dict[tuple[str, int], Tensor] = {}  # text tokens per (stream, prompt version)
+        self.text_loras: dict[tuple[str, int], dict[str, float]] = {}  # the LoRA strengths they were made with
         self.prompts: dict[tuple[str, int], PromptCache] = {}  # this rank's blocks' cross-attention K/V
         self.decoders: dict[str, Any] = {}
         self.clock = _Clock(self.device)
@@ -119,14 +120,19 @@ class Stage:
             cache = self.kv[(sid, step)]
             cache.replace_frame(worst, *cache.read_frame(newest))
 
-    def add_prompt(self, sid: str, version: int, text: Tensor) -> None:
+    def add_prompt(self, sid: str, version: int, text: Tensor, loras: dict[str, float]) -> None:
         self.text[(sid, version)] = text
-        self.prompts[(sid, version)] = self.dit.prompt_kv(text, self.blocks)
+        self.text_loras[(sid, version)] = loras
+        self.prompts[(sid, version)] = self._prompt_kv((sid, version))
+
+    def _prompt_kv(self, key: tuple[str, int]) -> PromptCache:
+        with self.rt.loras.rows([self.text_loras[key]]):
+            return self.dit.prompt_kv(self.text[key], self.blocks)
 
     def forget(self, sid: str, versions: Sequence[int] | None = None) -> None:
         """Drop a stream's prompt versions (all of its state when ``versions`` is None)."""
         for key in [k for k in self.text if k[0] == sid and (versions is None or k[1] in versions)]:
-            del self.text[key], self.prompts[key]
+            del self.text[key], self.prompts[key], self.text_loras[key]
         if versions is None:
             for key in [k for k in self.kv if k[0] == sid]:
                 del self.kv[key]
@@ -140,8 +146,8 @@ class Stage:
         timing: dict[str, list[float]] = {"total": [], "blocks": []}
         out: dict[str, Tensor] = {}
         with self.clock.measure(timing["total"]):
-            for sid, version in meta["prompts"]:
-                self.add_prompt(sid, version, ts[f"ctx.{sid}.{version}"])
+            for sid, version, loras in meta["prompts"]:
+                self.add_prompt(sid, version, ts[f"ctx.{sid}.{version}"], loras)
             for sid, versions in meta["drop_prompts"]:
                 self.forget(sid, versions)
             self._apply_refresh(meta["refresh"])
@@ -162,7 +168,7 @@ class Stage:
                sink: dict[int, list[Any]], ret: dict[str, Any], block_times: list[float]) -> None:
         rows: list[dict[str, Any]] = group["rows"]
         x = ts[f"x.{gi}"]
-        with self._precision(group["precision"]):
+        with self._precision(group["precision"]), self.rt.loras.rows([r["loras"] for r in rows]):
             if self.first:
                 t = torch.tensor([r["t"] for r in rows], dtype=torch.float32, device=self.device)
                 tokens, e, e0, grid = self.dit.embed(x, t[:, None].expand(-1, x.shape[2]))
@@ -268,8 +274,8 @@ class Stage:
                 if b not in new[me]:
                     self.dit.blocks[b].to_empty(device="meta")
         self.ranges = new
-        for key, text in self.text.items():
-            self.prompts[key] = self.dit.prompt_kv(text, self.blocks)
+        for key in self.text:
+            self.prompts[key] = self._prompt_kv(key)
 
     def _pack_blocks(self, blocks: list[int]) -> Message:
         mine = {b: j for j, b in enumerate(self.blocks)}
