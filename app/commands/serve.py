@@ -152,6 +152,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--workers", type=int, default=2, help="Ray worker actors (model replicas) with --ray")
     parser.add_argument(
+        "--worker-delay-ms", default=None, metavar="D1,D2,...",
+        help="test knob: extra delay per chunk on each Ray worker, in start order (makes workers unequal; "
+             "the policy finds out by measuring)",
+    )
+    parser.add_argument(
+        "--min-workers", type=int, default=1, help="fewest Ray workers the autoscaler keeps (default 1)"
+    )
+    parser.add_argument(
+        "--max-workers", type=int, default=0,
+        help="most Ray workers the autoscaler may run (default 0 = --workers, no autoscaling)",
+    )
+    parser.add_argument(
+        "--scale-in-cooldown-s", type=float, default=60.0,
+        help="the autoscaler removes a worker only this long after its last scale event (default 60)",
+    )
+    parser.add_argument(
         "--gpus", type=int, default=1,
         help="pipeline-parallel ranks: the DiT's blocks split over N processes (NCCL, one GPU each, with "
              "--device cuda; gloo CPU ranks with --device cpu); the service runs in rank 0 (docs/parallel.md)",
@@ -175,8 +191,14 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    if (args.ray or args.ray_address) and args.workers < 1:
+    ray = bool(args.ray or args.ray_address)
+    if ray and args.workers < 1:
         raise SystemExit(f"--workers must be at least 1, got {args.workers}")
+    if not ray and (args.max_workers or args.worker_delay_ms):
+        raise SystemExit("--max-workers, --min-workers and --worker-delay-ms are for Ray workers: add --ray")
+    if args.max_workers and not args.min_workers <= args.workers <= args.max_workers:
+        raise SystemExit(f"--workers ({args.workers}) must lie within --min-workers ({args.min_workers}) and "
+                         f"--max-workers ({args.max_workers})")
     if args.gpus != 1:
         if args.gpus < 1:
             raise SystemExit(f"--gpus must be at least 1, got {args.gpus}")
@@ -192,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
             from app.server.engine_bridge import RayFactory
 
             factory = RayFactory.start(args.model, args.device, args.workers, args.ray_address, max(args.threads, 1),
-                                       config.loras)
+                                       config.loras, args.max_workers)
         serve(config, factory)
     except (ModelNotAvailableError, OscBindError, LoRAError) as exc:
         log.error("%s", exc)

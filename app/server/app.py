@@ -46,6 +46,7 @@ from app.server.security import (
 )
 from app.server.session import CapacityError, SessionManager
 from app.server.whip import bearer_ok, whip_router
+from app.server.workers import workers_router
 from app.server.ws import serve_websocket
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     app.include_router(recordings_router(manager.recordings, access))
     # Operator dashboard at /dashboard and the JSON it polls (app/dashboard.py).
     app.include_router(dashboard_router(manager, config))
+    app.include_router(workers_router(manager))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -122,6 +122,15 @@ class ServerConfig:
     # Test knob: extra sleep per denoising step of each forward (fewer steps are then faster, as with
     # a DiT-dominated model on a GPU); the policy's profile is charged the same delays.
     engine_step_delay_ms: float = 0.0
+    # Test knob (--worker-delay-ms): extra delay per chunk on each Ray worker actor, in start order, to
+    # make workers unequal; the policy is not told (it measures its streams' chunk times).
+    worker_delay_ms: tuple[float, ...] = ()
+    # Ray worker actors the autoscaler may run: at least min_workers, at most max_workers (0 = the
+    # number started, no autoscaling).
+    min_workers: int = 1
+    max_workers: int = 0
+    # Scale-in waits this long after the last scale event (workers are not removed and re-added).
+    scale_in_cooldown_s: float = 60.0
     # Serving policy preset the engine core runs (engine.serving.policy.policy_presets, or the alias
     # "slack" = "slackserve"): admission, order, per-chunk fidelity, batching, eviction, preemption.
     # "fifo" = streams take turns at their own fixed fidelity.
@@ -212,6 +221,10 @@ class ServerConfig:
             max_fps=args.max_fps,
             engine_delay_ms=args.engine_delay_ms,
             engine_step_delay_ms=args.engine_step_delay_ms,
+            worker_delay_ms=parse_delays(getattr(args, "worker_delay_ms", None)),
+            min_workers=getattr(args, "min_workers", 1),
+            max_workers=getattr(args, "max_workers", 0),
+            scale_in_cooldown_s=getattr(args, "scale_in_cooldown_s", 60.0),
             policy=args.policy,
             state_slots=args.state_slots,
             profile=args.profile,
@@ -244,3 +257,21 @@ class ServerConfig:
             raise ValueError(f"--record-max-gb must be more than 0, got {self.record_max_gb}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if any(d < 0 for d in self.worker_delay_ms):
+            raise ValueError(f"--worker-delay-ms values must be >= 0, got {list(self.worker_delay_ms)}")
+        if self.scale_in_cooldown_s < 0:
+            raise ValueError(f"--scale-in-cooldown-s must be >= 0, got {self.scale_in_cooldown_s}")
+        if self.min_workers < 1:
+            raise ValueError(f"--min-workers must be at least 1, got {self.min_workers}")
+        if self.max_workers and self.max_workers < self.min_workers:
+            raise ValueError(f"--max-workers ({self.max_workers}) must be at least --min-workers ({self.min_workers})")
+
+
+def parse_delays(text: str | None) -> tuple[float, ...]:
+    """``--worker-delay-ms 0,250`` -> (0.0, 250.0); ValueError in plain words for anything else."""
+    if not text:
+        return ()
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--worker-delay-ms takes comma-separated milliseconds such as 0,250; got {text!r}") from None

@@ -16,13 +16,17 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from engine.serving.fidelity import FidelityConfig
+
+# The step-wise stream lives in engine/ (Ray worker actors run it too); the server's name for it stays.
+from engine.streaming.step_processor import InProcessProcessor as InProcessProcessor
+from engine.streaming.step_processor import StepProcessor as StepProcessor
 
 if TYPE_CHECKING:
     from app.server.config import LoRASpec
@@ -88,183 +92,6 @@ def per_chunk_fidelity(factory: ProcessorFactory) -> bool:
     then sets their fidelity per chunk, batches them and runs them step by step
     (app/server/executors.py); other engines run whole chunks at their own fidelity."""
     return bool(getattr(factory, "per_chunk_fidelity", False))
-
-
-@runtime_checkable
-class StepProcessor(Protocol):
-    """A `StreamProcessor` the engine core drives through the chunk recipe's stages: its fidelity
-    is set per chunk, its chunk runs one denoising step at a time (so a more urgent stream can run
-    between two steps), steps of several streams share one forward, with ``step_batch`` the steps of
-    its successive chunks share one forward too, and its state can be parked in host memory and
-    brought back bit-identically. Every call happens on the engine thread."""
-
-    @property
-    def first_chunk_frames(self) -> int: ...
-
-    @property
-    def chunk_frames(self) -> int: ...
-
-    def process(self, frames: np.ndarray) -> np.ndarray: ...
-
-    def update(self, **changes: Any) -> None: ...
-
-    def reset(self) -> None: ...
-
-    def fidelity(self) -> FidelityConfig: ...
-
-    def set_fidelity(self, config: FidelityConfig) -> None:
-        """Applies from the next chunk; raises ValueError for a config this engine cannot run."""
-        ...
-
-    def begin_chunk(self, frames: np.ndarray) -> None:
-        """A new chunk enters (encode, noise). Chunks still in the step batch finish first when the new
-        chunk cannot join them (another fidelity); their frames come out of :meth:`take_finished`."""
-        ...
-
-    def step_rows(self) -> list[tuple[Hashable, Any]]:
-        """The chunks that take a denoising step now (one, or every chunk of the step batch), each with
-        the key that says which rows may share a forward."""
-        ...
-
-    def denoise_rows(self, rows: Sequence[Any]) -> None:
-        """One forward moving every row (from ``step_rows`` of any processors of this engine) one step."""
-        ...
-
-    def take_finished(self) -> list[np.ndarray]:
-        """Frames of every finished chunk, oldest first (decode, stabilizer): uint8 [T, H, W, 3] each."""
-        ...
-
-    def drop_chunks(self) -> None:
-        """Forget chunks in flight (the policy abandoned them); the stream's state stays as it is."""
-        ...
-
-    def offload(self) -> int:
-        """Move the stream's state (and chunks in flight) to host memory; returns its bytes."""
-        ...
-
-    def restore(self) -> None:
-        """Bring the state back from host memory, bit-identical."""
-        ...
-
-    @property
-    def offloaded(self) -> bool: ...
-
-
-class InProcessProcessor:
-    """A `StepProcessor` over one `engine.pipeline` stream and its runtime's chunk stages."""
-
-    def __init__(self, stream: Any, first_chunk_frames: int, chunk_frames: int) -> None:
-        self._stream = stream
-        self._first = first_chunk_frames
-        self._chunk = chunk_frames
-        self._queue: list[Any] = []  # the runtime's ChunkInFlight objects, oldest first
-        self._drained: list[np.ndarray] = []  # frames of chunks finished while making room
-        self._parked: bytes | None = None  # state and chunks in flight while offloaded to host memory
-
-    @property
-    def first_chunk_frames(self) -> int:
-        return self._first
-
-    @property
-    def chunk_frames(self) -> int:
-        return self._chunk
-
-    def process(self, frames: np.ndarray) -> np.ndarray:
-        self._resident()
-        self._queue, self._drained = [], []
-        return np.asarray(self._stream.process(frames), dtype=np.uint8)
-
-    def update(self, **changes: Any) -> None:
-        # A control change while offloaded: bring the state back, change it, park it again.
-        parked = self.offloaded
-        self._resident()
-        self._stream.update(**changes)
-        if parked:
-            self.offload()
-
-    def reset(self) -> None:
-        self._parked = None
-        self._queue, self._drained = [], []
-        self._stream.reset()
-
-    def fidelity(self) -> FidelityConfig:
-        self._resident()
-        config: FidelityConfig = self._stream.state.fidelity
-        return config
-
-    def set_fidelity(self, config: FidelityConfig) -> None:
-        # How many streams share a forward, and on how many devices, is the executor's business.
-        config = replace(config, stream_batch=1, gpus=1)
-        if config != self.fidelity():
-            self._stream.set_fidelity(config)
-
-    # -- the chunk recipe's stages, driven by the engine core --------------------------------------
-
-    def begin_chunk(self, frames: np.ndarray) -> None:
-        from engine.frames import frames_to_tensor
-
-        self._resident()
-        stream = self._stream
-        fidelity = stream.state.fidelity
-        if self._queue and not (fidelity.step_batch and self._queue[-1].fidelity == fidelity):
-            # The new chunk cannot join the chunks in flight (another step count, size or knob, or no
-            # step batch): they finish first, without new input (StreamBatch.drain's rule).
-            self._drain()
-        chunk = stream.runtime.enter_chunk(stream.state, frames_to_tensor(frames, stream.expected_frames))
-        self._queue.append(chunk)
-
-    def step_rows(self) -> list[tuple[Hashable, Any]]:
-        runtime = self._stream.runtime
-        per_step = runtime.config.cache_mode == "per-step"
-        return [((id(runtime), c.batch_key(per_step)), c) for c in self._queue if not c.done]
-
-    def denoise_rows(self, rows: Sequence[Any]) -> None:
-        self._stream.runtime.denoise_step(rows)
-
-    def take_finished(self) -> list[np.ndarray]:
-        from engine.frames import tensor_to_frames
-
-        done, self._drained = self._drained, []
-        while self._queue and self._queue[0].done:
-            self._stream.last = self._stream.runtime.finish_chunk(self._queue.pop(0))
-            done.append(tensor_to_frames(self._stream.last.frames))
-        return done
-
-    def drop_chunks(self) -> None:
-        self._queue = []
-
-    def _drain(self) -> None:
-        while rows := self.step_rows():
-            groups: dict[Hashable, list[Any]] = {}
-            for key, chunk in rows:
-                groups.setdefault(key, []).append(chunk)
-            for group in groups.values():
-                self.denoise_rows(group)
-        finished = self.take_finished()  # it empties self._drained first: extend the list after the call
-        self._drained.extend(finished)
-
-    def offload(self) -> int:
-        from engine.streaming.state import pack
-
-        if self._parked is None:
-            self._parked = pack((self._stream.state, self._queue))
-            self._stream.state, self._queue = None, []
-        return len(self._parked)
-
-    def restore(self) -> None:
-        self._resident()
-
-    @property
-    def offloaded(self) -> bool:
-        return self._parked is not None
-
-    def _resident(self) -> None:
-        from engine.streaming.state import unpack
-
-        if self._parked is None:
-            return
-        self._stream.state, self._queue = unpack(self._parked, self._stream.runtime.device)
-        self._parked = None
 
 
 class InProcessFactory:
@@ -539,21 +366,23 @@ class RayProcessor:
 class RayFactory:
     """Opens streams on a cluster of Ray worker actors (`diffcast serve --ray` / `--ray-address`)."""
 
+    per_chunk_fidelity = True  # the engine core drives the actors step by step (app/server/cluster_executor.py)
+
     def __init__(self, controller: Any) -> None:
         self.controller = controller
 
     @classmethod
     def start(
         cls, model: str | None, device: str = "cpu", workers: int = 2, address: str | None = None, threads: int = 1,
-        loras: Sequence[LoRASpec] = (),
+        loras: Sequence[LoRASpec] = (), max_workers: int = 0,
     ) -> RayFactory:
         """Start a local Ray cluster (``address`` None) or join one, bring up ``workers`` actors (each
         loading the model and ``loras``), and health-check them in the background."""
         from engine.cluster.controller import ClusterConfig, ClusterController
 
         gpus = 1.0 if device.startswith("cuda") else 0.0
-        config = ClusterConfig(model=model, workers=workers, device=device, threads_per_worker=threads,
-                               gpus_per_worker=gpus,
+        config = ClusterConfig(model=model, workers=workers, max_workers=max_workers, device=device,
+                               threads_per_worker=threads, gpus_per_worker=gpus,
                                loras=tuple((lora.name, lora.path, lora.strength) for lora in loras))
         controller = ClusterController.start(config, address)
         controller.start_monitor()

@@ -92,7 +92,7 @@ STREAM_RULES: tuple[tuple[str, re.Pattern[str], Access], ...] = (
 # A stream's recordings: its owner's, also after the stream ended (app/server/recordings.py checks).
 RECORDINGS = re.compile(r"^/api/streams/[^/]+/recordings(/[^/]+)?$")
 # Routes that reveal every stream's id: admin only.
-LISTING = {("GET", "/api/streams"), ("GET", "/api/dashboard"), ("GET", "/metrics")}
+LISTING = {("GET", "/api/streams"), ("GET", "/api/dashboard"), ("GET", "/api/workers"), ("GET", "/metrics")}
 # Routes that create a stream: the API token (when set) and the per-client limit apply.
 CREATION = {("POST", "/api/offer"), ("POST", "/whip"), ("WEBSOCKET", "/ws")}
 # The Gradio playground runs engine work and stores uploads: it needs what creating a stream needs.

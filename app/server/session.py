@@ -349,6 +349,10 @@ class SessionManager:
     def get(self, stream_id: str) -> Session | None:
         return self.sessions.get(stream_id)
 
+    def policy_ids(self) -> dict[str, int]:
+        """Each open stream's id in the serving policy (its engine core), by session id."""
+        return dict(self._policy_ids)
+
     def _forget(self, stream_id: str) -> None:
         policy_id = self._policy_ids.pop(stream_id, None)
         if self.loop is not None and policy_id is not None:
