@@ -3,7 +3,7 @@
 The snapshot is built from the same live session data as /metrics (each session's stats and
 playout buffer), plus what an operator needs at a glance and /metrics does not say: each
 stream's service credit and urgency tier (SlackServe's C = P - (R + T), engine/serving/credit.py)
-and the engine worker's load. The page keeps the history (slack, fidelity, tiers over time) itself.
+and every engine worker's streams, tiers and load, and the policy's recent actions. The page keeps the history (slack, fidelity, tiers over time) itself.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from fastapi.responses import FileResponse, JSONResponse
 
 from app.server.config import ServerConfig
 from app.server.session import Session, SessionManager
+from app.server.workers import worker_rows
 from engine.serving.credit import Tier, classify, service_credit
 
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
@@ -78,22 +79,32 @@ def snapshot(manager: SessionManager, config: ServerConfig, rate: ChunkRate) -> 
     sessions = list(manager.sessions.values())
     rates = rate.update(sessions, time.monotonic())
     streams = [stream_row(s, rates.get(s.id, 0.0)) for s in sessions]
-    tiers = {name: sum(1 for s in streams if s["tier"] == name) for name in (*(t.name for t in Tier), WARMING)}
-    # One in-process worker today: the engine thread every stream takes turns on.
-    worker = {
-        "id": "engine-0",
-        "device": config.device,
-        "model": config.model or "default",
-        "policy": config.policy,
-        "streams": len(streams),
-        "max_streams": config.max_streams,
-        "load": round(sum(s["engine_load"] for s in streams), 3),
-        "tiers": tiers,
-    }
+    tier_names = (*(t.name for t in Tier), WARMING)
+    tiers = {name: sum(1 for s in streams if s["tier"] == name) for name in tier_names}
+    by_id = {s["stream_id"]: s for s in streams}
+    workers = []
+    # Every worker the policy places streams on: the in-process engine, or each Ray worker actor.
+    for row in worker_rows(manager):
+        mine = [by_id[sid] for sid in row["streams"] if sid in by_id]
+        for stream in mine:
+            stream["worker"] = row["id"]
+        workers.append({
+            "id": f"engine-{row['id']}",
+            "device": row["device"],
+            "model": config.model or "default",
+            "policy": config.policy,
+            "streams": len(mine),
+            "stream_ids": row["streams"],
+            "max_streams": config.max_streams,
+            "load": row["load"],
+            "draining": row["draining"],
+            "tiers": {name: sum(1 for s in mine if s["tier"] == name) for name in tier_names},
+        })
     return {
         "time": time.time(),
-        "workers": [worker],
+        "workers": workers,
         "streams": streams,
+        "actions": recent_actions(manager),
         "totals": {
             "streams": len(streams),
             "max_streams": config.max_streams,
@@ -102,6 +113,16 @@ def snapshot(manager: SessionManager, config: ServerConfig, rate: ChunkRate) -> 
             "tiers": tiers,
         },
     }
+
+
+def recent_actions(manager: SessionManager) -> list[dict[str, Any]]:
+    """The policy's recent actions, newest first, with the sessions' stream ids."""
+    loop = manager.loop
+    if loop is None:
+        return []
+    sessions = {policy_id: stream_id for stream_id, policy_id in manager.policy_ids().items()}
+    return [{**a, "stream": sessions.get(a["stream"]) if a["stream"] is not None else None}
+            for a in reversed(loop.executor.actions)]
 
 
 def dashboard_router(manager: SessionManager, config: ServerConfig) -> APIRouter:

@@ -11,6 +11,14 @@ there is the pipeline's overhead (serialisation, gloo transfers, process content
 
     .venv/bin/python demos/bench_ring.py                 # 1 -> 2 -> 4 ranks, CPU
     .venv/bin/python demos/bench_ring.py --ranks 1 2 --chunks 16 --json
+
+``--streams N`` measures what `diffcast serve --gpus` does instead: N streams of ``--model`` (default
+tiny-random) through the server's seam (`RankFactory.run_chunks`), the same ring and streams in
+alternating rounds: one stream's chunk per call (each chunk drains the ring before the next enters)
+vs all N chunks in one call (a cross-user batch, dealt over the ranks' micro-steps so they
+overlap), plus all N in a single micro-step (batched forwards, no overlap) to split the two gains.
+
+    .venv/bin/python demos/bench_ring.py --streams 4 --ranks 2
 """
 
 from __future__ import annotations
@@ -135,6 +143,80 @@ def baseline(model: BenchModel, program: BenchProgram) -> dict[str, Any]:
             "ranges": [(0, model.layers)], "stage_ms": []}
 
 
+@dataclass(frozen=True)
+class ServingProgram:
+    """Runs on rank 0: ``streams`` streams on a `RankFactory`; each round runs every stream's next chunk
+    one way, the modes taking turns round by round so machine load hits them alike."""
+
+    model: str | None
+    streams: int
+    rounds: int
+    warmup: int
+    steps: int
+
+    def __call__(self, ring: RingRuntime) -> dict[str, Any]:
+        import numpy as np
+
+        from app.server.engine_bridge import RankFactory, StreamSettings
+        from engine.frames import frames_to_tensor
+        from engine.parallel.launch import loaded_pipeline
+
+        factory = RankFactory(ring, loaded_pipeline(self.model, ring.rt.device))
+        procs = [factory.open(StreamSettings(prompt="oil painting", steps=self.steps, seed=i))
+                 for i in range(self.streams)]
+        width, height = factory.size
+        rng = np.random.default_rng(0)
+
+        def chunks() -> list[Any]:
+            return [rng.integers(0, 255, (p.expected_frames, height, width, 3), dtype=np.uint8) for p in procs]
+
+        def one_at_a_time() -> None:
+            for p, frames in zip(procs, chunks(), strict=True):
+                factory.run_chunks([(p, frames, None)])
+
+        def batched() -> None:
+            factory.run_chunks([(p, frames, None) for p, frames in zip(procs, chunks(), strict=True)])
+
+        def one_micro_step() -> None:
+            inputs = [frames_to_tensor(f, p.expected_frames) for p, f in zip(procs, chunks(), strict=True)]
+            ring.push([p.state for p in procs], inputs)
+            ring.drain()
+
+        modes = {"one at a time": one_at_a_time, "batched (run_chunks)": batched,
+                 "batched, one micro-step": one_micro_step}
+        for _ in range(self.warmup):
+            batched()
+        seconds = dict.fromkeys(modes, 0.0)
+        for _ in range(self.rounds):
+            for name, run in modes.items():
+                t0 = time.perf_counter()
+                run()
+                seconds[name] += time.perf_counter() - t0
+        per_chunk = {name: 1000 * s / (self.rounds * self.streams) for name, s in seconds.items()}
+        return {"ranks": ring.world, "streams": self.streams, "ms_per_stream_chunk": per_chunk,
+                "batched_speedup": per_chunk["one at a time"] / per_chunk["batched (run_chunks)"]}
+
+
+def serving(args: argparse.Namespace) -> int:
+    from engine.parallel.launch import LoadedModel
+
+    rows = []
+    for world in tqdm(args.ranks, desc="rank counts", disable=args.json):
+        program = ServingProgram(args.model, args.streams, args.chunks, 2, args.steps)
+        rows.append(run_ring(LoadedModel(args.model), program, world, device=args.device))
+    setup = {"device": args.device, "model": args.model, "streams": args.streams, "steps": args.steps,
+             "rounds": args.chunks, "threads_per_rank": 1}
+    if args.json:
+        print(json.dumps({"setup": setup, "results": rows}, indent=2))
+        return 0
+    print(f"setup: {setup}")
+    for r in rows:
+        cells = ", ".join(f"{name} {ms:.1f}" for name, ms in r["ms_per_stream_chunk"].items())
+        print(f"{r['ranks']} ranks, ms per stream-chunk: {cells}; batched/one-at-a-time speed-up "
+              f"{r['batched_speedup']:.2f}x")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="rank counts to compare")
@@ -149,7 +231,14 @@ def main() -> int:
     parser.add_argument("--rebalance-every", type=int, default=0, metavar="N",
                         help="let the block scheduler rebalance every N micro-steps (0 = keep the even split)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--streams", type=int, default=0, metavar="N",
+                        help="the serving comparison: N streams one at a time vs batched (see above)")
+    parser.add_argument("--model", default="tiny-random", help="model of the --streams comparison")
     args = parser.parse_args()
+    if args.streams:
+        logging.basicConfig(level=logging.WARNING)
+        torch.set_num_threads(1)
+        return serving(args)
     if max(args.ranks) > args.layers:
         parser.error(f"--layers {args.layers} cannot be split over {max(args.ranks)} ranks")
     logging.basicConfig(level=logging.WARNING)

@@ -5,7 +5,7 @@
     .venv/bin/python demos/webcam_browser.py --host 0.0.0.0 --no-browser   # serve a phone on the LAN
 
 Browsers only give camera access to https:// pages or to http://localhost; for another device on
-the LAN put the server behind HTTPS (see docs/troubleshooting.md).
+the LAN run `diffcast serve --https --host 0.0.0.0` (docs/service.md, "A phone as the camera").
 """
 
 from __future__ import annotations

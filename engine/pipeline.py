@@ -7,6 +7,8 @@
     stream = pipe.open_stream(StreamParams(prompt="oil painting", seed=0))  # noise, steps: the model's own
     out = stream.process(frames)                  # uint8 [T, H, W, 3] RGB -> uint8 [T, h, w, 3] RGB
     stream.update(prompt="pencil sketch", transition_chunks=2)   # no restart
+    pipe.load_lora("ink", "ink.safetensors")      # a LoRA, applied per stream (docs/lora.md)
+    stream.update(loras={"ink": 0.7})             # live, no reload
     stream.reset()
 
 ``frames`` holds ``pipe.first_chunk_frames`` frames on a stream's first call and
@@ -21,6 +23,7 @@ import json
 import logging
 import math
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +35,7 @@ from engine.capabilities import ModelCapabilities
 from engine.capabilities import UnsupportedModeError as UnsupportedModeError  # part of this API
 from engine.fidelity import FidelityConfig
 from engine.frames import frames_to_tensor, tensor_to_frames
+from engine.models.lora import LoRA, LoRABank, check_strengths
 from engine.models.wan_dit import CONFIGS, CausalWanDiT, WanDiTConfig
 from engine.sampling import SELF_FORCING, STREAMDIFFUSION_V2, SamplerPreset
 from engine.streaming.config import RuntimeConfig
@@ -83,8 +87,11 @@ class StreamParams:
     attention_sparsity: float = 0.0
     step_batch: bool = False  # a serving knob (executors batch a stream's steps); process() runs chunk by chunk
     stabilize: bool = True  # the temporal stabilizer, where the model's runtime config has one
+    # LoRA strengths by name, over the pipeline's defaults (Pipeline.load_lora); 0 turns one off.
+    loras: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "loras", check_strengths(self.loras))  # a plain dict of finite, bounded numbers
         prompts = (self.prompt,) if isinstance(self.prompt, str) else self.prompt
         if not prompts or any(not p.strip() for p in prompts):
             raise ValueError("prompt must be non-empty")
@@ -151,6 +158,8 @@ class Pipeline:
         self.capabilities = ModelCapabilities()
         self.styles = styles
         prompts = PromptEncoder(text_encoder, text_conditioning)
+        self.loras = LoRABank.of(dit)
+        self.lora_strengths: dict[str, float] = {}  # what a stream gets unless its StreamParams say otherwise
         self.runtime = StreamRuntime(dit, vae, prompts, preset, runtime)
         # Text-to-video streams share the weights but follow the CausVid / Self-Forcing recipe:
         # 3-latent-frame chunks from pure noise, 4 warped steps, one KV cache written by a clean pass.
@@ -197,6 +206,23 @@ class Pipeline:
             "random: model), a diffcast .safetensors file "
             "with its .json beside it, or a directory with a diffcast.json manifest (see docs/api.md)"
         )
+
+    # -- LoRAs ------------------------------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str | Path, strength: float = 1.0) -> LoRA:
+        """Load a LoRA file (diffusers/PEFT or original Wan/kohya keys, docs/lora.md) onto the DiT's side
+        path, without touching its weights; new streams get it at ``strength`` unless their params say
+        otherwise. Raises :class:`engine.models.lora.LoRAError` for a file that does not fit the model."""
+        from engine.lora import load_lora
+
+        check_strengths({name: strength})
+        lora = load_lora(path, self.loras, name)
+        self.lora_strengths[name] = float(strength)
+        return lora
+
+    def lora_info(self) -> list[dict[str, Any]]:
+        """The loaded LoRAs: name, rank, patched layers, and the strength new streams get."""
+        return [{**info, "strength": self.lora_strengths[info["name"]]} for info in self.loras.info()]
 
     # -- streams ----------------------------------------------------------------------------------
 
@@ -269,6 +295,7 @@ class Stream:
             blend_mode=params.blend_mode,
             noise_scale=self.pipe.operating_point(params)[0],
             stabilize=params.stabilize,
+            loras={**self.pipe.lora_strengths, **params.loras},
         )
 
     @property
@@ -308,8 +335,11 @@ class Stream:
         resolution_scale: float | None = None,
         attention_sparsity: float | None = None,
         step_batch: bool | None = None,
+        loras: Mapping[str, float] | None = None,
     ) -> None:
         """Change controls; everything takes effect at the next chunk boundary, without a restart.
+
+        ``loras`` sets the strengths of the LoRAs it names (the others keep theirs; 0 turns one off).
 
         ``resolution_scale`` (0, 1] moves the engine to the stream's size times the scale; the stream
         keeps its context (its caches are resampled, see docs/api.md) and outputs stay at its size.
@@ -328,6 +358,8 @@ class Stream:
                            ("attention_sparsity", attention_sparsity), ("step_batch", step_batch)):
             if value is not None:
                 changes[key] = value
+        if loras is not None:
+            changes["loras"] = {**self.params.loras, **loras}
         new = self.params.with_(**changes)  # validates
         if new.mode != self.params.mode:
             raise ValueError("a stream's mode (v2v / t2v) is fixed when it opens")
@@ -336,7 +368,11 @@ class Stream:
         replace(runtime.config.noise, noise_scale=noise_scale)  # validates the noise strength
         # Validates steps, window and engine size (a scale too small for the stream's size) before the
         # prompt changes, so a refused update changes nothing.
+        if loras is not None:
+            runtime.checked_loras(loras)  # names a LoRA that is not loaded
         runtime.set_fidelity(self.state, self.pipe.fidelity_for(new))
+        if loras is not None:
+            runtime.set_loras(self.state, loras)
         if "prompt" in changes or "prompt_weights" in changes or "blend_mode" in changes:
             runtime.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
                                transition_chunks=transition_chunks, refresh_sinks=refresh_sinks)
@@ -373,6 +409,7 @@ class Stream:
             "fidelity": s.fidelity.label(),
             "stabilizer": s.stabilize and self.runtime.stabilizer is not None,
             "notice": self.notice,
+            "loras": dict(s.loras),
         }
 
 

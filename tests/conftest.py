@@ -39,7 +39,7 @@ def running_server(app: Any, startup_timeout_s: float = 60.0, log_level: str = "
             raise RuntimeError(f"server on port {port} did not start")
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{'https' if app.state.config.ssl_certfile else 'http'}://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=15)
@@ -95,6 +95,19 @@ def camera_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     frames = [pattern_frame(i, (320, 240)) for i in range(60)]
     return write_y4m(tmp_path_factory.mktemp("camera") / "camera.y4m", frames)
+
+
+@contextmanager
+def launched_chromium(path: Path, args: list[str]) -> Iterator[Any]:
+    """A headless Chromium (playwright) with ``args``, closed at the end."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(path), args=args)
+        try:
+            yield browser
+        finally:
+            browser.close()
 
 
 @pytest.fixture

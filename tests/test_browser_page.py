@@ -81,7 +81,9 @@ def test_page_streams_over_webrtc(page: Any, live_server: Callable[..., Abstract
         viewer = page.context.new_page()
         viewer.goto(f"{url}/view/{page.evaluate('window.diffcast.streamId')}")
         _wait(viewer, "window.diffcastViewer.status === 'playing' && window.diffcastViewer.frames > 10")
-        assert viewer.evaluate("document.querySelector('video').muted") is True
+        # The stream has the fake microphone's sound: the viewer plays it (autoplay allowed here).
+        _wait(viewer, "window.diffcastViewer.audio === true")
+        assert viewer.evaluate("document.querySelector('video').muted") is False
         viewer.close()
         # Phone-sized screen: the two videos stack instead of sitting side by side.
         page.set_viewport_size({"width": 390, "height": 844})

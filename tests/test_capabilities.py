@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -98,15 +97,14 @@ async def test_serve_lists_capabilities_and_notices_far_prompts() -> None:
 
 def test_stylize_refuses_a_model_without_video_to_video(tmp_path: Path, camera_clip: Path,
                                                         caplog: pytest.LogCaptureFixture) -> None:
-    from app.commands import stylize
+    from app.cli import main
 
     # A checkpoint that declares text-to-video only: the shipped weights under a config saying so.
     config = json.loads(DEFAULT_MODEL.with_suffix(".json").read_text())
     (tmp_path / "t2v.json").write_text(json.dumps({**config, "modes": ["t2v"]}))
     (tmp_path / "t2v.safetensors").symlink_to(DEFAULT_MODEL)
-    args = argparse.Namespace(input=camera_clip, output=tmp_path / "out.mp4", prompt="cartoon",
-                              model=str(tmp_path / "t2v.safetensors"), steps=None, noise_scale=None, seed=0,
-                              size=None, stabilize=True, device="cpu")
-    assert stylize.run(args) == 2
+    argv = ["stylize", str(camera_clip), str(tmp_path / "out.mp4"), "--prompt", "cartoon",
+            "--model", str(tmp_path / "t2v.safetensors")]
+    assert main(argv) == 2
     assert "this model cannot do video-to-video" in caplog.text
     assert not (tmp_path / "out.mp4").exists()

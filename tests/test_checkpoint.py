@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dit_fixtures import dit_single_thread  # noqa: F401  (autouse fixture)
+from _dit_fixtures import diffusers_wan, dit_single_thread  # noqa: F401  (autouse fixture)
 from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from safetensors.torch import save_file
@@ -38,12 +38,7 @@ def source() -> CausalWanDiT:
 def reference() -> WanTransformer3DModel:
     """diffusers' implementation with the tiny hyperparameters; every parameter randomised (norms included)."""
     torch.manual_seed(1)
-    model = WanTransformer3DModel(
-        patch_size=CFG.patch_size, num_attention_heads=CFG.num_heads, attention_head_dim=CFG.head_dim,
-        in_channels=CFG.in_channels, out_channels=CFG.out_channels, text_dim=CFG.text_dim, freq_dim=CFG.freq_dim,
-        ffn_dim=CFG.ffn_dim, num_layers=CFG.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        eps=CFG.eps,
-    ).eval()
+    model = diffusers_wan(CFG)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.1)

@@ -62,7 +62,7 @@ def test_rank_zero_runs_the_same_server(monkeypatch: pytest.MonkeyPatch, engine_
 
     monkeypatch.setattr(uvicorn.Server, "run", run)
     monkeypatch.setattr(ranks, "loaded_pipeline", lambda model, device: engine_factory.pipeline)
-    ring = SimpleNamespace(rt=SimpleNamespace(device="cpu"), world=2)
+    ring = SimpleNamespace(rt=engine_factory.pipeline.runtime, world=2)  # rank 0 reads the runtime's capabilities
     monkeypatch.setattr(ranks, "run_ring", lambda factory, program, world, **options: program(ring))
     config = ServerConfig(port=9123, max_frame_bytes=1 << 16)
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
 import torch
+from _dit_fixtures import write_random_lora
 
 from engine.cluster.controller import ClusterConfig, ClusterController, ClusterError
+from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.pipeline import Pipeline, Stream, StreamParams
 from engine.serving.derived_profiles import derived_h100_profile
 from engine.serving.policy import PolicyConfig, SlackPolicy
@@ -25,17 +28,28 @@ from engine.serving.snapshot import Snapshot, StreamView, WorkerView
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[ClusterController]:
-    config = ClusterConfig(model="tiny-random", workers=2, threads_per_worker=1, object_store_mb=200)
+def lora(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A LoRA every replica loads switched off (strength 0); one test turns it on for its stream."""
+    path = tmp_path_factory.mktemp("lora") / "ink.safetensors"
+    write_random_lora(path, CausalWanDiT(CONFIGS["tiny"]), ("ffn.0", "cross_attn.k"), size=0.5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(lora: Path) -> Iterator[ClusterController]:
+    config = ClusterConfig(model="tiny-random", workers=2, threads_per_worker=1, object_store_mb=200,
+                           loras=(("ink", str(lora), 0.0),))
     controller = ClusterController.start(config)
     yield controller
     controller.shutdown()
 
 
 @pytest.fixture(scope="module")
-def local() -> Pipeline:
+def local(lora: Path) -> Pipeline:
     torch.set_num_threads(1)  # the actors run one thread each; same reduction order here
-    return Pipeline.load("tiny-random")
+    pipe = Pipeline.load("tiny-random")
+    pipe.load_lora("ink", lora, 0.0)
+    return pipe
 
 
 class Feed:
@@ -82,6 +96,11 @@ def test_migrated_stream_matches_unmigrated_twin(cluster: ClusterController, loc
     assert not np.array_equal(probe.process(frames), expected)
     np.testing.assert_array_equal(cluster.process(101, frames), expected)
     run_both(cluster, 101, twin, feed, 2)
+    # A LoRA switched on live, then the move back: the strengths travel with the state.
+    assert [info["name"] for info in cluster.info.loras] == ["ink"]
+    cluster.update(101, loras={"ink": 1.5})
+    twin.update(loras={"ink": 1.5})
+    run_both(cluster, 101, twin, feed, 1)
     cluster.migrate(101, dst=0)  # and back
     run_both(cluster, 101, twin, feed, 2)
     cluster.close(101)

@@ -95,6 +95,15 @@ def test_dashboard_shows_the_policy_decisions(two_streams: tuple[str, list[str]]
         assert row["fidelity"].startswith(f"S{row['fidelity_steps']}/W")  # the policy's config label
         assert 1 <= row["fidelity_steps"] <= row["steps"]  # the user's steps cap the policy's choice
         assert _get(f"{url}/api/streams/{stream_id}")[1]["policy"] == "slackserve"
+    # GET /api/workers: the in-process engine is one worker with both streams; local, so no token needed.
+    status, workers = _get(f"{url}/api/workers")
+    assert status == 200
+    (worker,) = workers
+    assert worker["id"] == 0 and worker["device"] == "cpu" and sorted(worker["streams"]) == sorted(ids)
+    assert set(worker["tiers"]) == {"urgent", "normal", "relaxed"} and sum(worker["tiers"].values()) <= 2
+    assert 0 < worker["load"] <= 1
+    metrics = http("GET", f"{url}/metrics")[2].decode()
+    assert "diffcast_workers 1.0" in metrics and 'diffcast_scale_events_total{direction="up"} 0.0' in metrics
 
 
 def test_dashboard_needs_the_token_when_the_server_has_one(live_server: Callable[..., AbstractContextManager[str]]) -> None:
@@ -102,6 +111,9 @@ def test_dashboard_needs_the_token_when_the_server_has_one(live_server: Callable
         assert _get(f"{url}/api/dashboard")[0] == 401
         status, data = _get(f"{url}/api/dashboard", {"Authorization": "Bearer t0k"})
         assert status == 200 and data["streams"] == [] and data["workers"][0]["streams"] == 0
+        assert _get(f"{url}/api/workers")[0] == 401
+        status, workers = _get(f"{url}/api/workers", {"Authorization": "Bearer t0k"})
+        assert status == 200 and workers[0]["streams"] == []
 
 
 @pytest.mark.browser

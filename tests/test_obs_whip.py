@@ -20,6 +20,7 @@ import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCRtpSender, RTCSessionDescription
 from aiortc.mediastreams import AudioStreamTrack
 from aiortc.sdp import SessionDescription
+from conftest import launched_chromium
 from test_browser_page import CHROMIUM_FLAGS
 
 from app.client import CodedCamera, http
@@ -54,14 +55,8 @@ def _codecs(sdp: str, kind: str) -> list[tuple[str, str]]:
 
 @pytest.fixture
 def browser(chromium_path: Path) -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(chromium_path), args=CHROMIUM_FLAGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with launched_chromium(chromium_path, CHROMIUM_FLAGS) as browser:
+        yield browser
 
 
 @pytest.fixture

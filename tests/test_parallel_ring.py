@@ -101,5 +101,84 @@ def test_ring_rejects_bad_ranges() -> None:
     state = ring.open("s", "oil painting", (32, 32), fidelity(steps=2))
     ring.push([state], [clip(1)[0]])
     ring.set_fidelity(state, fidelity(steps=1))
-    with pytest.raises(ValueError, match="changed its step count to 1"):
+    with pytest.raises(ValueError, match="changed its step count or engine size while a chunk of it is in flight"):
         ring.push([state], [clip(2)[1]])
+    ring.set_fidelity(state, fidelity(steps=2))
+    ring.push([state], [clip(2)[1]])  # one of its two steps still to run
+    with pytest.raises(ValueError, match="needs an empty ring"):
+        ring.run([state], [clip(3)[2]])
+
+
+def test_step_count_and_resolution_changes_between_chunks_match_single_process() -> None:
+    """Steps 2 -> 1 -> 3 -> 2 and resolution 1 -> 1/2 -> 1 with a sink refresh on: every rank fits the
+    per-step caches the way the single-process engine does (rescales them, drops the extra ones,
+    starts an added step from the deepest)."""
+    from engine.parallel.comm import Channel
+    from engine.parallel.ring import RingRuntime
+
+    schedule = ((2, 1.0), (2, 0.5), (1, 0.5), (1, 1.0), (3, 1.0), (3, 0.5), (2, 1.0))
+    factory = TinyFactory(layers=4, sink_refresh=True, sink_tau=0.5)
+    rt = factory()
+    state = rt.open("s", "oil painting", (32, 32), fidelity(steps=2), seed=3)
+    expected = []
+    for (steps, scale), frames in zip(schedule, clip(len(schedule)), strict=True):
+        rt.set_fidelity(state, replace(fidelity(steps=steps), resolution_scale=scale))
+        expected.append(rt.step(state, frames).frames)
+    ring = RingRuntime(factory(), Channel(torch.device("cpu")), 1, [range(0, 4)])
+    ring_state = ring.open("s", "oil painting", (32, 32), fidelity(steps=2), seed=3)
+    got = []
+    for (steps, scale), frames in zip(schedule, clip(len(schedule)), strict=True):
+        ring.set_fidelity(ring_state, replace(fidelity(steps=steps), resolution_scale=scale))
+        got += [r.frames for _, r in ring.run([ring_state], [frames])]
+    assert ring_state.sink_refreshes == state.sink_refreshes > 0
+    assert_same_streams({"s": expected}, {"s": got})
+
+
+def test_a_closed_stream_leaves_no_sink_decision_behind() -> None:
+    """A stream whose last chunk decided a sink refresh closes: the decision must not reach the ranks
+    with the next stream's micro-step (its caches are gone there)."""
+    from engine.parallel.comm import Channel
+    from engine.parallel.ring import RingRuntime
+
+    ring = RingRuntime(TinyFactory(layers=4, sink_refresh=True, sink_tau=0.99)(), Channel(torch.device("cpu")), 1,
+                       [range(0, 4)])
+    a = ring.open("a", "oil painting", (32, 32), fidelity(steps=2), seed=3)
+    for frames in clip(12):
+        ring.run([a], [frames])
+        if ring._refresh:
+            break
+    assert ring._refresh  # a decision is waiting for a's next chunk
+    ring.close_stream(a)
+    b = ring.open("b", "oil painting", (32, 32), fidelity(steps=2), seed=4)
+    assert [state.stream_id for state, _ in ring.run([b], [clip(1)[0]])] == ["b"]
+
+
+def test_a_failed_run_leaves_the_ring_serving() -> None:
+    """A forward that fails mid-run (say, out of memory): the run's chunks are dropped, its streams can
+    be closed, and the next run of another stream gives the frames it gives on a fresh ring."""
+    from engine.parallel.comm import Channel
+    from engine.parallel.ring import RingRuntime
+
+    factory = TinyFactory(layers=4, sink_refresh=True)
+    fresh = RingRuntime(factory(), Channel(torch.device("cpu")), 1, [range(0, 4)])
+    want = fresh.run([fresh.open("c", "watercolor", (32, 32), fidelity(steps=2), seed=5)], [clip(1)[0]])
+    ring = RingRuntime(factory(), Channel(torch.device("cpu")), 1, [range(0, 4)])
+    a = ring.open("a", "oil painting", (32, 32), fidelity(steps=2), seed=3)
+    ring.run([a], [clip(1)[0]])
+    compute = ring.stage.compute
+    calls = []
+
+    def failing(msg: object) -> object:
+        calls.append(msg)
+        if len(calls) == 2:  # the second micro-step: a's chunk is half done
+            raise RuntimeError("CUDA out of memory (injected)")
+        return compute(msg)
+
+    ring.stage.compute = failing  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        ring.run([a], [clip(2)[1]])
+    ring.stage.compute = compute  # type: ignore[method-assign]
+    ring.close_stream(a)  # nothing of it is left in flight
+    c = ring.open("c", "watercolor", (32, 32), fidelity(steps=2), seed=5)
+    got = ring.run([c], [clip(1)[0]])
+    torch.testing.assert_close(got[0][1].frames, want[0][1].frames, rtol=0, atol=0)

@@ -256,26 +256,6 @@ def test_processor_set_fidelity_runs_the_next_chunk_smaller(pipe: Pipeline) -> N
     assert state.vae_encoder.prev.shape[-2:] == (8, 8)
 
 
-def test_pipeline_parallel_refuses_a_mid_stream_scale_change() -> None:
-    from _parallel_fixtures import TinyFactory
-
-    from engine.parallel.comm import Channel
-    from engine.parallel.ring import RingRuntime
-
-    rt = TinyFactory(layers=2)()
-    ring = RingRuntime(rt, Channel(torch.device("cpu")), 1, [range(0, 2)])
-    state = ring.open("s", "oil painting", (32, 32), fidelity(steps=1))
-    half = dataclasses.replace(state.fidelity, resolution_scale=0.5)
-    ring.set_fidelity(state, half)  # before the first chunk nothing is cached yet: allowed
-    ring.push([state], [clip(1)[0]])
-    assert state.engine_size == (16, 16)
-    with pytest.raises(ValueError, match="cannot change its engine size .* pipeline-parallel"):
-        ring.set_fidelity(state, dataclasses.replace(half, resolution_scale=1.0))
-    state.fidelity = dataclasses.replace(half, resolution_scale=1.0)  # set behind its back: refused on entry
-    with pytest.raises(ValueError, match="reopen the stream"):
-        ring.push([state], [clip(2)[1]])
-
-
 def test_stream_batch_rescales_only_after_a_drain() -> None:
     from engine.streaming.stream_batch import StreamBatch
 

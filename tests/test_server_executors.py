@@ -209,6 +209,9 @@ async def test_an_urgent_stream_preempts_a_relaxed_one_between_denoising_steps(
     # Reference fidelity for every chunk (no BMPR), so a newcomer's credit is 3 chunk times (NORMAL).
     loop = build_serving_loop(ServerConfig(model="tiny-random", max_fps=2.0, policy="credit-only"), engine_factory,
                               executor, clock)
+    # The hand-driven clock measures no real time: calibrating to a loaded machine's wall time would
+    # change the tiers this test sets up (it failed that way beside other jobs).
+    loop.core.calibrate = False
     a = Stream(loop, engine_factory, clock, executor, steps=4, seed=3)
     a.push(1)
     await settle(loop)

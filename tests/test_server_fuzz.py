@@ -65,7 +65,7 @@ def test_openapi_document_matches_the_answers(tiny_factory: Any, tmp_path: Path,
         )
     summary = result.stdout[-6000:]
     assert result.returncode == 0, summary
-    assert re.search(r"Tested: +1[0-9]\b", summary) and " passed" in summary and "failure" not in summary, summary
+    assert re.search(r"Tested: +[12][0-9]\b", summary) and " passed" in summary and "failure" not in summary, summary
 
 
 def _valid_offer() -> str:

@@ -110,3 +110,21 @@ def test_step_preemption_parks_a_relaxed_chunk_for_a_newcomer() -> None:
     # The parked chunk resumes later (a step that is not a chunk start for stream 0).
     after = sim.works[sim.works.index(preempting[0]) + 1 :]
     assert any(o.stream_id == 0 and not o.new_chunk for w in after for o in w.orders)
+
+
+def test_a_rehome_at_a_batch_chunk_boundary_waits_for_the_whole_batch() -> None:
+    """A stream of a cross-user batch re-homed when the batch's chunk ends: its source worker is
+    scheduled only after every chunk of the batch is done (it once saw a partner's finished chunk as
+    one still in flight, ran a step for it, and the ledger failed with "no chunk in flight")."""
+    base = bundled_profile("tiny-random_cpu_128")
+    profile = replace(base, fps=8.0, points=tuple(
+        replace(p, latency_s=30 * p.latency_s, first_chunk_latency_s=30 * p.first_chunk_latency_s) for p in base.points))
+    policy = SlackPolicy(profile, replace(resolve_preset("slackserve"), max_batch=4))
+    events = [TraceEvent(t, EventKind.ARRIVE, sid, frames, 8.0) for sid, (t, frames) in enumerate(
+        [(1.13, 77), (2.83, 83), (2.87, 74), (2.87, 92), (3.81, 87), (3.91, 48)])]
+    events += [TraceEvent(5.95, EventKind.PAUSE, 2), TraceEvent(7.95, EventKind.RESUME, 2),
+               TraceEvent(8.02, EventKind.PROMPT_SWITCH, 1), TraceEvent(9.26, EventKind.PROMPT_SWITCH, 4)]
+    result = Simulator(policy, profile, sorted(events, key=lambda e: e.t),
+                       SimConfig(workers=2, nodes=1, state_slots=64, tick_s=0.5)).run()
+    assert result.rehomes >= 1
+    assert all(s.chunks_on_time + s.chunks_late > 0 for s in result.streams)

@@ -69,3 +69,36 @@ def test_stylize_rejects_missing_input_and_bad_size(tmp_path: Path, capsys) -> N
     _make_clip(src, 3, (64, 64))
     assert main(["stylize", str(src), str(tmp_path / "o.mp4"), "--prompt", "x", "--model", "tiny-random",
                  "--size", "63x64"]) == 2
+
+
+def _decoded(path: Path) -> np.ndarray:
+    with av.open(str(path)) as c:
+        return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)]).astype(np.float32)
+
+
+def test_stylize_applies_loras_and_refuses_bad_ones(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    from _dit_fixtures import write_random_lora
+
+    from engine.models.wan_dit import CONFIGS, CausalWanDiT
+
+    src = tmp_path / "in.mp4"
+    _make_clip(src, 5, (64, 64))
+    lora = tmp_path / "ink.safetensors"
+    write_random_lora(lora, CausalWanDiT(CONFIGS["tiny"]), ("ffn.0", "ffn.2", "self_attn.o"), size=0.5)
+    base = ["--prompt", "oil painting", "--model", "tiny-random", "--size", "64x64", "--steps", "1", "--seed", "3"]
+    outs = {}
+    for label, extra in (("none", []), ("off", ["--lora", f"ink={lora}", "--lora-strength", "ink=0"]),
+                         ("on", ["--lora", f"ink={lora}", "--lora-strength", "ink=2"])):
+        dst = tmp_path / f"{label}.mp4"
+        assert main(["stylize", str(src), str(dst), *base, *extra]) == 0
+        outs[label] = _decoded(dst)
+    assert np.abs(outs["off"] - outs["none"]).max() <= 2  # strength 0: the base model (codec noise at most)
+    assert np.abs(outs["on"] - outs["none"]).mean() > 5  # the LoRA changes the look
+    for extra, message in ((["--lora", f"ink={tmp_path / 'missing.safetensors'}"], "file not found"),
+                           (["--lora", "ink"], "--lora takes NAME=PATH"),
+                           (["--lora", f"ink={lora}", "--lora-strength", "ink=nan"], "finite"),
+                           (["--lora", f"ink={lora}", "--lora-strength", "ink=9"], "finite number in"),
+                           (["--lora-strength", "ink=1"], "no --lora loads")):
+        caplog.clear()
+        assert main(["stylize", str(src), str(tmp_path / "bad.mp4"), *base, *extra]) == 2
+        assert message in caplog.text, (extra, caplog.text)

@@ -32,8 +32,25 @@ function renderWorkers(workers) {
       const load = document.createElement("td");
       const pct = Math.min(100, Math.round(w.load * 100));
       load.innerHTML = `<span class="load"><span style="width:${pct}%"></span></span> ${pct}%`;
-      row.append(cell(w.id), cell(w.device), cell(w.model), cell(w.policy || "–"), cell(`${w.streams} / ${w.max_streams}`), load,
-        cell(w.tiers.URGENT), cell(w.tiers.NORMAL), cell(w.tiers.RELAXED));
+      const mine = document.createElement("td");
+      mine.innerHTML = (w.stream_ids || []).map((id) => `<span style="color:${color(id)}">●</span> ${esc(id.slice(0, 8))}`).join(" ");
+      row.dataset.worker = w.id;
+      row.append(cell(w.draining ? `${w.id} (draining)` : w.id), cell(w.device), cell(w.model), cell(w.policy || "–"),
+        cell(`${w.streams} / ${w.max_streams}`), load, cell(w.tiers.URGENT), cell(w.tiers.NORMAL), cell(w.tiers.RELAXED), mine);
+      return row;
+    }),
+  );
+}
+
+function renderActions(actions) {
+  $("no-actions").hidden = actions.length > 0;
+  $("actions").replaceChildren(
+    ...actions.slice(0, 12).map((a) => {
+      const row = document.createElement("tr");
+      const detail = Object.entries(a).filter(([k]) => !["t", "action", "stream", "worker"].includes(k))
+        .map(([k, v]) => `${k} ${v}`).join(", ");
+      row.append(cell(new Date(a.t * 1000).toLocaleTimeString()), cell(a.action), cell(a.stream ? a.stream.slice(0, 8) : "–"),
+        cell(a.worker ?? "–"), cell(detail));
       return row;
     }),
   );
@@ -120,6 +137,7 @@ function drawChart(canvas, seriesOf, floor) {
 function render(data) {
   renderTotals(data);
   renderWorkers(data.workers);
+  renderActions(data.actions || []);
   renderStreams(data.streams);
   drawChart($("chart-slack"), perStream("slack_s"), 0.5);
   drawChart($("chart-fidelity"), perStream("fidelity_steps"), 4);

@@ -1,4 +1,6 @@
 // The diffcast page: camera in, stylized video out; WebRTC first, WebSocket fallback when ICE fails.
+import { setupCamera } from "./camera.js";
+import { openMedia, playOutput, setupRecording } from "./record.js";
 import { connectWebRTC, logIn } from "./rtc.js";
 import { statCells } from "./stats.js";
 import { connectWebSocket } from "./wsclient.js";
@@ -21,8 +23,12 @@ window.diffcast = state;
 
 let config = null;
 let camera = null;
+// Camera, resolution, mirror, layout, full screen, snapshot (web/camera.js).
+const cameraChoices = setupCamera({ onError: (text) => notice(text) });
+state.camera = cameraChoices;
 let connection = null;
 let paused = false;
+let recording = null; // record.js: microphone, server recording, client-side clip
 
 function setStatus(status) {
   state.status = status;
@@ -48,6 +54,7 @@ function options() {
 function renderStats(stats) {
   state.stats = stats;
   for (const [key, text] of Object.entries(statCells(stats))) $(`stat-${key}`).textContent = text;
+  recording.onStats(stats);
 }
 
 function onMessage(message) {
@@ -90,10 +97,7 @@ async function start() {
   notice("");
   setStatus("connecting");
   try {
-    camera = await navigator.mediaDevices.getUserMedia({
-      video: { width: 640, height: 480, facingMode: "user" },
-      audio: false,
-    });
+    camera = await openMedia(cameraChoices.open);
     $("input").srcObject = camera;
     if (query.get("transport") !== "ws") {
       try {
@@ -102,9 +106,7 @@ async function start() {
           config,
           options: options(),
           iceTimeoutMs: ICE_TIMEOUT_MS,
-          onTrack: (stream) => {
-            $("output").srcObject = stream;
-          },
+          onTrack: (stream) => playOutput($("output"), stream),
           onMessage,
         });
         showOutput("video");
@@ -134,7 +136,9 @@ async function start() {
       $("view-link").href = `/view/${connection.streamId}?token=${connection.viewerToken}`;
       $("view-link").hidden = false; // WHEP viewers work for either transport
     }
+    cameraChoices.attach(camera, connection);
     setStatus("live");
+    recording.connected(connection);
     $("stop").disabled = false;
     $("pause").disabled = false;
   } catch (error) {
@@ -147,7 +151,9 @@ async function start() {
 
 async function stop() {
   setStatus("stopping"); // a deliberate close is not a lost connection
+  cameraChoices.detach();
   if (connection) await connection.close();
+  if (connection) recording.disconnected();
   connection = null;
   if (camera) camera.getTracks().forEach((track) => track.stop());
   camera = null;
@@ -188,6 +194,7 @@ async function init() {
   $("noise-value").textContent = Number($("noise").value).toFixed(2);
   $("steps-value").textContent = $("steps").value;
   buildPresets();
+  recording = setupRecording({ $, state, config, output: $("output"), canvas: $("output-canvas"), notice });
   countVideoFrames($("output"));
   $("prompt-form").addEventListener("submit", (event) => {
     event.preventDefault();

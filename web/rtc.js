@@ -40,9 +40,15 @@ export function logIn() {
 export async function connectWebRTC({ camera, config, options, onTrack, onMessage, iceTimeoutMs }) {
   const pc = new RTCPeerConnection({ iceServers: config.iceServers });
   for (const track of camera.getVideoTracks()) pc.addTransceiver(track, { direction: "sendrecv" });
+  // The microphone: its audio comes back delayed to match the stylized video (docs/service.md).
+  for (const track of camera.getAudioTracks()) pc.addTransceiver(track, { direction: "sendrecv" });
   const channel = pc.createDataChannel("control");
   channel.onmessage = (event) => onMessage(JSON.parse(event.data));
-  pc.ontrack = (event) => onTrack(event.streams[0] || new MediaStream([event.track]));
+  const output = new MediaStream(); // the stylized video and its audio, played in one element
+  pc.ontrack = (event) => {
+    output.addTrack(event.track);
+    onTrack(output);
+  };
 
   let streamId = null;
   let ownerToken = null; // the stream's owner capability: only it may stop the stream
@@ -88,6 +94,7 @@ export async function connectWebRTC({ camera, config, options, onTrack, onMessag
     transport: "webrtc",
     streamId,
     viewerToken,
+    ownerToken,
     notice: farNotice,
     pc,
     send: (message) => channel.readyState === "open" && channel.send(JSON.stringify(message)),

@@ -14,12 +14,30 @@ function countFrames() {
 }
 video.requestVideoFrameCallback(countFrames);
 
+// Sound plays where the browser allows it without a click (OBS Browser Sources do); elsewhere
+// the video stays muted until a click on it. ?muted=1 keeps it muted.
+function unmute() {
+  if (new URLSearchParams(window.location.search).get("muted") === "1") return;
+  video.muted = false;
+  video.play().catch(() => {
+    video.muted = true;
+    video.addEventListener("click", () => { video.muted = false; }, { once: true });
+  });
+}
+
 async function play() {
   const config = await (await fetch("/api/config")).json();
   const pc = new RTCPeerConnection({ iceServers: config.iceServers });
   pc.addTransceiver("video", { direction: "recvonly" });
+  pc.addTransceiver("audio", { direction: "recvonly" }); // the stream's sound, when it has any
+  const output = new MediaStream();
   pc.ontrack = (event) => {
-    video.srcObject = event.streams[0] || new MediaStream([event.track]);
+    output.addTrack(event.track);
+    if (video.srcObject !== output) video.srcObject = output;
+    if (event.track.kind === "audio") {
+      state.audio = true;
+      unmute();
+    }
   };
   await pc.setLocalDescription(await pc.createOffer());
   await new Promise((resolve) => {

@@ -16,6 +16,7 @@ export function connectWebSocket({ cameraVideo, config, options, canvas, onFrame
   let timer = null;
   let streamId = null;
   let viewerToken = null; // the stream's viewer capability (docs/security.md)
+  let ownerToken = null; // its owner capability: recordings are listed with it
 
   const sendFrame = () => {
     // Skip a frame rather than queue it: a backlog here would be latency.
@@ -42,6 +43,7 @@ export function connectWebSocket({ cameraVideo, config, options, canvas, onFrame
       if (message.type === "hello") {
         streamId = message.stream_id;
         viewerToken = message.viewer_token;
+        ownerToken = message.owner_token;
         timer = setInterval(sendFrame, 1000 / fps);
         settle.resolve();
       } else if (message.type === "error" && !streamId) {
@@ -66,6 +68,7 @@ export function connectWebSocket({ cameraVideo, config, options, canvas, onFrame
     transport: "websocket",
     streamId,
     viewerToken,
+    ownerToken,
     send: (message) => ws.readyState === WebSocket.OPEN && ws.send(JSON.stringify(message)),
     close: async () => {
       clearInterval(timer);

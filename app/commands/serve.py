@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from app.server.config import add_lora_arguments
+
 NAME = "serve"
 HELP = "Run the live web service: webcam in over WebRTC/WHIP, stylized video out (page, WHEP, /ws)."
 
@@ -26,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "'random:wan2.1-1.3b' = full-size random weights, no download; or a path",
     )
     parser.add_argument("--device", default="cpu", help="torch device for the engine (default cpu)")
+    add_lora_arguments(parser)
     parser.add_argument("--max-streams", type=int, default=4, help="concurrent streams before 503 (default 4)")
     parser.add_argument("--max-viewers", type=int, default=8, help="WHEP viewers per stream before 503 (default 8)")
     parser.add_argument(
@@ -110,7 +113,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace-stamp", action="store_true",
         help="copy each input frame's frame-ID band onto its output (glass-to-glass measurements)",
     )
+    parser.add_argument(
+        "--https", action="store_true",
+        help="serve over TLS (a phone's browser gives the page its camera only over HTTPS): with a self-signed "
+             "certificate made on first run and kept (docs/service.md), unless --ssl-certfile/--ssl-keyfile",
+    )
+    parser.add_argument("--ssl-certfile", default=None, metavar="PEM", help="TLS certificate (chain); implies --https")
+    parser.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="private key of --ssl-certfile")
+    parser.add_argument(
+        "--osc-port", type=int, default=None, metavar="PORT",
+        help="accept OSC control messages on this UDP port (docs/osc.md; default: off)",
+    )
+    parser.add_argument(
+        "--osc-host", default="127.0.0.1",
+        help="address the OSC port listens on (default 127.0.0.1; 0.0.0.0 for controllers on the LAN)",
+    )
+    parser.add_argument(
+        "--osc-reply", type=int, default=None, metavar="PORT",
+        help="UDP port on the sender's host that OSC errors and acks go to when a message names none",
+    )
     parser.add_argument("--break-ice", action="store_true", help="test knob: make every ICE negotiation fail")
+    parser.add_argument(
+        "--record-dir", default=None,
+        help="enable server-side recording (the control field record) into this directory (default: off)",
+    )
+    parser.add_argument(
+        "--record-max-gb", type=float, default=10.0,
+        help="most disk the recordings may use, in GB; full = new recordings refused (default 10)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads for the engine (0 = torch default)")
     parser.add_argument(
         "--ray", action="store_true",
@@ -122,6 +152,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--workers", type=int, default=2, help="Ray worker actors (model replicas) with --ray")
     parser.add_argument(
+        "--worker-delay-ms", default=None, metavar="D1,D2,...",
+        help="test knob: extra delay per chunk on each Ray worker, in start order (makes workers unequal; "
+             "the policy finds out by measuring)",
+    )
+    parser.add_argument(
+        "--min-workers", type=int, default=1, help="fewest Ray workers the autoscaler keeps (default 1)"
+    )
+    parser.add_argument(
+        "--max-workers", type=int, default=0,
+        help="most Ray workers the autoscaler may run (default 0 = --workers, no autoscaling)",
+    )
+    parser.add_argument(
+        "--scale-in-cooldown-s", type=float, default=60.0,
+        help="the autoscaler removes a worker only this long after its last scale event (default 60)",
+    )
+    parser.add_argument(
         "--gpus", type=int, default=1,
         help="pipeline-parallel ranks: the DiT's blocks split over N processes (NCCL, one GPU each, with "
              "--device cuda; gloo CPU ranks with --device cpu); the service runs in rank 0 (docs/parallel.md)",
@@ -131,18 +177,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from app.server.app import serve
     from app.server.config import ServerConfig
+    from app.server.osc import OscBindError
+    from app.server.tls import with_certificate
+    from engine.models.lora import LoRAError
     from engine.pipeline import ModelNotAvailableError
 
     try:
-        config = ServerConfig.from_args(args)
+        # Before the model loads: a bad certificate is said at once (CertificateError is a ValueError).
+        config = with_certificate(ServerConfig.from_args(args))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if args.threads > 0:
         import torch
 
         torch.set_num_threads(args.threads)
-    if (args.ray or args.ray_address) and args.workers < 1:
+    ray = bool(args.ray or args.ray_address)
+    if ray and args.workers < 1:
         raise SystemExit(f"--workers must be at least 1, got {args.workers}")
+    if not ray and (args.max_workers or args.worker_delay_ms):
+        raise SystemExit("--max-workers, --min-workers and --worker-delay-ms are for Ray workers: add --ray")
+    if args.max_workers and not args.min_workers <= args.workers <= args.max_workers:
+        raise SystemExit(f"--workers ({args.workers}) must lie within --min-workers ({args.min_workers}) and "
+                         f"--max-workers ({args.max_workers})")
     if args.gpus != 1:
         if args.gpus < 1:
             raise SystemExit(f"--gpus must be at least 1, got {args.gpus}")
@@ -157,9 +213,10 @@ def run(args: argparse.Namespace) -> int:
         if args.ray or args.ray_address:
             from app.server.engine_bridge import RayFactory
 
-            factory = RayFactory.start(args.model, args.device, args.workers, args.ray_address, max(args.threads, 1))
+            factory = RayFactory.start(args.model, args.device, args.workers, args.ray_address, max(args.threads, 1),
+                                       config.loras, args.max_workers)
         serve(config, factory)
-    except ModelNotAvailableError as exc:
+    except (ModelNotAvailableError, OscBindError, LoRAError) as exc:
         log.error("%s", exc)
         return 2
     return 0

@@ -10,6 +10,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from app.server.config import add_lora_arguments, lora_specs
+
 NAME = "stylize"
 HELP = "Stylize a video file with the streaming video-to-video recipe."
 
@@ -38,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-stabilize", dest="stabilize", action="store_false",
                         help="turn off the temporal stabilizer (where the model's config enables it)")
     parser.add_argument("--device", default="cpu")
+    add_lora_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,8 +51,11 @@ def run(args: argparse.Namespace) -> int:
         log.error("input video %s does not exist", args.input)
         return 2
     try:
+        loras = lora_specs(args.lora, args.lora_strength)
         pipe = Pipeline.load(args.model, device=args.device)
-    except ModelNotAvailableError as exc:
+        for lora in loras:
+            pipe.load_lora(lora.name, lora.path, lora.strength)
+    except (ModelNotAvailableError, ValueError) as exc:  # LoRAError is a ValueError
         log.error("%s", exc)
         return 2
     try:

@@ -33,6 +33,7 @@ from app.server.gateway import Gateway
 from app.server.ice import allow_loopback_candidates, browser_ice_servers
 from app.server.metrics import CONTENT_TYPE, build_registry
 from app.server.openapi import allow_documented_methods, document, errors
+from app.server.recordings import GB, RecordingStore, recordings_router
 from app.server.sdp import OfferError
 from app.server.security import (
     LOGIN_PAGE,
@@ -46,6 +47,7 @@ from app.server.security import (
 )
 from app.server.session import CapacityError, SessionManager
 from app.server.whip import bearer_ok, whip_router
+from app.server.workers import workers_router
 from app.server.ws import serve_websocket
 from engine.capabilities import ModelCapabilities
 
@@ -137,8 +139,13 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     """Build the app. ``factory`` defaults to the real engine pipeline loaded from ``config.model``."""
     if config.allow_loopback_candidates:
         allow_loopback_candidates()
+    osc_socket = None
+    if config.osc_port is not None:  # before the model loads: a port in use is said at once
+        from app.server.osc import bind
+
+        osc_socket = bind(config)
     if factory is None:
-        factory = InProcessFactory.load(config.model, config.device)
+        factory = InProcessFactory.load(config.model, config.device, config.loras)
     caps = served_capabilities(config, factory)
     caps.require("v2v")  # live streams restyle a camera: a model without video-to-video cannot serve them
     config = with_model_defaults(config, caps)
@@ -150,7 +157,14 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         codec_pool = started_default_executor(asyncio.get_running_loop())
+        osc = None
+        if osc_socket is not None:
+            from app.server.osc import OscServer
+
+            osc = await OscServer.start(config, osc_socket, manager, access)
         yield
+        if osc is not None:
+            await osc.close()
         await manager.close_all()
         codec_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -171,8 +185,12 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     # rest of the API answers other origins only when --allowed-origin lists them.
     app.add_middleware(RouteCors, config=config)
     app.include_router(whip_router(manager, gateway, config))
+    if config.record_dir is not None:
+        manager.recordings = RecordingStore(Path(config.record_dir), int(config.record_max_gb * GB), access.owner_token)
+    app.include_router(recordings_router(manager.recordings, access))
     # Operator dashboard at /dashboard and the JSON it polls (app/dashboard.py).
     app.include_router(dashboard_router(manager, config))
+    app.include_router(workers_router(manager))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -212,6 +230,8 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
                             samesite="strict", secure=request.url.scheme == "https")
         return response
 
+    loras = list(getattr(factory, "loras", ()))  # name, rank, layers, targets, strength (docs/lora.md)
+
     @app.get("/api/config")
     async def client_config() -> dict[str, Any]:
         width, height = manager.size
@@ -222,8 +242,10 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             "defaultNoiseScale": config.default_noise_scale,
             "defaultSteps": config.default_steps,
             "maxPromptChars": config.max_prompt_chars,
+            "recording": manager.recordings is not None,
             "width": width,
             "height": height,
+            "loras": loras,
             "capabilities": caps.to_json(),
         }
 
@@ -342,7 +364,8 @@ def serve(config: ServerConfig, factory: ProcessorFactory | None = None) -> None
     one place `diffcast serve` runs uvicorn, in process and in rank 0 of ``--gpus N`` alike (the
     guarded server of app/server/http_server.py)."""
     from app.server.http_server import serve_until_stopped, uvicorn_server
+    from app.server.tls import page_urls
 
     app = create_app(config, factory)
-    log.info("serving on http://%s:%d/", config.host, config.port)
+    log.info("serving on %s", " ".join(page_urls(config)))
     serve_until_stopped(uvicorn_server(app, config))

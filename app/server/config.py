@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 # The generic (StreamDiffusionV2-style) operating point: stream defaults for a model that names none.
@@ -11,11 +12,64 @@ GENERIC_STEPS = 2
 
 
 @dataclass(frozen=True)
+class LoRASpec:
+    """A LoRA to load at start-up (``--lora NAME=PATH``) and the strength new streams get."""
+
+    name: str
+    path: str
+    strength: float = 1.0
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--lora`` / ``--lora-strength``, shared by `diffcast serve` and `diffcast stylize` (docs/lora.md)."""
+    parser.add_argument(
+        "--lora", action="append", default=[], metavar="NAME=PATH",
+        help="load a LoRA safetensors file (diffusers/PEFT or original Wan/kohya keys) under NAME (repeatable); "
+             "applied as a side path, the base weights stay as they are",
+    )
+    parser.add_argument(
+        "--lora-strength", action="append", default=[], metavar="NAME=S",
+        help="strength of LoRA NAME for new streams (default 1; 0 loads it switched off; repeatable)",
+    )
+
+
+def lora_specs(loras: list[str], strengths: list[str]) -> tuple[LoRASpec, ...]:
+    """The LoRAs the flags describe; ValueError in plain words for a malformed or dangling flag."""
+    specs: dict[str, LoRASpec] = {}
+    for text in loras:
+        name, path = _pair(text, "--lora", "NAME=PATH (e.g. ink=loras/ink.safetensors)")
+        if name in specs:
+            raise ValueError(f"--lora names {name!r} twice")
+        specs[name] = LoRASpec(name, path)
+    for text in strengths:
+        name, value = _pair(text, "--lora-strength", "NAME=S (e.g. ink=0.7)")
+        if name not in specs:
+            raise ValueError(f"--lora-strength names {name!r}, which no --lora loads")
+        try:
+            strength = float(value)
+        except ValueError:
+            raise ValueError(f"--lora-strength {text!r}: {value!r} is not a number") from None
+        if not math.isfinite(strength):
+            raise ValueError(f"--lora-strength {text!r}: the strength must be a finite number")
+        specs[name] = LoRASpec(name, specs[name].path, strength)
+    return tuple(specs.values())
+
+
+def _pair(text: str, flag: str, form: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise ValueError(f"{flag} takes {form}, got {text!r}")
+    return name.strip(), value.strip()
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     # None = the engine's embedded default model; "tiny-random" = tiny random-weight model (tests).
     model: str | None = None
+    # LoRAs loaded with the model (--lora); streams set their strengths (docs/lora.md).
+    loras: tuple[LoRASpec, ...] = ()
     device: str = "cpu"
     max_streams: int = 4
     # WHEP viewers per stream: each one costs a video encoder on the server.
@@ -68,6 +122,15 @@ class ServerConfig:
     # Test knob: extra sleep per denoising step of each forward (fewer steps are then faster, as with
     # a DiT-dominated model on a GPU); the policy's profile is charged the same delays.
     engine_step_delay_ms: float = 0.0
+    # Test knob (--worker-delay-ms): extra delay per chunk on each Ray worker actor, in start order, to
+    # make workers unequal; the policy is not told (it measures its streams' chunk times).
+    worker_delay_ms: tuple[float, ...] = ()
+    # Ray worker actors the autoscaler may run: at least min_workers, at most max_workers (0 = the
+    # number started, no autoscaling).
+    min_workers: int = 1
+    max_workers: int = 0
+    # Scale-in waits this long after the last scale event (workers are not removed and re-added).
+    scale_in_cooldown_s: float = 60.0
     # Serving policy preset the engine core runs (engine.serving.policy.policy_presets, or the alias
     # "slack" = "slackserve"): admission, order, per-chunk fidelity, batching, eviction, preemption.
     # "fifo" = streams take turns at their own fixed fidelity.
@@ -89,10 +152,24 @@ class ServerConfig:
     max_fps: float = 30.0
     min_fps: float = 2.0
     jpeg_quality: int = 80
+    # Server-side recording (app/server/recordings.py): the directory (None = recording off) and
+    # the most it may hold, in GB (1024**3 bytes).
+    record_dir: str | None = None
+    record_max_gb: float = 10.0
     default_prompt: str = "oil painting"
     # Stream defaults when a client gives none; None = the model's own (engine.pipeline.model_capabilities).
     default_noise_scale: float | None = None
     default_steps: int | None = None
+    # TLS (app/server/tls.py): https=True with no files = the kept self-signed certificate, made on
+    # first run; serve() fills the two paths in before uvicorn starts.
+    https: bool = False
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    # OSC control over UDP (app/server/osc.py); None = off. Loopback unless --osc-host widens it.
+    osc_port: int | None = None
+    osc_host: str = "127.0.0.1"
+    # UDP port on the sender's host that refusals (and acks) go to when a message names none.
+    osc_reply_port: int | None = None
     presets: tuple[str, ...] = (
         "oil painting",
         "watercolor sketch",
@@ -109,10 +186,17 @@ class ServerConfig:
         with a plain-words message for a value out of range."""
         if args.max_streams < 1:
             raise ValueError(f"--max-streams must be at least 1, got {args.max_streams}")
+        if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both, or neither (with --https "
+                             "a self-signed certificate is made)")
+        for flag, port in (("--osc-port", args.osc_port), ("--osc-reply", args.osc_reply)):
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(f"{flag} must be a UDP port (1-65535), got {port}")
         return cls(
             host=args.host,
             port=args.port,
             model=args.model,
+            loras=lora_specs(args.lora, args.lora_strength),
             device=args.device,
             max_streams=args.max_streams,
             max_viewers=args.max_viewers,
@@ -137,12 +221,24 @@ class ServerConfig:
             max_fps=args.max_fps,
             engine_delay_ms=args.engine_delay_ms,
             engine_step_delay_ms=args.engine_step_delay_ms,
+            worker_delay_ms=parse_delays(getattr(args, "worker_delay_ms", None)),
+            min_workers=getattr(args, "min_workers", 1),
+            max_workers=getattr(args, "max_workers", 0),
+            scale_in_cooldown_s=getattr(args, "scale_in_cooldown_s", 60.0),
             policy=args.policy,
             state_slots=args.state_slots,
             profile=args.profile,
             max_batch=args.max_batch,
             trace_stamp=args.trace_stamp,
             break_ice=args.break_ice,
+            https=args.https or args.ssl_certfile is not None,
+            ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile,
+            osc_port=args.osc_port,
+            osc_host=args.osc_host,
+            osc_reply_port=args.osc_reply,
+            record_dir=args.record_dir,
+            record_max_gb=args.record_max_gb,
         )
 
     def stream_defaults(self) -> tuple[float, int]:
@@ -157,5 +253,25 @@ class ServerConfig:
         resolve_preset(self.policy)  # ValueError naming the presets
         if self.state_slots < 0:
             raise ValueError(f"state_slots must be >= 0, got {self.state_slots}")
+        if not self.record_max_gb > 0:
+            raise ValueError(f"--record-max-gb must be more than 0, got {self.record_max_gb}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if any(d < 0 for d in self.worker_delay_ms):
+            raise ValueError(f"--worker-delay-ms values must be >= 0, got {list(self.worker_delay_ms)}")
+        if self.scale_in_cooldown_s < 0:
+            raise ValueError(f"--scale-in-cooldown-s must be >= 0, got {self.scale_in_cooldown_s}")
+        if self.min_workers < 1:
+            raise ValueError(f"--min-workers must be at least 1, got {self.min_workers}")
+        if self.max_workers and self.max_workers < self.min_workers:
+            raise ValueError(f"--max-workers ({self.max_workers}) must be at least --min-workers ({self.min_workers})")
+
+
+def parse_delays(text: str | None) -> tuple[float, ...]:
+    """``--worker-delay-ms 0,250`` -> (0.0, 250.0); ValueError in plain words for anything else."""
+    if not text:
+        return ()
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--worker-delay-ms takes comma-separated milliseconds such as 0,250; got {text!r}") from None

@@ -8,7 +8,15 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 
 from app.server.config import GENERIC_NOISE_SCALE, GENERIC_STEPS
 from app.server.engine_bridge import StreamSettings
@@ -20,6 +28,14 @@ MIN_NOISE_SCALE = 0.2
 # Seeds arrive as JSON numbers: above 2**53 a JavaScript client cannot send them exactly, and the
 # OpenAPI document (FastAPI writes bounds as floats) could not state a larger bound exactly.
 MAX_SEED = 2**53 - 1
+# LoRA strengths: engine.models.lora.MAX_LORA_STRENGTH (this module does not import torch). A message
+# names at most MAX_LORAS of them.
+MAX_LORA_STRENGTH = 4.0
+MAX_LORAS = 16
+LoRAStrengths = dict[
+    Annotated[str, StringConstraints(min_length=1, max_length=64)],
+    Annotated[float, Field(ge=-MAX_LORA_STRENGTH, le=MAX_LORA_STRENGTH)],
+]
 
 
 # Control (Cc: NUL, newlines, escapes), format (Cf: bidi overrides, zero-width spaces) and surrogate
@@ -50,9 +66,14 @@ class UpdateMessage(_Message):
     steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stabilize: bool | None = None
+    # Strengths of the served LoRAs it names (GET /api/config lists them); the others keep theirs.
+    loras: LoRAStrengths | None = Field(default=None, max_length=MAX_LORAS)
+    # Start (true) or stop (false) recording the stream's output on the server (--record-dir).
+    record: bool | None = None
 
     def changes(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"type"}, exclude_none=True)
+        """The engine's share of the message (recording is the session's)."""
+        return self.model_dump(exclude={"type", "record"}, exclude_none=True)
 
 
 class PauseMessage(_Message):
@@ -137,6 +158,7 @@ class StreamOptions(_Message):
     steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     stabilize: bool = True
+    loras: LoRAStrengths | None = Field(default=None, max_length=MAX_LORAS)  # over the served defaults
     # A live stream takes a camera in and sends a look out; text-to-video runs in the playground and
     # the Python API, where the model has it (GET /api/config lists the model's modes).
     mode: Literal["v2v"] = "v2v"
@@ -161,6 +183,7 @@ class StreamOptions(_Message):
             steps=self.steps if self.steps is not None else default_steps,
             seed=self.seed,
             stabilize=self.stabilize,
+            loras=dict(self.loras or {}),
         )
 
 

@@ -16,15 +16,20 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Hashable, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from engine.serving.fidelity import FidelityConfig
 
+# The step-wise stream lives in engine/ (Ray worker actors run it too); the server's name for it stays.
+from engine.streaming.step_processor import InProcessProcessor as InProcessProcessor
+from engine.streaming.step_processor import StepProcessor as StepProcessor
+
 if TYPE_CHECKING:
+    from app.server.config import LoRASpec
     from engine.parallel.ring import RingRuntime
     from engine.pipeline import Pipeline, StreamParams
     from engine.streaming.state import StreamState
@@ -41,6 +46,7 @@ class StreamSettings:
     steps: int = 2
     seed: int = 0
     stabilize: bool = True  # the temporal stabilizer, where the model's config has one
+    loras: dict[str, float] = field(default_factory=dict)  # strengths over the served LoRAs' defaults
 
 
 class StreamProcessor(Protocol):
@@ -88,183 +94,6 @@ def per_chunk_fidelity(factory: ProcessorFactory) -> bool:
     return bool(getattr(factory, "per_chunk_fidelity", False))
 
 
-@runtime_checkable
-class StepProcessor(Protocol):
-    """A `StreamProcessor` the engine core drives through the chunk recipe's stages: its fidelity
-    is set per chunk, its chunk runs one denoising step at a time (so a more urgent stream can run
-    between two steps), steps of several streams share one forward, with ``step_batch`` the steps of
-    its successive chunks share one forward too, and its state can be parked in host memory and
-    brought back bit-identically. Every call happens on the engine thread."""
-
-    @property
-    def first_chunk_frames(self) -> int: ...
-
-    @property
-    def chunk_frames(self) -> int: ...
-
-    def process(self, frames: np.ndarray) -> np.ndarray: ...
-
-    def update(self, **changes: Any) -> None: ...
-
-    def reset(self) -> None: ...
-
-    def fidelity(self) -> FidelityConfig: ...
-
-    def set_fidelity(self, config: FidelityConfig) -> None:
-        """Applies from the next chunk; raises ValueError for a config this engine cannot run."""
-        ...
-
-    def begin_chunk(self, frames: np.ndarray) -> None:
-        """A new chunk enters (encode, noise). Chunks still in the step batch finish first when the new
-        chunk cannot join them (another fidelity); their frames come out of :meth:`take_finished`."""
-        ...
-
-    def step_rows(self) -> list[tuple[Hashable, Any]]:
-        """The chunks that take a denoising step now (one, or every chunk of the step batch), each with
-        the key that says which rows may share a forward."""
-        ...
-
-    def denoise_rows(self, rows: Sequence[Any]) -> None:
-        """One forward moving every row (from ``step_rows`` of any processors of this engine) one step."""
-        ...
-
-    def take_finished(self) -> list[np.ndarray]:
-        """Frames of every finished chunk, oldest first (decode, stabilizer): uint8 [T, H, W, 3] each."""
-        ...
-
-    def drop_chunks(self) -> None:
-        """Forget chunks in flight (the policy abandoned them); the stream's state stays as it is."""
-        ...
-
-    def offload(self) -> int:
-        """Move the stream's state (and chunks in flight) to host memory; returns its bytes."""
-        ...
-
-    def restore(self) -> None:
-        """Bring the state back from host memory, bit-identical."""
-        ...
-
-    @property
-    def offloaded(self) -> bool: ...
-
-
-class InProcessProcessor:
-    """A `StepProcessor` over one `engine.pipeline` stream and its runtime's chunk stages."""
-
-    def __init__(self, stream: Any, first_chunk_frames: int, chunk_frames: int) -> None:
-        self._stream = stream
-        self._first = first_chunk_frames
-        self._chunk = chunk_frames
-        self._queue: list[Any] = []  # the runtime's ChunkInFlight objects, oldest first
-        self._drained: list[np.ndarray] = []  # frames of chunks finished while making room
-        self._parked: bytes | None = None  # state and chunks in flight while offloaded to host memory
-
-    @property
-    def first_chunk_frames(self) -> int:
-        return self._first
-
-    @property
-    def chunk_frames(self) -> int:
-        return self._chunk
-
-    def process(self, frames: np.ndarray) -> np.ndarray:
-        self._resident()
-        self._queue, self._drained = [], []
-        return np.asarray(self._stream.process(frames), dtype=np.uint8)
-
-    def update(self, **changes: Any) -> None:
-        # A control change while offloaded: bring the state back, change it, park it again.
-        parked = self.offloaded
-        self._resident()
-        self._stream.update(**changes)
-        if parked:
-            self.offload()
-
-    def reset(self) -> None:
-        self._parked = None
-        self._queue, self._drained = [], []
-        self._stream.reset()
-
-    def fidelity(self) -> FidelityConfig:
-        self._resident()
-        config: FidelityConfig = self._stream.state.fidelity
-        return config
-
-    def set_fidelity(self, config: FidelityConfig) -> None:
-        # How many streams share a forward, and on how many devices, is the executor's business.
-        config = replace(config, stream_batch=1, gpus=1)
-        if config != self.fidelity():
-            self._stream.set_fidelity(config)
-
-    # -- the chunk recipe's stages, driven by the engine core --------------------------------------
-
-    def begin_chunk(self, frames: np.ndarray) -> None:
-        from engine.frames import frames_to_tensor
-
-        self._resident()
-        stream = self._stream
-        fidelity = stream.state.fidelity
-        if self._queue and not (fidelity.step_batch and self._queue[-1].fidelity == fidelity):
-            # The new chunk cannot join the chunks in flight (another step count, size or knob, or no
-            # step batch): they finish first, without new input (StreamBatch.drain's rule).
-            self._drain()
-        chunk = stream.runtime.enter_chunk(stream.state, frames_to_tensor(frames, stream.expected_frames))
-        self._queue.append(chunk)
-
-    def step_rows(self) -> list[tuple[Hashable, Any]]:
-        runtime = self._stream.runtime
-        per_step = runtime.config.cache_mode == "per-step"
-        return [((id(runtime), c.batch_key(per_step)), c) for c in self._queue if not c.done]
-
-    def denoise_rows(self, rows: Sequence[Any]) -> None:
-        self._stream.runtime.denoise_step(rows)
-
-    def take_finished(self) -> list[np.ndarray]:
-        from engine.frames import tensor_to_frames
-
-        done, self._drained = self._drained, []
-        while self._queue and self._queue[0].done:
-            self._stream.last = self._stream.runtime.finish_chunk(self._queue.pop(0))
-            done.append(tensor_to_frames(self._stream.last.frames))
-        return done
-
-    def drop_chunks(self) -> None:
-        self._queue = []
-
-    def _drain(self) -> None:
-        while rows := self.step_rows():
-            groups: dict[Hashable, list[Any]] = {}
-            for key, chunk in rows:
-                groups.setdefault(key, []).append(chunk)
-            for group in groups.values():
-                self.denoise_rows(group)
-        finished = self.take_finished()  # it empties self._drained first: extend the list after the call
-        self._drained.extend(finished)
-
-    def offload(self) -> int:
-        from engine.streaming.state import pack
-
-        if self._parked is None:
-            self._parked = pack((self._stream.state, self._queue))
-            self._stream.state, self._queue = None, []
-        return len(self._parked)
-
-    def restore(self) -> None:
-        self._resident()
-
-    @property
-    def offloaded(self) -> bool:
-        return self._parked is not None
-
-    def _resident(self) -> None:
-        from engine.streaming.state import unpack
-
-        if self._parked is None:
-            return
-        self._stream.state, self._queue = unpack(self._parked, self._stream.runtime.device)
-        self._parked = None
-
-
 class InProcessFactory:
     """Opens streams on one loaded `engine.pipeline.Pipeline`."""
 
@@ -274,13 +103,21 @@ class InProcessFactory:
         self._pipe = pipeline
 
     @classmethod
-    def load(cls, model: str | None, device: str = "cpu") -> InProcessFactory:
+    def load(cls, model: str | None, device: str = "cpu", loras: Sequence[LoRASpec] = ()) -> InProcessFactory:
         from engine.pipeline import Pipeline
 
         t0 = time.perf_counter()
         pipe = Pipeline.load(model=model, device=device)
+        for lora in loras:
+            pipe.load_lora(lora.name, lora.path, lora.strength)
         log.info("loaded model %s on %s in %.1f s", model or "(embedded default)", device, time.perf_counter() - t0)
         return cls(pipe)
+
+    @property
+    def loras(self) -> list[dict[str, Any]]:
+        """The loaded LoRAs (name, rank, layers, targets, default strength), for /api/config."""
+        info: list[dict[str, Any]] = self._pipe.lora_info()
+        return info
 
     @property
     def pipeline(self) -> Any:
@@ -299,13 +136,34 @@ class InProcessFactory:
         return InProcessProcessor(stream, int(self._pipe.first_chunk_frames), int(self._pipe.chunk_frames))
 
 
+@runtime_checkable
+class ChunkBatchFactory(Protocol):
+    """A factory whose engine runs whole chunks of several streams together, each at the fidelity
+    the engine core sets per chunk (the pipeline ranks: the chunks go into the ring together and
+    their micro-steps overlap across ranks). The core drives it with cross-user batches and
+    per-chunk fidelity, but not step by step: no step preemption, no eviction."""
+
+    @property
+    def size(self) -> tuple[int, int]: ...
+
+    def open(self, settings: StreamSettings) -> StreamProcessor: ...
+
+    def unsupported(self, config: FidelityConfig) -> str | None:
+        """Why the engine cannot run a chunk at ``config``, in plain words; None when it can."""
+        ...
+
+    def run_chunks(self, chunks: Sequence[tuple[Any, np.ndarray, FidelityConfig | None]]) -> list[np.ndarray]:
+        """One chunk of each ``(processor, uint8 [T, H, W, 3], fidelity)`` together (None: the stream's
+        current fidelity); their frames, in order."""
+        ...
+
+
 class RankProcessor:
     """One stream on the pipeline ranks (a `StreamProcessor`); every call runs on the engine thread.
 
-    The seam is synchronous (one chunk in, the same chunk's frames out), so each ``process`` call
-    pushes its chunk and drains the ring: streams are served correctly through the ranks, but
-    micro-steps of different calls do not overlap yet (no throughput gain over one rank until the
-    frame path can take chunks back later than it hands them in).
+    The seam is synchronous (chunks in, the same chunks' frames out): ``process`` runs one chunk
+    through the ring and back, :meth:`RankFactory.run_chunks` several streams' chunks together (the
+    engine core's cross-user batches), which is what keeps every rank busy at once.
     """
 
     def __init__(self, factory: RankFactory, params: StreamParams) -> None:
@@ -322,21 +180,30 @@ class RankProcessor:
     def chunk_frames(self) -> int:
         return int(self._factory.pipeline.chunk_frames)
 
-    def process(self, frames: np.ndarray) -> np.ndarray:
-        from engine.frames import frames_to_tensor, tensor_to_frames
+    @property
+    def expected_frames(self) -> int:
+        return self.chunk_frames if self.state.chunks else self.first_chunk_frames
 
-        self._factory.close_dropped()
-        expected = self.chunk_frames if self.state.chunks else self.first_chunk_frames
-        ring = self._factory.ring
-        done = ring.push([self.state], [frames_to_tensor(frames, expected)]) + ring.drain()
-        mine = [result for state, result in done if state is self.state]
-        if len(mine) != 1:
-            raise RuntimeError(f"the pipeline returned {len(mine)} chunks for stream {self.id}, expected 1")
-        return tensor_to_frames(mine[0].frames)
+    def process(self, frames: np.ndarray) -> np.ndarray:
+        return self._factory.run_chunks([(self, frames, None)])[0]
+
+    def fidelity(self) -> FidelityConfig:
+        config: FidelityConfig = self.state.fidelity
+        return config
+
+    def set_fidelity(self, config: FidelityConfig) -> None:
+        """The engine core's point for the stream's next chunk (a ValueError for one the ranks cannot
+        run: see :meth:`RankFactory.unsupported`)."""
+        config = replace(config, stream_batch=1, gpus=1)  # the batch is the executor's business
+        reason = self._factory.unsupported(config)
+        if reason is not None:
+            raise ValueError(f"fidelity {config.label()} cannot run on the pipeline ranks: {reason}")
+        if config != self.state.fidelity:
+            self._factory.ring.set_fidelity(self.state, config)
 
     def update(self, **changes: Any) -> None:
-        """The controls of `engine.pipeline.Stream.update`; a step-count change restarts the stream
-        (the ring keeps one KV cache per step on every rank)."""
+        """The controls of `engine.pipeline.Stream.update` (a step-count change takes effect at the
+        next chunk: every rank fits the stream's per-step caches, as the single-process engine does)."""
         from engine.sampling import NoiseSource
 
         transition_chunks = int(changes.pop("transition_chunks", 0))
@@ -349,17 +216,19 @@ class RankProcessor:
         if changes.get("prompt_weights") is not None:
             changes["prompt_weights"] = tuple(changes["prompt_weights"])
         seed = changes.get("seed")
-        new = self.params.with_(**changes)  # validates
         pipeline, ring = self._factory.pipeline, self._factory.ring
+        loras = changes.get("loras")
+        if loras is not None:
+            ring.rt.checked_loras(loras)  # names a LoRA that is not loaded, before anything changes
+            changes["loras"] = {**self.params.loras, **loras}
+        new = self.params.with_(**changes)  # validates
         fidelity = pipeline.fidelity_for(new)
         ring.rt.check_fidelity(fidelity)
-        if new.steps != self.params.steps:
-            self.params = new
-            self.reset()
-            return
         if {"prompt", "prompt_weights", "blend_mode"} & changes.keys():
             ring.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
                             transition_chunks=transition_chunks, refresh_sinks=refresh_sinks)
+        if loras is not None:
+            ring.set_loras(self.state, loras)
         ring.set_fidelity(self.state, fidelity)
         self.state.noise_scale = pipeline.operating_point(new)[0]
         self.state.stabilize = new.stabilize
@@ -383,6 +252,8 @@ class RankFactory:
         self._states: dict[str, StreamState] = {}
         self._dropped: list[str] = []
         self._lock = threading.Lock()
+        self._running = threading.Lock()  # held while chunks are in the ring
+        self._closed = False
 
     @property
     def size(self) -> tuple[int, int]:
@@ -394,19 +265,66 @@ class RankFactory:
 
         processor = RankProcessor(self, StreamParams(prompt=settings.prompt, noise_scale=settings.noise_scale,
                                                      steps=settings.steps, seed=settings.seed,
-                                                     stabilize=settings.stabilize))
+                                                     stabilize=settings.stabilize, loras=settings.loras))
         # The processor protocol has no close: a dropped session's stream leaves the ranks at the next
         # chunk of any stream (on the engine thread, never from the garbage collector's thread).
         weakref.finalize(processor, self._drop, processor.id)
         return processor
+
+    def unsupported(self, config: FidelityConfig) -> str | None:
+        """What the ranks run: the runtime's knobs (steps up to the preset's, KV window, resolution
+        scale, precision and attention sparsity per device), one chunk of a stream in the ring at a time."""
+        if config.step_batch:
+            # A step batch keeps a stream's successive chunks in the ring together; the server's seam
+            # hands every chunk's frames back before the stream's next chunk enters.
+            return "step batches are not run on the pipeline ranks (each chunk leaves the ring before the next enters)"
+        try:
+            self.ring.rt.check_fidelity(config)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def run_chunks(self, chunks: Sequence[tuple[RankProcessor, np.ndarray, FidelityConfig | None]]) -> list[np.ndarray]:
+        """One chunk of each stream, at its fidelity (None: the stream's own), through the ranks together
+        (:meth:`RingRuntime.run`: their micro-steps overlap across ranks); the frames of each, in order."""
+        with self._running:
+            if self._closed:
+                raise RuntimeError("the pipeline ranks are shutting down")
+            return self._run_chunks(chunks)
+
+    def close(self) -> None:
+        """No more chunks: waits for the chunks in the ring (the engine thread's) to come back."""
+        with self._running:
+            self._closed = True
+
+    def _run_chunks(self, chunks: Sequence[tuple[RankProcessor, np.ndarray, FidelityConfig | None]]) -> list[np.ndarray]:
+        from engine.frames import frames_to_tensor, tensor_to_frames
+
+        self.close_dropped()
+        for processor, _, config in chunks:
+            if config is not None:
+                processor.set_fidelity(config)
+        states = [p.state for p, _, _ in chunks]
+        done = {id(state): result for state, result in
+                self.ring.run(states, [frames_to_tensor(f, p.expected_frames) for p, f, _ in chunks])}
+        missing = [p.id for p, _, _ in chunks if id(p.state) not in done]
+        if missing:
+            raise RuntimeError(f"the pipeline returned no chunk for streams {missing}")
+        return [tensor_to_frames(done[id(state)].frames) for state in states]
 
     def open_state(self, stream_id: str, params: StreamParams) -> StreamState:
         state = self._states[stream_id] = self.ring.open(
             stream_id, list(params.prompts), params.size or self.pipeline.default_size,
             self.pipeline.fidelity_for(params), seed=params.seed, weights=params.prompt_weights,
             blend_mode=params.blend_mode, noise_scale=self.pipeline.operating_point(params)[0],
-            stabilize=params.stabilize)
+            stabilize=params.stabilize, loras={**self.pipeline.lora_strengths, **params.loras})
         return state
+
+    @property
+    def loras(self) -> list[dict[str, Any]]:
+        """The LoRAs every rank loaded (name, rank, layers, targets, default strength)."""
+        info: list[dict[str, Any]] = self.pipeline.lora_info()
+        return info
 
     def close_dropped(self) -> None:
         with self._lock:
@@ -448,20 +366,24 @@ class RayProcessor:
 class RayFactory:
     """Opens streams on a cluster of Ray worker actors (`diffcast serve --ray` / `--ray-address`)."""
 
+    per_chunk_fidelity = True  # the engine core drives the actors step by step (app/server/cluster_executor.py)
+
     def __init__(self, controller: Any) -> None:
         self.controller = controller
 
     @classmethod
     def start(
-        cls, model: str | None, device: str = "cpu", workers: int = 2, address: str | None = None, threads: int = 1
+        cls, model: str | None, device: str = "cpu", workers: int = 2, address: str | None = None, threads: int = 1,
+        loras: Sequence[LoRASpec] = (), max_workers: int = 0,
     ) -> RayFactory:
-        """Start a local Ray cluster (``address`` None) or join one, bring up ``workers`` actors, and
-        health-check them in the background."""
+        """Start a local Ray cluster (``address`` None) or join one, bring up ``workers`` actors (each
+        loading the model and ``loras``), and health-check them in the background."""
         from engine.cluster.controller import ClusterConfig, ClusterController
 
         gpus = 1.0 if device.startswith("cuda") else 0.0
-        config = ClusterConfig(model=model, workers=workers, device=device, threads_per_worker=threads,
-                               gpus_per_worker=gpus)
+        config = ClusterConfig(model=model, workers=workers, max_workers=max_workers, device=device,
+                               threads_per_worker=threads, gpus_per_worker=gpus,
+                               loras=tuple((lora.name, lora.path, lora.strength) for lora in loras))
         controller = ClusterController.start(config, address)
         controller.start_monitor()
         return cls(controller)
@@ -470,6 +392,11 @@ class RayFactory:
     def size(self) -> tuple[int, int]:
         width, height = self.controller.info.default_size
         return int(width), int(height)
+
+    @property
+    def loras(self) -> list[dict[str, Any]]:
+        """The LoRAs every worker loaded (name, rank, layers, targets, default strength)."""
+        return [dict(info) for info in self.controller.info.loras]
 
     @property
     def parallel_chunks(self) -> int:

@@ -9,9 +9,13 @@ step is over. Here:
   stabilises. Streams whose steps the policy groups share one forward (split by cache fill level);
   a stream the policy preempts keeps its half-done chunk parked in its processor; evicted streams'
   states go to host memory and come back bit-identically before their next step.
-* ``ChunkExecutor`` — engines that run whole chunks at their own fidelity behind `process` (Ray
-  worker actors, pipeline ranks): one ``Work`` per chunk; the core's later steps of that chunk are
-  already done. The next issue's executors make them step-, fidelity- and migration-aware.
+* ``RayExecutor`` (app/server/cluster_executor.py) — the ``StepExecutor`` over Ray worker actors:
+  each ``Work`` is one step on worker ``w``'s actor; re-homing, worker failures, autoscaling.
+* ``ChunkExecutor`` — engines that run whole chunks at their own fidelity behind `process`: one
+  ``Work`` per chunk; the core's later steps of that chunk are already done.
+* ``RankExecutor`` — the pipeline ranks (`ChunkBatchFactory`): a ``Work``'s new chunks, each at the
+  policy's point, go through the ring together (their micro-steps overlap across ranks); whole
+  chunks, so no step preemption and no eviction (docs/parallel.md).
 
 ``ServingLoop`` is the asyncio side: it admits streams through the core, feeds it cursor reports,
 pauses and prompt switches, runs the control tick, and kicks idle workers when input arrives.
@@ -24,7 +28,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor as ThreadExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -32,11 +36,17 @@ from typing import Any
 import numpy as np
 
 from app.server.config import ServerConfig
-from app.server.engine_bridge import ProcessorFactory, StepProcessor, parallel_chunks, per_chunk_fidelity
+from app.server.engine_bridge import (
+    ChunkBatchFactory,
+    ProcessorFactory,
+    StepProcessor,
+    parallel_chunks,
+    per_chunk_fidelity,
+)
 from app.server.frame_path import InputFrame, Playout, StreamRunner
 from app.server.session import CapacityError
-from engine.fidelity import engine_capabilities
-from engine.serving.core import Clock, EngineCore, StepResult, Work
+from engine.fidelity import FidelityConfig, engine_capabilities
+from engine.serving.core import Clock, EngineCore, StepOrder, StepResult, Work
 from engine.serving.fidelity import (
     BUNDLED_PROFILES,
     FidelityProfile,
@@ -46,7 +56,10 @@ from engine.serving.fidelity import (
 )
 from engine.serving.ledger import StreamLedger
 from engine.serving.policy import Ordering, PolicyConfig, SlackPolicy, resolve_preset
+from engine.serving.scaler import Scaler
 from engine.serving.snapshot import Rehome, WorkerView
+from engine.sim.runner import advisory_autoscale
+from engine.streaming.step_processor import StepRow, run_step
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +69,8 @@ POLL_S = 0.005  # idle wait for input when no stream has a chunk ready
 TICK_S = 0.5  # control tick: credits and tiers for the stats, re-homes
 LEDGER_LOG_ROWS = 1000  # per-stream tracker log kept: a live stream may run for days
 UNLIMITED_SLOTS = 1 << 20
+LOAD_WINDOW_S = 5.0  # a worker's load: the share of the last seconds its engine was busy
+ACTIONS_KEPT = 50  # the policy's recent actions, for the dashboard
 
 
 class AdmissionError(CapacityError):
@@ -94,6 +109,33 @@ class _LiveExecutor:
         self.core: EngineCore | None = None  # set by the loop
         self.wakeup = asyncio.Event()
         self.forwards = 0  # batched DiT forwards run (StepExecutor), for tests and benchmarks
+        self.rehomes = 0  # streams whose state really moved to another worker
+        # Benchmark knob (demos/bench_cluster.py): each step lasts at least the profile's estimate; the
+        # engine thread sleeps only the difference, so a scaled profile is what the workers really cost.
+        self.pad_to_profile = False
+        self.scale_events = {"up": 0, "down": 0}  # workers added and removed by the autoscaler
+        self.device = "cpu"  # what each worker runs on, for the operator's view
+        # Per worker, (end, seconds) of its recent engine jobs: its load over LOAD_WINDOW_S.
+        self._busy: dict[int, deque[tuple[float, float]]] = {}
+        # The policy's recent actions as they happened (re-homes, evictions, preemptions, scaling,
+        # recoveries): {"t", "action", "stream", "worker", ...}, newest last.
+        self.actions: deque[dict[str, Any]] = deque(maxlen=ACTIONS_KEPT)
+
+    def note(self, action: str, stream: int | None = None, worker: int | None = None, **more: Any) -> None:
+        self.actions.append({"t": time.time(), "action": action, "stream": stream, "worker": worker, **more})
+
+    def load(self, worker_id: int) -> float:
+        """Share of the last LOAD_WINDOW_S seconds the worker's engine was busy."""
+        now = time.monotonic()
+        busy = self._busy.get(worker_id, ())
+        start = now - LOAD_WINDOW_S
+        return min(1.0, sum(max(0.0, end - max(end - wall, start)) for end, wall in busy) / LOAD_WINDOW_S)
+
+    def check(self, processor: object) -> None:
+        """TypeError for a processor this executor cannot drive."""
+
+    def poll(self) -> None:
+        """Event-loop side housekeeping before each pass (worker failures, scaling); nothing here."""
 
     # -- Executor protocol --
     def worker_views(self) -> list[WorkerView]:
@@ -120,10 +162,22 @@ class _LiveExecutor:
         """Run ``job`` on an engine thread; its wall time, per denoising step it covers, goes to the core."""
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        if self.pad_to_profile:
+            inner, until = job, t0 + work.est_step_s * steps
+
+            def job() -> None:
+                inner()
+                time.sleep(max(0.0, until - time.perf_counter()))
+
         future = loop.run_in_executor(self.threads, job)
 
         def done(f: asyncio.Future[None]) -> None:
-            seconds = (time.perf_counter() - t0) / steps
+            wall = time.perf_counter() - t0
+            busy = self._busy.setdefault(work.worker_id, deque())
+            busy.append((time.monotonic(), wall))
+            while busy and busy[0][0] < time.monotonic() - LOAD_WINDOW_S:
+                busy.popleft()
+            seconds = wall / steps
             exc = f.exception() if not f.cancelled() else asyncio.CancelledError()
             self._complete(work, seconds, exc)
 
@@ -156,72 +210,75 @@ class _LiveExecutor:
             stream = self.streams.get(sid)
             if stream is not None:
                 stream.ready = []
-        for sid in result.abandoned:
-            stream = self.streams.get(sid)
-            if stream is not None:
-                stream.in_engine.clear()
-                self._drop_chunks(stream)
         for sid in (*result.delivered, *result.discarded, *result.abandoned):
             entry = core.ledger.entries.get(sid)
             if entry is not None and entry.left:
                 core.forget(sid)
         self.wakeup.set()
 
-    def _drop_chunks(self, stream: LiveStream) -> None:
-        """The engine forgets the stream's abandoned chunks (on the engine thread, after what is queued)."""
 
 
 class StepExecutor(_LiveExecutor):
-    """The in-process engine: one denoising step per ``Work`` on the engine thread."""
+    """One denoising step per ``Work`` on a worker's engine: here the in-process engine on the engine
+    thread; `RayExecutor` (app/server/cluster_executor.py) overrides only ``_engine_step``, the call
+    that runs the step on worker ``w``'s actor."""
 
     def execute(self, work: Work) -> float:
         self._take_inputs(work)
+        for sid in work.evict:
+            self.note("evict", sid, work.worker_id)
+        for sid in work.restore:
+            self.note("restore", sid, work.worker_id)
+        for sid in work.preempted:
+            self.note("preempt", sid, work.worker_id)
         rows = [(order, self.streams[order.stream_id]) for order in work.orders if order.stream_id in self.streams]
         evict = [self.streams[sid] for sid in work.evict if sid in self.streams]
         restore = [self.streams[sid] for sid in work.restore if sid in self.streams]
-        self._run(work, lambda: self._step(rows, evict, restore))
+        drop = [self.streams[sid] for sid in work.drop if sid in self.streams]
+        self._run(work, lambda: self._step(work.worker_id, rows, evict, restore, drop))
         return 0.0
 
-    def _drop_chunks(self, stream: LiveStream) -> None:
-        self.threads.submit(_step_processor(stream).drop_chunks)
+    def check(self, processor: object) -> None:
+        if not isinstance(processor, StepProcessor):
+            raise TypeError(f"{type(processor).__name__} cannot run a chunk step by step")
 
-    def _step(self, rows: Sequence[tuple[Any, LiveStream]], evict: Sequence[LiveStream],
-              restore: Sequence[LiveStream]) -> None:
-        """Engine thread: park, unpark, enter new chunks, one forward per batch group, finish."""
-        for stream in evict:
-            _step_processor(stream).offload()
-        for stream in restore:
-            _step_processor(stream).restore()
-        active = []
+    def _step(self, worker_id: int, rows: Sequence[tuple[StepOrder, LiveStream]], evict: Sequence[LiveStream],
+              restore: Sequence[LiveStream], drop: Sequence[LiveStream] = ()) -> None:
+        """Engine thread: abandoned chunks are forgotten, new chunks take their input, the engine runs the
+        step, finished chunks come out."""
+        for stream in drop:
+            stream.in_engine.clear()
+        active: list[tuple[LiveStream, StepOrder, np.ndarray | None]] = []
         for order, stream in rows:
-            processor = _step_processor(stream)
+            inputs = None
             if order.new_chunk:
                 if not stream.taken:
                     continue  # paused or reset between the readiness check and now
-                processor.set_fidelity(order.point.config)
                 inputs = stream.runner.chunk_inputs(stream.taken)
-                processor.begin_chunk(inputs)
                 stream.in_engine.append((stream.taken, inputs))
                 stream.taken = []
-                if self.delay_s:
-                    time.sleep(self.delay_s)
-            active.append((stream, processor))
-        groups: dict[Hashable, list[tuple[StepProcessor, Any]]] = {}
-        for _, processor in active:
-            for key, row in processor.step_rows():
-                groups.setdefault(key, []).append((processor, row))
-        for group in groups.values():
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)
-            group[0][0].denoise_rows([row for _, row in group])
-            self.forwards += 1
-        for stream, processor in active:
-            for out in processor.take_finished():
+            active.append((stream, order, inputs))
+        finished = self._engine_step(worker_id, active, evict, restore, drop)
+        for (stream, _, _), outs in zip(active, finished, strict=True):
+            for out in outs:
                 try:
                     frames, inputs = stream.in_engine.popleft()
                 except IndexError:
                     continue  # a chunk whose input was forgotten (a reset): nobody waits for it
                 stream.ready.append((frames, stream.runner.chunk_outputs(inputs, out)))
+
+    def _engine_step(self, worker_id: int, active: Sequence[tuple[LiveStream, StepOrder, np.ndarray | None]],
+                     evict: Sequence[LiveStream], restore: Sequence[LiveStream],
+                     drop: Sequence[LiveStream]) -> list[list[np.ndarray]]:
+        """The step on the engine: every active row's finished chunks (engine-size frames)."""
+        for stream in drop:
+            _step_processor(stream).drop_chunks()
+        rows = [StepRow(_step_processor(stream), order.point.config if inputs is not None else None, inputs)
+                for stream, order, inputs in active]
+        finished, forwards = run_step(rows, [_step_processor(s) for s in evict], [_step_processor(s) for s in restore],
+                                      self.delay_s, self.step_delay_s)
+        self.forwards += forwards
+        return finished
 
 
 class ChunkExecutor(_LiveExecutor):
@@ -249,6 +306,43 @@ class ChunkExecutor(_LiveExecutor):
             out = stream.runner.chunk_outputs(inputs, stream.runner.processor.process(inputs))
             stream.ready.append((stream.taken, out))
             stream.taken = []
+
+
+class RankExecutor(ChunkExecutor):
+    """Pipeline ranks (`ChunkBatchFactory`): every new chunk at the policy's point, a cross-user batch
+    as one `run_chunks` call (all its chunks enter the ring together and overlap across ranks)."""
+
+    def __init__(self, factory: ChunkBatchFactory, threads: ThreadExecutor, clock: Clock, fps: float,
+                 delay_s: float = 0.0, step_delay_s: float = 0.0) -> None:
+        super().__init__(1, threads, clock, UNLIMITED_SLOTS, fps, delay_s, step_delay_s)
+        self.factory = factory
+
+    def execute(self, work: Work) -> float:
+        if not any(order.new_chunk for order in work.orders):
+            return super().execute(work)  # the chunk's later steps: already run with its first
+        self._take_inputs(work)
+        rows = [(o.point.config, self.streams[o.stream_id]) for o in work.orders
+                if o.new_chunk and o.stream_id in self.streams]
+        steps = max(o.point.config.steps for o in work.orders)
+        self._run(work, lambda: self._batch(rows, steps), steps)
+        return 0.0
+
+    def _batch(self, rows: Sequence[tuple[FidelityConfig, LiveStream]], steps: int) -> None:
+        """Engine thread: set each chunk's fidelity, run the chunks together, keep their frames."""
+        batch = []
+        for config, stream in rows:
+            if not stream.taken:
+                continue  # paused or reset between the readiness check and now
+            batch.append((stream, stream.taken, stream.runner.chunk_inputs(stream.taken), config))
+            stream.taken = []
+        if not batch:
+            return
+        if self.delay_s or self.step_delay_s:
+            time.sleep(self.delay_s * len(batch) + self.step_delay_s * steps)
+        outs = self.factory.run_chunks([(stream.runner.processor, inputs, config)
+                                        for stream, _, inputs, config in batch])
+        for (stream, frames, inputs, _), out in zip(batch, outs, strict=True):
+            stream.ready.append((frames, stream.runner.chunk_outputs(inputs, out)))
 
 
 def _step_processor(stream: LiveStream) -> StepProcessor:
@@ -288,8 +382,7 @@ class ServingLoop:
 
     def attach(self, sid: int, runner: StreamRunner, playout: Playout,
                on_failure: Callable[[BaseException], None] | None = None) -> None:
-        if isinstance(self.executor, StepExecutor) and not isinstance(runner.processor, StepProcessor):
-            raise TypeError(f"{type(runner.processor).__name__} cannot run a chunk step by step")
+        self.executor.check(runner.processor)
         self.executor.streams[sid] = LiveStream(sid, runner, playout, on_failure or _reraise)
         runner.on_event = lambda event: self.on_event(sid, event)
         self.executor.wakeup.set()
@@ -333,6 +426,7 @@ class ServingLoop:
 
     def run_once(self) -> None:
         """Cursor reports, the control tick when due, then every idle worker's next work."""
+        self.executor.poll()
         now = self.core.clock()
         self.report_cursors()
         if now - self._last_tick >= TICK_S:
@@ -384,10 +478,28 @@ class ServingLoop:
             "cpr": round(tracker.cpr, 3),
         }
 
+    def workers(self) -> list[dict[str, Any]]:
+        """Every worker as the policy sees it: its streams (policy ids), their tiers, its load."""
+        placement: dict[int, list[int]] = {}
+        for sid, entry in self.core.ledger.entries.items():
+            if not entry.left:
+                placement.setdefault(entry.worker, []).append(sid)
+        rows = []
+        for view in self.executor.worker_views():
+            sids = sorted(placement.get(view.worker_id, []))
+            tiers = dict.fromkeys(("urgent", "normal", "relaxed"), 0)
+            for sid in sids:
+                stats = self.core.stats.get(sid)
+                if stats is not None and stats.tier in tiers:
+                    tiers[stats.tier] += 1
+            rows.append({"id": view.worker_id, "device": self.executor.device, "streams": sids, "tiers": tiers,
+                         "load": round(self.executor.load(view.worker_id), 3), "draining": view.draining})
+        return rows
+
     def counters(self) -> dict[str, int]:
         c = self.core.counters
         return {"evictions": c.evictions, "restores": c.restores, "preemptions": c.preemptions,
-                "admissions_refused": c.admissions_refused, "rehomes": c.rehomes}
+                "admissions_refused": c.admissions_refused, "rehomes": self.executor.rehomes}
 
 
 def _reraise(exc: BaseException) -> None:
@@ -424,12 +536,16 @@ def with_emulated_delay(profile: FidelityProfile, delay_s: float, step_delay_s: 
                    notes=(*profile.notes, f"emulated delay {delay_s:g} s + {step_delay_s:g} s/step added"))
 
 
-def live_policy_config(name: str, max_batch: int, step_wise: bool) -> PolicyConfig:
-    """A preset as it runs live. One in-process engine is one worker of one device, so a preset's
-    ``gpus_per_worker`` (a simulated worker's GPU count) does not apply. ``--max-batch`` bounds the
+def live_policy_config(name: str, max_batch: int, step_wise: bool, chunk_batches: bool = False,
+                       workers: int = 1) -> PolicyConfig:
+    """A preset as it runs live. Each worker (the in-process engine, a Ray worker actor, the ranks) is
+    one device, so a preset's ``gpus_per_worker`` (a simulated worker's GPU count) does not apply; the
+    preset re-homes streams between ``workers`` where there are several. ``--max-batch`` bounds the
     cross-user batch of presets that route fidelity (BMPR) and FIFO's stream batch. Engines that run
-    whole chunks behind ``process`` (Ray, ranks) keep each stream's own fidelity, unbatched, with no
-    step preemption: those need the step-wise executor."""
+    whole chunks behind ``process`` (Ray) keep each stream's own fidelity, unbatched, with no step
+    preemption: those need the step-wise executor. Engines that run batches of whole chunks at
+    per-chunk fidelity (``chunk_batches``: the pipeline ranks) keep routing and batches, but a chunk
+    runs to its end (no step preemption) and states stay where they are (no eviction)."""
     preset = resolve_preset(name)
     if preset.bmpr:
         batch = max_batch  # cross-user batches of streams routed to the same point
@@ -437,17 +553,23 @@ def live_policy_config(name: str, max_batch: int, step_wise: bool) -> PolicyConf
         batch = min(preset.max_batch, max_batch)  # StreamDiffusionV2's stream batching
     else:
         batch = preset.max_batch
-    live = replace(preset, gpus_per_worker=1, max_batch=batch, rehoming=False)
-    if not step_wise:
+    live = replace(preset, gpus_per_worker=1, max_batch=batch, rehoming=preset.rehoming and workers > 1)
+    if chunk_batches:
+        live = replace(live, step_preemption=False)
+    elif not step_wise:
         live = replace(live, bmpr=False, step_preemption=False, max_batch=1)
     return live
 
 
-def runnable_profile(profile: FidelityProfile, device: str, step_wise: bool) -> FidelityProfile:
-    """Only the points this engine runs: capabilities of its device; one device per worker; and, for
-    engines behind ``process``, whatever fidelity the stream opened with (their single reference)."""
+def runnable_profile(profile: FidelityProfile, device: str, step_wise: bool,
+                     unsupported: Callable[[FidelityConfig], str | None] | None = None) -> FidelityProfile:
+    """Only the points this engine runs: capabilities of its device; one device per worker; for
+    engines that say what they run (``unsupported``: the pipeline ranks) only those points; and, for
+    other engines behind ``process``, whatever fidelity the stream opened with (their single reference)."""
     kept = profile.runnable(engine_capabilities(device.split(":")[0])).filtered(lambda c: c.gpus == 1)
-    if not step_wise:
+    if unsupported is not None:
+        kept = kept.filtered(lambda c: unsupported(replace(c, stream_batch=1)) is None)
+    elif not step_wise:
         kept = kept.filtered(lambda c: c == kept.reference().config or c.stream_batch > 1)
     return kept
 
@@ -456,26 +578,53 @@ def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads:
                        clock: Clock = time.monotonic) -> ServingLoop:
     """The engine core with the executor that fits ``factory``'s engine."""
     step_wise = per_chunk_fidelity(factory)
+    batches = factory if isinstance(factory, ChunkBatchFactory) else None
     profile = load_profile(config.profile) if config.profile else bundled_live_profile(config.model, factory.size)
     if tuple(profile.resolution) != tuple(factory.size):
         log.warning("fidelity profile %s was measured at %s but the engine runs at %s: latencies are off; "
                     "measure one with `diffcast profile --out FILE` and pass --profile FILE",
                     profile.model, profile.resolution, factory.size)
-    profile = runnable_profile(profile, config.device, step_wise)
+    profile = runnable_profile(profile, config.device, step_wise, batches.unsupported if batches else None)
     # Content time on this server runs at the playout clock's rate, not the profile's video rate.
     profile = replace(with_emulated_delay(profile, config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0),
                       fps=config.max_fps)
-    policy = SlackPolicy(profile, live_policy_config(config.policy, config.max_batch, step_wise))
+    controller = getattr(factory, "controller", None)  # Ray worker actors (RayFactory)
+    workers = len(controller.worker_ids) if controller is not None else 1
+    most = max(workers, config.max_workers if controller is not None else 1)
+    policy = SlackPolicy(profile, live_policy_config(config.policy, config.max_batch, step_wise, batches is not None,
+                                                     workers=most))
     slots = (config.state_slots or UNLIMITED_SLOTS) if step_wise else UNLIMITED_SLOTS  # only states it can park
     delays = (config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0)
     executor: _LiveExecutor
-    if step_wise:
+    scaler: Scaler | None = None
+    if controller is not None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from app.server.cluster_executor import RayExecutor
+
+        # One engine thread per worker actor (each waits on its actor's step), so the workers step at once.
+        pool = ThreadPoolExecutor(max_workers=most, thread_name_prefix="ray-step")
+        executor = RayExecutor(controller, pool, clock, slots, config.max_fps, *delays,
+                               worker_delays_s=[d / 1000.0 for d in config.worker_delay_ms])
+        if config.max_workers:
+            # K: streams one worker sustains in real time at the policy's fastest acceptable point.
+            scale = replace(advisory_autoscale(profile), min_workers=config.min_workers, max_workers=config.max_workers)
+            scaler = Scaler(scale, executor, cooldown_s=config.scale_in_cooldown_s,
+                            capacity=lambda p: advisory_autoscale(p).streams_per_worker)
+    elif step_wise:
         executor = StepExecutor(1, threads, clock, slots, config.max_fps, *delays)
+    elif batches is not None:
+        executor = RankExecutor(batches, threads, clock, config.max_fps, *delays)
     else:
         executor = ChunkExecutor(parallel_chunks(factory), threads, clock, slots, config.max_fps, *delays)
+    executor.device = config.device
     ledger = StreamLedger(max_lookahead_s=None, max_log=LEDGER_LOG_ROWS)
-    core = EngineCore(policy, executor, clock, ledger, calibrate=True)
+    core = EngineCore(policy, executor, clock, ledger, calibrate=True, scaler=scaler)
     loop = ServingLoop(core, executor, config.max_fps)
-    log.info("serving policy %s on %s: %d fidelity points, initial slack %.2f s, content rate %g fps",
-             policy.name, type(executor).__name__, len(profile.points), policy.initial_slack_s, config.max_fps)
+    pc = policy.config
+    log.info("serving policy %s on %s: %d fidelity points (%s), cross-user batches up to %d, step preemption %s, "
+             "eviction %s, initial slack %.2f s, content rate %g fps", policy.name, type(executor).__name__,
+             len(profile.points), "routed per chunk" if pc.bmpr else "fixed", pc.max_batch,
+             "on" if pc.step_preemption else "off", "on" if slots < UNLIMITED_SLOTS else "off",
+             policy.initial_slack_s, config.max_fps)
     return loop

@@ -104,9 +104,14 @@ class ChunkAssembler:
         self.accepting = True
         self.received = 0
         self.dropped = 0
+        self._gaps: deque[float] = deque(maxlen=31)  # between the last input frames' arrivals
+        self._last_arrival: float | None = None
 
     def push(self, source: av.VideoFrame | np.ndarray) -> FrameMeta:
         meta = FrameMeta(self._seq, self._clock())
+        if self._last_arrival is not None:
+            self._gaps.append(meta.arrival - self._last_arrival)
+        self._last_arrival = meta.arrival
         self._seq += 1
         self.received += 1
         if not self.accepting:  # paused: nothing will be generated from this frame
@@ -117,6 +122,12 @@ class ChunkAssembler:
         self._frames.append(InputFrame(source, meta))
         self._changed.set()
         return meta
+
+    @property
+    def period_s(self) -> float:
+        """The camera's frame period: the median gap between recent arrivals (a frame the reader
+        skipped on a busy loop doubles one gap, which the median ignores); 0 before two frames."""
+        return float(np.median(self._gaps)) if self._gaps else 0.0
 
     def ready(self, n: int) -> bool:
         return len(self._frames) >= n
@@ -274,6 +285,28 @@ class Playout:
         self._forget_before(now)
         span = min(FPS_WINDOW_S, now - self._start)
         return len(self._shown) / span if span > 0 else 0.0
+
+    @property
+    def tick_count(self) -> int:
+        """The number of the last tick: ``next_frame(tick_count)`` waits for the next one."""
+        return self._tick
+
+    @property
+    def started_at(self) -> float:
+        """The clock's time at the playout's start: ``next_frame``'s seconds count from it."""
+        return self._start
+
+    def recent_latency_s(self, window_s: float) -> tuple[float, float] | None:
+        """(mean, max - min) of the latency (input arrival -> played) of the output frames played
+        in the last ``window_s`` (or of the last one played); None before the first. What the
+        stream's audio is delayed by (app/server/audio.py): below the input rate, latency saws up
+        within each chunk (its frames arrived faster than they are played); the mean is the
+        middle of that saw, the spread its height."""
+        if not self._latencies:
+            return None
+        since = self._clock() - window_s
+        recent = [lat for shown, lat in self._latencies if shown >= since] or [self._latencies[-1][1]]
+        return float(np.mean(recent)), float(np.max(recent) - np.min(recent))
 
     def latency_s(self) -> dict[str, float]:
         """Server-side latency (input frame arrival -> its output frame played) over the last

@@ -12,6 +12,7 @@ from aiortc.contrib.media import MediaRelay
 from aiortc.exceptions import OperationError
 from aiortc.mediastreams import MediaStreamError
 
+from app.server.audio import AudioPlayout, DelayedAudioTrack, offers_audio, wants_audio
 from app.server.config import ServerConfig
 from app.server.engine_bridge import StreamSettings
 from app.server.frame_path import ChunkAssembler, Playout
@@ -52,6 +53,16 @@ async def read_input(track: MediaStreamTrack, assembler: ChunkAssembler) -> None
             return
         if isinstance(frame, av.VideoFrame):
             assembler.push(frame)
+
+
+async def read_audio(track: MediaStreamTrack, audio: AudioPlayout) -> None:
+    while True:
+        try:
+            frame = await track.recv()
+        except MediaStreamError:
+            return
+        if isinstance(frame, av.AudioFrame):
+            audio.push(frame)
 
 
 async def discard(track: MediaStreamTrack) -> None:
@@ -102,6 +113,8 @@ class Gateway:
         """A camera publisher (the page, or a WHIP client): returns the new session and the answer SDP."""
         check_offer(offer_sdp, publish=True)
         session = await self._manager.open(kind, settings)
+        if offers_audio(offer_sdp):  # its audio comes back out, as late as the video (app/server/audio.py)
+            session.enable_audio()
         pc = self._peer()
         session.publisher_session = mint_secret(16)  # the WHIP session URL's capability
         session.peers[session.publisher_session] = pc
@@ -114,7 +127,9 @@ class Gateway:
                 # Each alone ends the stream, so a lost goodbye packet (UDP) does not keep the stream
                 # and its client's slot until the input watchdog.
                 session.spawn(read_input(source, session.assembler), "input", ends_session=True)
-            else:  # e.g. OBS's Opus audio: drain it, or aiortc's receive queue grows forever
+            elif session.audio is not None:  # the page's microphone, OBS's Opus audio
+                session.spawn(read_audio(track, session.audio), "audio-in")
+            else:  # a track nobody plays: drain it, or aiortc's receive queue grows forever
                 session.spawn(discard(track), "audio-sink")
 
         @pc.on("datachannel")
@@ -130,6 +145,8 @@ class Gateway:
         try:
             if send_output:
                 pc.addTrack(PlayoutTrack(session.playout))
+                if session.audio is not None:
+                    pc.addTrack(DelayedAudioTrack(session.audio))
             answer = await self._answer(pc, offer_sdp)
         except BaseException:
             await session.close()
@@ -165,6 +182,8 @@ class Gateway:
         # count it, so --max-viewers holds under concurrency. A failed answer gives it back.
         session.peers[viewer_id] = pc
         pc.addTrack(PlayoutTrack(session.playout))
+        if session.audio is not None and wants_audio(offer_sdp):
+            pc.addTrack(DelayedAudioTrack(session.audio))
 
         @pc.on("connectionstatechange")
         async def on_state() -> None:

@@ -271,6 +271,10 @@ def uvicorn_server(app: Any, config: ServerConfig, *, port: int | None = None,
                    log_level: str = "info") -> uvicorn.Server:
     """The server `diffcast serve` runs (and the tests run): ``app`` on ``config``'s host and
     ``port`` (default ``config.port``) with the guarded protocols and redacted logs."""
+    if config.https and not (config.ssl_certfile and config.ssl_keyfile):
+        # Never plain HTTP for a config that asks for TLS.
+        raise ValueError("https=True needs ssl_certfile and ssl_keyfile: resolve the config with "
+                         "app.server.tls.with_certificate first")
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port if port is None else port, log_level=log_level,
         http=guarded_protocol(HttpLimits.from_config(config)), ws=AnsweringWebSocketProtocol,
@@ -282,6 +286,8 @@ def uvicorn_server(app: Any, config: ServerConfig, *, port: int | None = None,
         # which would let any local process (or a misconfigured local proxy) set client addresses.
         proxy_headers=bool(config.forwarded_allow_ips),
         forwarded_allow_ips=list(config.forwarded_allow_ips) or None,
+        # TLS for --https (app/server/tls.py has filled both paths in by now).
+        ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile,
     ))
     # After uvicorn.Config, which (re)configures the uvicorn loggers.
     install_log_redaction()

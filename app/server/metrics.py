@@ -83,6 +83,15 @@ class SessionCollector(Collector):
             counter = CounterMetricFamily(f"diffcast_{name}", doc)
             counter.add_metric([], counts.get(name, 0))
             yield counter
+        # The engine's workers (one in process; one per Ray worker actor) and the autoscaler's actions.
+        workers = GaugeMetricFamily("diffcast_workers", "Engine workers serving streams")
+        workers.add_metric([], len(loop.executor.worker_views()) if loop is not None else 1)
+        scale = CounterMetricFamily("diffcast_scale_events", "Workers added (up) and removed (down) by the autoscaler",
+                                    labels=["direction"])
+        events = loop.executor.scale_events if loop is not None else {}
+        for direction in ("up", "down"):
+            scale.add_metric([direction], events.get(direction, 0))
+        yield from (workers, scale)
         yield from (fps, latency, slack, viewers, frames_in, frames_out, dropped)
         yield from (steps, credit, tier, downshifts)
 

@@ -29,12 +29,20 @@ class ServeProgram:
     the spawned rank receives it)."""
 
     config: ServerConfig
+    log_level: int = logging.INFO  # the serving process's (`diffcast serve -v`: DEBUG)
 
     def __call__(self, ring: RingRuntime) -> None:
         # Imported here: every rank unpickles this program, and only rank 0 needs the web stack.
         from app.server.app import serve
 
-        serve(self.config, RankFactory(ring, loaded_pipeline(self.config.model, ring.rt.device)))
+        logging.getLogger().setLevel(self.log_level)  # the service logs as in one process (ranks log warnings)
+        factory = RankFactory(ring, loaded_pipeline(self.config.model, ring.rt.device))
+        try:
+            serve(self.config, factory)
+        finally:
+            # The engine thread may still be running chunks through the ring: the ring's shutdown
+            # (run_ring, after this program) must not talk to the ranks at the same time.
+            factory.close()
 
 
 def serve_ranks(config: ServerConfig, ranks: int, threads: int = 1) -> None:
@@ -47,7 +55,9 @@ def serve_ranks(config: ServerConfig, ranks: int, threads: int = 1) -> None:
     # SIGTERM must stop the ranks too (run_ring stops them on an exception), not orphan them.
     signal.signal(signal.SIGTERM, interrupted)
     try:
-        run_ring(LoadedModel(config.model), ServeProgram(config), ranks, device=device, threads=threads,
+        loras = tuple((lora.name, lora.path, lora.strength) for lora in config.loras)
+        run_ring(LoadedModel(config.model, loras), ServeProgram(config, logging.getLogger().getEffectiveLevel()), ranks,
+                 device=device, threads=threads,
                  options=RingOptions(rebalance_every=REBALANCE_EVERY), timeout_s=24 * 3600.0)
     except KeyboardInterrupt as exc:
         log.info("stopped (%s); the pipeline ranks are down", exc)

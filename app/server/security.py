@@ -89,8 +89,10 @@ STREAM_RULES: tuple[tuple[str, re.Pattern[str], Access], ...] = (
     ("DELETE", re.compile(r"^/whip/([^/]+)$"), Access.OWNER),
     ("POST", re.compile(r"^/whep/([^/]+)$"), Access.VIEWER),
 )
+# A stream's recordings: its owner's, also after the stream ended (app/server/recordings.py checks).
+RECORDINGS = re.compile(r"^/api/streams/[^/]+/recordings(/[^/]+)?$")
 # Routes that reveal every stream's id: admin only.
-LISTING = {("GET", "/api/streams"), ("GET", "/api/dashboard"), ("GET", "/metrics")}
+LISTING = {("GET", "/api/streams"), ("GET", "/api/dashboard"), ("GET", "/api/workers"), ("GET", "/metrics")}
 # Routes that create a stream: the API token (when set) and the per-client limit apply.
 CREATION = {("POST", "/api/offer"), ("POST", "/whip"), ("WEBSOCKET", "/ws")}
 # The Gradio playground runs engine work and stores uploads: it needs what creating a stream needs.
@@ -137,6 +139,8 @@ def credential(method: str, path: str, config: ServerConfig) -> str | None:
     for rule_method, pattern, need in STREAM_RULES:
         if rule_method == method and pattern.match(path):
             return "optional" if need == Access.VIEWER and not config.private_viewing else "required"
+    if RECORDINGS.match(path):
+        return "required"  # the owner's, checked by the routes (app/server/recordings.py)
     return None
 
 
@@ -252,6 +256,11 @@ class AccessControl:
     def grants(self) -> int:
         self._prune()
         return len(self._grants)
+
+    def owner_token(self, stream_id: str) -> str | None:
+        """The owner token of a live stream (recordings keep its digest for after the stream)."""
+        grant = self._grants.get(stream_id)
+        return grant.owner if grant is not None and self._is_live(stream_id) else None
 
     def is_admin(self, token: str | None) -> bool:
         return token is not None and any(hmac.compare_digest(token, t) for t in self._admin_tokens)

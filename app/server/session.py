@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiortc import RTCPeerConnection
 
+from app.server.audio import SPREAD_WINDOW_S, SYNC_WINDOW_S, AudioPlayout
 from app.server.config import ServerConfig
 from app.server.control import (
     ControlError,
@@ -27,6 +28,8 @@ from app.server.engine_bridge import ProcessorFactory, StreamSettings, parallel_
 from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
 from app.server.limits import MessageGuard, control_guard, watch_input
 from app.server.logs import mint_secret
+from app.server.recorder import Recorder
+from app.server.recordings import NOT_ENABLED, RecordingError, RecordingStore
 
 if TYPE_CHECKING:
     from app.server.executors import ServingLoop
@@ -66,6 +69,74 @@ class Session:
         self.on_steps: Callable[[int], None] | None = None
         # Size and rate limit of this stream's control messages, over every transport (limits.py).
         self.control_guard: MessageGuard | None = None
+        # The publisher's audio, played out as late as the video (None: a video-only stream).
+        self.audio: AudioPlayout | None = None
+        # Server-side recording (--record-dir; None: not enabled) and the one running, if any.
+        self.recordings: RecordingStore | None = None
+        self.recorder: Recorder | None = None
+        self.record_error: str | None = None
+        self._record_task: asyncio.Task[Any] | None = None
+
+    def enable_audio(self) -> AudioPlayout:
+        """The stream has audio: start its delayed playout (fed by the publisher's audio track)."""
+        if self.audio is None:
+            self.audio = AudioPlayout(self.video_delay_s)
+            self.spawn(self.audio.run(), "audio-playout")
+        return self.audio
+
+    def video_delay_s(self) -> tuple[float, float] | None:
+        """Input capture -> output shown, as the audio must be delayed, and how much it varies: the
+        playout's latency (arrival -> shown) plus the one input frame period aiortc's video receiver
+        holds a frame."""
+        recent, longer = self.playout.recent_latency_s(SYNC_WINDOW_S), self.playout.recent_latency_s(SPREAD_WINDOW_S)
+        if recent is None or longer is None:
+            return None
+        return recent[0] + self.assembler.period_s, longer[1]
+
+    def check_recording(self) -> None:
+        """RecordingError when a recording could not start now (not enabled, storage full)."""
+        if self.recorder is None:
+            if self.recordings is None:
+                raise RecordingError(NOT_ENABLED)
+            self.recordings.check_room()
+
+    def start_recording(self) -> None:
+        """Record the output (with its audio) from now on; RecordingError when the server cannot."""
+        if self.recorder is not None:
+            return
+        if self.recordings is None:
+            raise RecordingError(NOT_ENABLED)
+        directory, name = self.recordings.new_recording(self.id)
+        self.recorder = Recorder(directory, name, self.id, self.settings.prompt, self.playout, self.audio,
+                                 fits=self.recordings.fits)
+        self.record_error = None
+        self._record_task = self.spawn(self._record(self.recorder), "record")
+        log.info("stream %s: recording %s started", self.id, name)
+
+    async def _record(self, recorder: Recorder) -> None:
+        await asyncio.gather(recorder.feed_video(), recorder.feed_audio())
+        # The feeds end by themselves only when the encoder stopped: the storage quota was reached.
+        if self.recorder is recorder:
+            self.recorder = None
+            self.record_error = "recording storage is full"
+            await self._finish_recording(recorder, "storage full")
+
+    async def stop_recording(self, reason: str) -> None:
+        recorder, task = self.recorder, self._record_task
+        if recorder is None:
+            return
+        self.recorder = None
+        if task is not None:
+            task.cancel()
+        await self._finish_recording(recorder, reason)
+
+    async def _finish_recording(self, recorder: Recorder, reason: str) -> None:
+        try:
+            info = await recorder.finish(reason)
+        finally:  # the thread finishes the file even if this wait is cancelled (the stream closing)
+            if self.recordings is not None:
+                self.recordings.finished(self.id, recorder.name)
+        log.info("stream %s: recording %s finished (%s, %d frames)", self.id, recorder.name, info.ended, info.frames)
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str, ends_session: bool = False) -> asyncio.Task[Any]:
         """Run a task that lives as long as the session; a crash ends the session, and so does the
@@ -95,14 +166,25 @@ class Session:
 
     async def apply(self, message: ControlMessage) -> None:
         if isinstance(message, UpdateMessage):
+            if message.record:
+                self.check_recording()  # first: a refusal (not enabled, storage full) applies nothing
             changes = message.changes()
-            await self.runner.update(**changes)
+            if changes:
+                await self.runner.update(**changes)
+            if message.record:
+                self.start_recording()
             shown: dict[str, Any] = {k: changes[k] for k in ("noise_scale", "steps", "seed", "stabilize") if k in changes}
+            if "loras" in changes:
+                shown["loras"] = {**self.settings.loras, **changes["loras"]}
             if isinstance(message.prompt, str):
                 shown["prompt"] = message.prompt
             elif message.prompt is not None:
                 shown["prompt"] = " + ".join(message.prompt)
             self.settings = dataclasses.replace(self.settings, **shown)
+            if "prompt" in shown and self.recorder is not None:
+                self.recorder.note_prompt(shown["prompt"])
+            if message.record is False:
+                await self.stop_recording("requested")
             if "steps" in changes and self.on_steps is not None:
                 self.on_steps(int(changes["steps"]))
         elif isinstance(message, PauseMessage):
@@ -156,6 +238,7 @@ class Session:
             "steps": self.settings.steps,
             "seed": self.settings.seed,
             "stabilize": self.settings.stabilize,
+            "loras": self.settings.loras,
             "chunk_ms": round(1000 * self.runner.chunk_seconds, 1),
             "paused": self.runner.paused,
             "frames_in": self.assembler.received,
@@ -163,6 +246,12 @@ class Session:
             "dropped_frames": self.dropped_frames,
             "repeated_frames": self.playout.repeats,
             "viewers": self.viewers,
+            "recording": self.recorder is not None,
+            "record_error": self.record_error,
+            "audio": self.audio is not None,
+            "audio_delay_ms": None if self.audio is None or self.audio.delay_s is None
+            else round(1000 * self.audio.delay_s, 1),
+            "audio_resyncs": None if self.audio is None else self.audio.resyncs,
             **(self.policy_stats() if self.policy_stats is not None else {}),
         }
 
@@ -181,6 +270,7 @@ class Session:
             task.cancel()
         await asyncio.gather(*(pc.close() for pc in self.peers.values()), return_exceptions=True)
         self.peers.clear()
+        await self.stop_recording("stream ended")  # a recording is finished properly, never cut
         log.info("stream %s (%s) closed", self.id, self.kind)
 
 
@@ -202,6 +292,8 @@ class SessionManager:
         self.loop: ServingLoop | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._policy_ids: dict[str, int] = {}
+        # The recordings directory (--record-dir; set by create_app), None when recording is off.
+        self.recordings: RecordingStore | None = None
 
     @property
     def size(self) -> tuple[int, int]:
@@ -216,6 +308,9 @@ class SessionManager:
         serving = self.loop
         if serving is None:
             raise RuntimeError("the session manager has no engine loop (create_app sets one)")
+        # Every served LoRA's strength for this stream, spelled out (its stats show what runs).
+        served = {lora["name"]: lora["strength"] for lora in getattr(self.factory, "loras", ())}
+        settings = dataclasses.replace(settings, loras={**served, **settings.loras})
         policy_id = serving.admit(settings.steps)  # AdmissionError -> 503
         self._opening += 1
         loop = asyncio.get_running_loop()
@@ -237,6 +332,7 @@ class SessionManager:
             mint_secret(16), kind, settings, runner, assembler, playout, on_close=self._forget
         )
         session.control_guard = control_guard(cfg.max_message_bytes, cfg.max_messages_per_s)
+        session.recordings = self.recordings
         self.sessions[session.id] = session
         self.opened += 1
         serving.attach(policy_id, runner, playout, on_failure=lambda exc: session.fail("engine chunk", exc))
@@ -252,6 +348,10 @@ class SessionManager:
 
     def get(self, stream_id: str) -> Session | None:
         return self.sessions.get(stream_id)
+
+    def policy_ids(self) -> dict[str, int]:
+        """Each open stream's id in the serving policy (its engine core), by session id."""
+        return dict(self._policy_ids)
 
     def _forget(self, stream_id: str) -> None:
         policy_id = self._policy_ids.pop(stream_id, None)

@@ -13,8 +13,9 @@ serialises the state into the object store, the destination pulls it straight fr
 stream's home changes only after the destination has installed it; the source copy is dropped last.
 
 Failure: a call that fails with ``RayActorError``, or a health ping that fails or times out, marks the
-worker dead; its streams are re-admitted on the survivors with fresh caches but their prompt and
-controls kept. The next chunk of such a stream runs as a first chunk (from the newest frame) and its
+worker dead; its streams are re-admitted on the survivors with their prompt and controls kept, from the
+state the policy last parked in host memory where the stream is parked (the controller holds a copy),
+else with fresh caches. The next chunk of such a stream runs as a first chunk (from the newest frame) and its
 output is held for the chunk's duration (``StreamWorker.process``): the bounded gap a viewer sees.
 """
 
@@ -34,7 +35,7 @@ import ray
 from ray._private import ray_constants
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from engine.cluster.worker import MoveReport, StreamWorker, WorkerInfo
+from engine.cluster.worker import MoveReport, StepCall, StepOutcome, StreamWorker, WorkerInfo
 from engine.pipeline import StreamParams
 from engine.serving.snapshot import Admission, Dispatch, TickPlan, WorkerView
 
@@ -52,8 +53,10 @@ class ClusterError(RuntimeError):
 class ClusterConfig:
     model: str | None = None  # as Pipeline.load: None = embedded default, "tiny-random", or a path
     workers: int = 2
+    max_workers: int = 0  # the most the autoscaler may run (a local cluster gets CPUs for them); 0 = workers
     device: str = "cpu"
     threads_per_worker: int = 1  # torch threads in each actor
+    loras: tuple[tuple[str, str, float], ...] = ()  # (name, path, default strength) every actor loads
     cpus_per_worker: float = 1.0  # Ray scheduling resources of one actor
     gpus_per_worker: float = 0.0
     state_slots: int = 4  # resident streams per worker, as the policy's WorkerView sees it
@@ -102,6 +105,9 @@ class _Stream:
     params: StreamParams
     lock: threading.Lock = field(default_factory=threading.Lock)
     suspended: bool = False
+    # The state as the policy last parked it in its worker's host memory, while it stays parked: a
+    # copy that outlives the worker, so a re-admission keeps the stream's state.
+    parked: bytes | None = None
 
 
 def connect(address: str | None = None, num_cpus: int | None = None, object_store_mb: int | None = None) -> None:
@@ -147,11 +153,14 @@ class ClusterController:
         self.migrations: deque[MigrationStats] = deque(maxlen=HISTORY)
         self._monitor: threading.Thread | None = None
         self._stop = threading.Event()
+        # Called after each recovery, on the thread that found the worker dead (the live server's
+        # executor moves the policy's view of the streams to their new homes).
+        self.recovery_listeners: list[Callable[[Recovery], None]] = []
 
     @classmethod
     def start(cls, config: ClusterConfig, address: str | None = None) -> ClusterController:
         """Connect to (or start) Ray and bring up ``config.workers`` actors, each with a model replica."""
-        num_cpus = max(2, int(config.workers * config.cpus_per_worker) + 1)
+        num_cpus = max(2, int(max(config.workers, config.max_workers) * config.cpus_per_worker) + 1)
         connect(address, num_cpus=None if address else num_cpus, object_store_mb=config.object_store_mb)
         controller = cls(config)
         controller.add_workers(config.workers)
@@ -165,7 +174,7 @@ class ClusterController:
         with self._table:
             ids = list(range(self._next_worker, self._next_worker + count))
             self._next_worker += count
-        actors = {wid: self._actor_cls.remote(cfg.model, cfg.device, cfg.threads_per_worker) for wid in ids}
+        actors = {wid: self._actor_cls.remote(cfg.model, cfg.device, cfg.threads_per_worker, cfg.loras) for wid in ids}
         infos = ray.get([a.info.remote() for a in actors.values()])
         with self._table:
             self._workers.update(actors)
@@ -269,6 +278,49 @@ class ClusterController:
 
     def reset(self, stream_id: int) -> None:
         self._on_home(stream_id, "reset")
+
+    # -- the engine core's steps ----------------------------------------------------------------------
+
+    def run_step(self, worker_id: int, call: StepCall) -> StepOutcome:
+        """One engine-core ``Work`` on ``worker_id`` (its streams must live there: the caller places
+        them first). Parked copies of evicted states are kept here until the stream is restored. A
+        dead worker raises ``RayActorError`` after its streams were re-admitted elsewhere."""
+        outcome: StepOutcome = self._call(worker_id, self.actor(worker_id).run_step.remote(call))
+        with self._table:
+            for sid in call.restore:
+                if (entry := self._streams.get(sid)) is not None:
+                    entry.parked = None
+            for sid, blob in outcome.parked.items():
+                if (entry := self._streams.get(sid)) is not None:
+                    entry.parked = blob
+        return outcome
+
+    def home(self, stream_id: int) -> int:
+        return self._entry(stream_id).home
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Stop a worker that hosts no stream (scale-in, after the policy moved its streams away)."""
+        with self._table:
+            if any(e.home == worker_id for e in self._streams.values()):
+                raise ClusterError(f"worker {worker_id} still hosts streams; move them away first")
+            actor = self._workers.pop(worker_id, None)
+        if actor is None:
+            raise ClusterError(f"no live worker {worker_id}")
+        ray.kill(actor, no_restart=True)
+        log.info("worker %d removed", worker_id)
+
+    def loads(self) -> dict[int, dict[str, int]]:
+        """Each live worker's stream counts (its health ping's answer; absent when it does not answer)."""
+        with self._table:
+            workers = dict(self._workers)
+        refs = {wid: actor.ping.options(concurrency_group=HEALTH_GROUP).remote() for wid, actor in workers.items()}
+        out: dict[int, dict[str, int]] = {}
+        for wid, ref in refs.items():
+            try:
+                out[wid] = ray.get(ref, timeout=self.config.health_timeout_s)
+            except (RayActorError, GetTimeoutError):
+                continue
+        return out
 
     # -- offload --------------------------------------------------------------------------------------
 
@@ -408,15 +460,23 @@ class ClusterController:
         recovery = Recovery(worker_id, detected_by, readmitted, tuple(lost), detected, time.monotonic())
         self.recoveries.append(recovery)
         log.warning("worker %d died (%s): streams %s re-admitted, %s lost", worker_id, detected_by, readmitted, lost)
+        for listener in list(self.recovery_listeners):
+            listener(recovery)
         return recovery
 
     def _readmit(self, stream_id: int, entry: _Stream) -> int | None:
-        """Open a fresh copy of the stream (same controls) on the least-loaded survivor; None if none is left.
+        """Re-open the stream (same controls) on the least-loaded survivor, from its parked copy where
+        one exists (its state as the policy last parked it), else fresh; None if no worker is left.
         Called with the table lock held, never the stream's lock: that may belong to the very call that
         found the worker dead."""
         while (home := self._least_loaded()) is not None:
+            actor = self._workers[home]
             try:
-                ray.get(self._workers[home].open.remote(stream_id, entry.params))
+                if entry.parked is not None:
+                    ray.get(actor.adopt.remote(stream_id, entry.params, entry.parked))
+                    entry.parked = None  # resident again on its new home
+                else:
+                    ray.get(actor.open.remote(stream_id, entry.params))
             except RayActorError:
                 self._fail(home, "call")  # the survivor died too: re-admit its streams, try the next
                 continue

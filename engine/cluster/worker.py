@@ -11,14 +11,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from engine.fidelity import FidelityConfig
 from engine.pipeline import Pipeline, Stream, StreamParams
 from engine.streaming.state import StreamState
+from engine.streaming.step_processor import InProcessProcessor, StepRow, run_step
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,7 @@ class WorkerInfo:
     first_chunk_frames: int
     chunk_frames: int
     default_size: tuple[int, int]
+    loras: tuple[dict[str, Any], ...] = ()  # Pipeline.lora_info() of the replica
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,41 @@ class MoveReport:
     seconds: float
 
 
+@dataclass(frozen=True)
+class ChunkOrder:
+    """One stream's part of a step: ``frames`` and ``config`` for a chunk that enters now (uint8
+    [T, H, W, 3] at the engine size), both None for the next step of the chunk in flight."""
+
+    stream_id: int
+    config: FidelityConfig | None = None
+    frames: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One engine-core ``Work`` on this worker (engine/serving/core.py): park ``evict``, unpark
+    ``restore``, then one denoising step of ``orders`` (streams at one point share a forward)."""
+
+    orders: tuple[ChunkOrder, ...]
+    evict: tuple[int, ...] = ()
+    restore: tuple[int, ...] = ()
+    delay_s: float = 0.0  # emulated extra latency per chunk entering (--engine-delay-ms, --worker-delay-ms)
+    step_delay_s: float = 0.0  # per forward (--engine-step-delay-ms)
+    drop: tuple[int, ...] = ()  # streams whose chunks in flight the policy abandoned: forgotten first
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """Finished chunks per stream (oldest first), forwards run, the step's engine seconds, and the
+    parked copies of the states evicted by this call (the controller keeps them: a copy that outlives
+    this worker)."""
+
+    finished: dict[int, list[np.ndarray]]
+    forwards: int
+    seconds: float
+    parked: dict[int, bytes] = field(default_factory=dict)
+
+
 class UnknownStreamError(LookupError):
     """The worker does not host this stream (never opened here, closed, or moved away)."""
 
@@ -65,15 +104,22 @@ class StreamWorker:
     """A model replica plus its streams: resident (ready to run), suspended (state in host memory), or
     frozen (exported for a migration; dropped once the controller confirms the move)."""
 
-    def __init__(self, model: str | None, device: str = "cpu", threads: int = 1) -> None:
+    def __init__(self, model: str | None, device: str = "cpu", threads: int = 1,
+                 loras: tuple[tuple[str, str, float], ...] = ()) -> None:
         if threads > 0:
             # One thread per actor: actors share the machine's cores, and fixed threading keeps the
             # floating-point reduction order, hence a migrated stream's output, bit-identical.
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
         self.pipe = Pipeline.load(model, device=device)
+        for name, path, strength in loras:
+            self.pipe.load_lora(name, path, strength)
         self.device = device
         self._streams: dict[int, Stream] = {}
+        # The step-wise view of each stream (the engine core's Work runs through it), and the frame
+        # count each chunk in flight must come back with (a re-admitted stream's first chunk is shorter).
+        self._steppers: dict[int, InProcessProcessor] = {}
+        self._lengths: dict[int, deque[int]] = {}
         self._suspended: set[int] = set()
         self._frozen: set[int] = set()
         log.info("worker %d loaded %s on %s in %.1f s", os.getpid(), self.pipe.name, device, time.perf_counter() - t0)
@@ -81,21 +127,32 @@ class StreamWorker:
     def info(self) -> WorkerInfo:
         pipe = self.pipe
         width, height = pipe.default_size
-        return WorkerInfo(pipe.name, os.getpid(), pipe.first_chunk_frames, pipe.chunk_frames, (int(width), int(height)))
+        return WorkerInfo(pipe.name, os.getpid(), pipe.first_chunk_frames, pipe.chunk_frames, (int(width), int(height)),
+                          tuple(pipe.lora_info()))
 
     def ping(self) -> dict[str, int]:
         """Health check; also the counts the controller reports."""
-        return {"resident": len(self._streams) - len(self._suspended), "suspended": len(self._suspended)}
+        parked = sum(1 for p in self._steppers.values() if p.offloaded)
+        return {"resident": len(self._streams) - len(self._suspended) - parked, "suspended": len(self._suspended),
+                "parked": parked}
 
     # -- stream lifetime ------------------------------------------------------------------------------
 
     def open(self, stream_id: int, params: StreamParams) -> None:
         if stream_id in self._streams:
             raise ValueError(f"stream {stream_id} is already open on this worker")
-        self._streams[stream_id] = self.pipe.open_stream(params, str(stream_id))
+        self._install(stream_id, self.pipe.open_stream(params, str(stream_id)))
+
+    def _install(self, stream_id: int, stream: Stream) -> None:
+        self._streams[stream_id] = stream
+        pipe = self.pipe
+        self._steppers[stream_id] = InProcessProcessor(stream, int(pipe.first_chunk_frames), int(pipe.chunk_frames))
+        self._lengths[stream_id] = deque()
 
     def close(self, stream_id: int) -> None:
         self._streams.pop(stream_id, None)
+        self._steppers.pop(stream_id, None)
+        self._lengths.pop(stream_id, None)
         self._suspended.discard(stream_id)
         self._frozen.discard(stream_id)
 
@@ -113,27 +170,71 @@ class StreamWorker:
         """One chunk. A stream that has not run yet (just opened, or re-admitted after its worker died)
         takes its first chunk from the newest frame of a full chunk and holds that output for the
         chunk's length, so a caller mid-stream needs no special case after a recovery."""
-        stream = self._runnable(stream_id)
-        first = stream.expected_frames
-        if stream.state.chunks == 0 and len(frames) > first:
-            out = stream.process(frames[-first:])
+        self._runnable(stream_id)
+        stepper = self._steppers[stream_id]
+        first = stepper.stream.expected_frames
+        if stepper.stream.state.chunks == 0 and len(frames) > first:
+            out = stepper.process(frames[-first:])
             return np.repeat(out[-1:], len(frames), axis=0)
-        return stream.process(frames)
+        return stepper.process(frames)
 
     def update(self, stream_id: int, changes: dict[str, Any]) -> StreamParams:
         """Apply control changes (next chunk boundary); returns the stream's new controls."""
         stream = self._runnable(stream_id)
-        stream.update(**changes)
+        self._steppers[stream_id].update(**changes)
         return stream.params
 
     def reset(self, stream_id: int) -> None:
-        self._runnable(stream_id).reset()
+        self._runnable(stream_id)
+        self._steppers[stream_id].reset()
+        self._lengths[stream_id].clear()
+
+    # -- the engine core's steps ----------------------------------------------------------------------
+
+    def run_step(self, call: StepCall) -> StepOutcome:
+        """One ``Work`` (engine.streaming.step_processor.run_step, as the in-process engine runs it)."""
+        t0 = time.perf_counter()
+        for sid in call.drop:
+            self.drop_chunks(sid)
+        rows = []
+        for order in call.orders:
+            self._runnable(order.stream_id)
+            stepper = self._steppers[order.stream_id]
+            frames = order.frames
+            if frames is not None:
+                # A stream that has not run yet (just opened, or re-admitted after its worker died) takes
+                # its first chunk from the newest frames; its output is held for the chunk's length.
+                expected = stepper.stream.expected_frames
+                self._lengths[order.stream_id].append(len(frames))
+                frames = frames[-expected:] if len(frames) > expected else frames
+            rows.append(StepRow(stepper, order.config, frames))
+        evict = [self._steppers[sid] for sid in call.evict if sid in self._steppers]
+        restore = [self._steppers[sid] for sid in call.restore if sid in self._steppers]
+        finished, forwards = run_step(rows, evict, restore, call.delay_s, call.step_delay_s)
+        out: dict[int, list[np.ndarray]] = {}
+        for order, chunks in zip(call.orders, finished, strict=True):
+            lengths = self._lengths[order.stream_id]
+            out[order.stream_id] = [_held(chunk, lengths.popleft() if lengths else len(chunk)) for chunk in chunks]
+        parked = {sid: p for sid in call.evict if sid in self._steppers and (p := self._steppers[sid].parked)}
+        return StepOutcome(out, forwards, time.perf_counter() - t0, parked)
+
+    def drop_chunks(self, stream_id: int) -> None:
+        """Forget the stream's chunks in flight (the policy abandoned them)."""
+        if stream_id in self._steppers:
+            self._steppers[stream_id].drop_chunks()
+            self._lengths[stream_id].clear()
+
+    def adopt(self, stream_id: int, params: StreamParams, parked: bytes) -> None:
+        """Open a stream from a parked copy of its state (re-admission after its worker died)."""
+        self.open(stream_id, params)
+        self._steppers[stream_id].adopt(parked)
 
     # -- offload --------------------------------------------------------------------------------------
 
     def suspend(self, stream_id: int) -> int:
         """Move the stream's state to host memory (frees accelerator memory); returns its size in bytes."""
         stream = self._runnable(stream_id)
+        self._steppers[stream_id].restore()
         stream.state = stream.state.to("cpu")
         self._suspended.add(stream_id)
         return stream.state.nbytes()
@@ -152,6 +253,7 @@ class StreamWorker:
         (the move failed), so a failed transfer never loses the stream. The small report comes apart
         from the handoff so that the controller can learn the export's fate without fetching the state."""
         stream = self._runnable(stream_id)
+        self._steppers[stream_id].restore()  # a state parked by the policy travels as any other
         t0 = time.perf_counter()
         data = np.frombuffer(stream.state.to_bytes(), dtype=np.uint8)
         self._frozen.add(stream_id)
@@ -173,5 +275,12 @@ class StreamWorker:
         # Cheap after ``prepare`` (prompt cached); the fresh state it makes is replaced whole.
         stream = self.pipe.open_stream(handoff.params, str(handoff.stream_id))
         stream.state = state
-        self._streams[handoff.stream_id] = stream
+        self._install(handoff.stream_id, stream)
         return MoveReport(handoff.stream_id, handoff.state.nbytes, time.perf_counter() - t0)
+
+
+def _held(chunk: np.ndarray, frames: int) -> np.ndarray:
+    """A chunk's output with ``frames`` frames: a short one (a restart's first chunk) holds its last frame."""
+    if len(chunk) >= frames:
+        return chunk
+    return np.concatenate([chunk, np.repeat(chunk[-1:], frames - len(chunk), axis=0)])

@@ -52,11 +52,14 @@ class LoadedModel:
     """
 
     model: str | None = None
+    loras: tuple[tuple[str, str, float], ...] = ()  # (name, path, default strength): every rank loads them
 
     def __call__(self, device: torch.device) -> StreamRuntime:
         from engine.pipeline import Pipeline
 
         pipeline = _LOADED[(self.model, str(device))] = Pipeline.load(self.model, device=str(device))
+        for name, path, strength in self.loras:
+            pipeline.load_lora(name, path, strength)
         return pipeline.runtime
 
 

@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,7 @@ from engine.parallel.partition import BlockScheduler, StageTiming, check_ranges
 from engine.parallel.stage import Stage, WeightsMode
 from engine.sampling import NoiseSource
 from engine.streaming.prompts import BlendMode, PromptTransition
+from engine.streaming.rescale import rescale_state
 from engine.streaming.runtime import ChunkInFlight, ChunkResult, StreamRuntime
 from engine.streaming.state import StreamState
 
@@ -116,11 +117,12 @@ class RingRuntime:
         self._continuing: dict[int, list[_Slot]] = {}
         self._refresh: list[tuple[str, int, int, int]] = []
         self._done: list[tuple[StreamState, ChunkResult]] = []
-        self._versions: dict[str, tuple[Tensor, int]] = {}
-        self._new_prompts: list[tuple[str, int, Tensor]] = []
+        self._versions: dict[str, tuple[Tensor, int, dict[str, float]]] = {}  # embedding, version, LoRAs
+        self._new_prompts: list[tuple[str, int, Tensor, dict[str, float]]] = []
         self._known_prompts: set[tuple[str, int]] = set()
         self._steps: dict[str, int] = {}
         self._enter_s = 0.0
+        self._streamwise = False  # inside run(): one chunk per stream in flight, no barriers needed
 
     @property
     def ranges(self) -> list[range]:
@@ -130,7 +132,7 @@ class RingRuntime:
 
     def open(self, stream_id: str, prompt: str | Sequence[str], size: tuple[int, int], fidelity: FidelityConfig,
              seed: int = 0, weights: Sequence[float] | None = None, blend_mode: BlendMode = "linear",
-             noise_scale: float = 0.8, stabilize: bool = True) -> StreamState:
+             noise_scale: float = 0.8, stabilize: bool = True, loras: Mapping[str, float] | None = None) -> StreamState:
         """Like :meth:`StreamRuntime.open`, but the prompt's cross-attention K/V live on the ranks."""
         if stream_id in self._steps:
             raise ValueError(f"stream {stream_id!r} is already open in this pipeline")
@@ -140,6 +142,7 @@ class RingRuntime:
         if w <= 0 or h <= 0:
             raise ValueError(f"frame size {size} at scale {fidelity.resolution_scale} is too small")
         dataclasses.replace(rt.config.noise, noise_scale=noise_scale)  # validates the noise strength
+        strengths = rt.checked_loras(loras or {})
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         return StreamState(
             stream_id=stream_id,
@@ -152,7 +155,12 @@ class RingRuntime:
             vae_decoder=None,  # the last rank decodes
             noise_scale=noise_scale,
             stabilize=stabilize,
+            loras=strengths,
         )
+
+    def set_loras(self, state: StreamState, loras: Mapping[str, float]) -> None:
+        """Like :meth:`StreamRuntime.set_loras`; the ranks re-encode the prompt K/V with the next chunk."""
+        state.loras = self.rt.checked_loras({**state.loras, **loras})
 
     def set_prompt(self, state: StreamState, prompt: str | Sequence[str], weights: Sequence[float] | None = None,
                    blend_mode: BlendMode = "linear", transition_chunks: int = 0, refresh_sinks: bool = False) -> None:
@@ -166,17 +174,18 @@ class RingRuntime:
         state.force_sink_refresh = refresh_sinks
 
     def set_fidelity(self, state: StreamState, fidelity: FidelityConfig) -> None:
-        """Like :meth:`StreamRuntime.set_fidelity`, but the engine size is fixed once a chunk has run."""
-        self._check_engine_size(state, self.rt.engine_size(state.size, fidelity))
+        """Like :meth:`StreamRuntime.set_fidelity`: from the stream's next chunk on. A new step count or
+        engine size needs the stream's chunks out of the ring first (see :meth:`_refit`)."""
         self.rt.set_fidelity(state, fidelity)
 
     def close_stream(self, state: StreamState) -> None:
         """Drop a finished stream's caches on every rank (drain its chunks first)."""
         sid = state.stream_id
-        if any(s.state is state for slots in (*self._sent.values(), *self._continuing.values()) for s in slots):
+        if self._in_flight(state):
             raise ValueError(f"stream {sid!r} still has chunks in flight; drain() first")
         self._control({"op": "forget", "sid": sid})
         self.stage.forget(sid)
+        self._refresh = [r for r in self._refresh if r[0] != sid]  # its caches are gone on every rank
         self._versions.pop(sid, None)
         self._steps.pop(sid, None)
         self._known_prompts = {k for k in self._known_prompts if k[0] != sid}
@@ -194,6 +203,45 @@ class RingRuntime:
         self._enter_s = time.perf_counter() - t0
         self._micro_step(slots)
         return self._take_done()
+
+    def run(self, states: Sequence[StreamState], frames: Sequence[Tensor]) -> list[tuple[StreamState, ChunkResult]]:
+        """One chunk of each stream through the ring and back, with the ranks working at once.
+
+        The streams are dealt round-robin into ``world`` micro-steps in a row, so while rank r runs
+        one group's blocks rank r + 1 runs the previous group's (a cross-user batch is what fills the
+        pipeline). Each stream has exactly one chunk in flight, so its next chunk cannot overtake a
+        sink decision: the ring runs at full depth even with adaptive sink refresh on, exactly. Needs
+        an empty ring (nothing pushed and not drained); returns every chunk, in finishing order.
+        """
+        if self._outstanding or self._continuing:
+            raise ValueError("run() needs an empty ring; drain() the chunks pushed before")
+        if len(states) != len(frames) or not states:
+            raise ValueError("run needs one frame chunk per stream")
+        groups = min(self.world, len(states))
+        exact_depth, self.depth, self._streamwise = self.depth, self.world, True
+        try:
+            done = []
+            for g in range(groups):
+                done += self.push(states[g::groups], frames[g::groups])
+            return done + self.drain()
+        except Exception:
+            self._abandon()
+            raise
+        finally:
+            self.depth, self._streamwise = exact_depth, False
+
+    def _abandon(self) -> None:
+        """A chunk of a run failed (out of memory in a forward, a chunk that cannot enter): the
+        micro-steps already sent come back, so every rank stays in step with rank 0, and the chunks
+        in flight are dropped, so the ring serves the next call. The run's streams are left mid-chunk
+        on the ranks: the caller closes them."""
+        while self._outstanding:
+            self.channel.recv(self.world - 1)
+            self._outstanding.popleft()
+        self._sent.clear()
+        self._continuing.clear()
+        self._barriers.clear()
+        self._done.clear()
 
     def drain(self) -> list[tuple[StreamState, ChunkResult]]:
         """Run micro-steps without new input until every chunk in flight has finished."""
@@ -235,38 +283,52 @@ class RingRuntime:
     def _enter(self, state: StreamState, chunk: Tensor) -> _Slot:
         """A new chunk: the runtime's first stage (prompt/RoPE bookkeeping, VAE encode, noise draws);
         the KV caches and prompt K/V it would fit live on the ranks instead."""
-        steps = state.fidelity.steps
-        if self._steps.setdefault(state.stream_id, steps) != steps:
-            raise ValueError(
-                f"stream {state.stream_id!r} changed its step count to {steps} mid-stream; the pipeline keeps "
-                f"one KV cache per step, so reopen the stream to change steps"
-            )
-        size = self.rt.engine_size(state.size, state.fidelity)
-        self._check_engine_size(state, size)
+        steps, size = state.fidelity.steps, self.rt.engine_size(state.size, state.fidelity)
+        if self._steps.setdefault(state.stream_id, steps) != steps or state.engine_size not in (None, size):
+            self._refit(state, steps, size)
         state.engine_size = size
         entered = self.rt.enter_chunk(state, chunk, local_caches=False)
         return _Slot(entered, self._prompt_version(state))
 
-    @staticmethod
-    def _check_engine_size(state: StreamState, size: tuple[int, int]) -> None:
-        # The ranks hold the stream's KV caches block by block and the last rank its VAE decoder, none of
-        # them on rank 0 where the chunk enters, so rescaling them (engine/streaming/rescale.py) would
-        # take a drained ring and a round of every rank; the pipeline does not do that.
-        if state.engine_size is not None and state.engine_size != size:
+    def _refit(self, state: StreamState, steps: int, size: tuple[int, int]) -> None:
+        """Between two chunks of a stream, a new step count or engine size (``resolution_scale``): every
+        rank fits its share of the stream's caches as the single-process engine does at a chunk
+        boundary (``StreamRuntime.fit_engine_size``, then ``_fit_caches``): its blocks' KV caches are
+        rescaled (engine/streaming/rescale.py), then extra step caches dropped and added steps copied
+        from the deepest; the last rank rescales the VAE decoder cache, rank 0 the encoder cache and
+        the noise controller's frame. Pending sink decisions of the stream are applied first."""
+        sid = state.stream_id
+        if self._in_flight(state):
             raise ValueError(
-                f"stream {state.stream_id!r} cannot change its engine size from {state.engine_size} to {size} "
-                "mid-stream in the pipeline-parallel engine (its caches live on every rank); reopen the stream "
-                "to change resolution_scale"
+                f"stream {sid!r} changed its step count or engine size while a chunk of it is in flight; the "
+                "ranks hold its per-step caches, so drain() before changing steps or resolution_scale"
             )
+        refresh = [r for r in self._refresh if r[0] == sid]
+        self._refresh = [r for r in self._refresh if r[0] != sid]
+        sizes = (state.engine_size, size) if state.engine_size not in (None, size) else None
+        fit = {"op": "fit", "sid": sid, "steps": steps, "refresh": refresh, "sizes": sizes}
+        self._control(fit)
+        self.stage.fit(fit)
+        if sizes is not None:
+            rescale_state(state, self.rt.dit.config, self.rt.vae.spatial_compression, size)
+        self._steps[sid] = steps
+
+    def _in_flight(self, state: StreamState) -> bool:
+        return any(s.state is state for slots in (*self._sent.values(), *self._continuing.values()) for s in slots)
 
     def _prompt_version(self, state: StreamState) -> int:
+        """The version of the stream's prompt K/V on the ranks: a new one for a new embedding or new LoRA
+        strengths (a LoRA on the text embedding or the cross-attention K/V changes them)."""
         sid = state.stream_id
         known = self._versions.get(sid)
-        if known is not None and known[0] is state.embedding:
+        if known is not None and known[0] is state.embedding and known[2] == state.loras:
             return known[1]
         version = 0 if known is None else known[1] + 1
-        self._versions[sid] = (state.embedding, version)
-        self._new_prompts.append((sid, version, self.rt.dit.embed_text(state.embedding)))
+        loras = dict(state.loras)
+        self._versions[sid] = (state.embedding, version, loras)
+        with self.rt.loras.rows([loras]):
+            text = self.rt.dit.embed_text(state.embedding)
+        self._new_prompts.append((sid, version, text, loras))
         return version
 
     def _micro_step(self, new: list[_Slot]) -> None:
@@ -281,7 +343,7 @@ class RingRuntime:
         msg = self._build(m, rows)
         self.forwards += 1
         out = self.stage.compute(msg)
-        if any(s.chunk.tau is not None for s in rows):
+        if not self._streamwise and any(s.chunk.tau is not None for s in rows):
             self._barriers.add(m)
         if self.world == 1:
             self._handle_return(out)
@@ -293,9 +355,9 @@ class RingRuntime:
             self.rebalance()
 
     def _build(self, m: int, rows: list[_Slot]) -> Message:
-        """Group the rows by cache fill level, precision and attention sparsity (one batched forward each)
-        and describe them."""
-        groups: dict[tuple[int, int, str, float], list[tuple[int, dict[str, Any]]]] = {}
+        """Group the rows by cache fill level and geometry (token count, KV window, sinks), precision and
+        attention sparsity (one batched forward each) and describe them."""
+        groups: dict[tuple[int, int, tuple[int, int, int], str, float], list[tuple[int, dict[str, Any]]]] = {}
         tensors: dict[str, Tensor] = {}
         self._sent[m] = rows
         for key, slot in enumerate(rows):
@@ -307,25 +369,25 @@ class RingRuntime:
             last = s.step + 1 == len(s.timesteps)
             row = {"key": key, "sid": st.stream_id, "step": s.step, "last": last, "t": s.timesteps[s.step],
                    "t_next": None if last else s.timesteps[s.step + 1], "frame": s.frame, "rope": s.rope,
-                   "ver": slot.version, "geom": geom, "tau": s.tau, "size": st.size}
+                   "ver": slot.version, "geom": geom, "tau": s.tau, "size": st.size, "loras": s.loras}
             cache = self.stage.cache_for(row)
-            fill = (cache.local_end, s.frame - cache.global_end[0], st.fidelity.precision,
+            fill = (cache.local_end, s.frame - cache.global_end[0], geom, st.fidelity.precision,
                     st.fidelity.attention_sparsity)
             groups.setdefault(fill, []).append((key, row))
             if not last:
                 tensors[f"noise.{key}"] = s.noises[s.step]
         meta_groups = []
-        for gi, ((_, _, precision, sparsity), members) in enumerate(groups.items()):
+        for gi, ((_, _, _, precision, sparsity), members) in enumerate(groups.items()):
             tensors[f"x.{gi}"] = torch.cat([rows[key].chunk.x for key, _ in members])
             meta_groups.append({"rows": [row for _, row in members], "precision": precision, "sparsity": sparsity})
-        for sid, version, text in self._new_prompts:
+        for sid, version, text, _ in self._new_prompts:
             tensors[f"ctx.{sid}.{version}"] = text
-        prompts = [(sid, version) for sid, version, _ in self._new_prompts]
-        self._known_prompts.update(prompts)
+        prompts = [(sid, version, loras) for sid, version, _, loras in self._new_prompts]
+        self._known_prompts.update((sid, version) for sid, version, _ in prompts)
         self._new_prompts = []
         live = {(s.state.stream_id, s.version) for slots in (*self._sent.values(), *self._continuing.values())
                 for s in slots}
-        live.update((sid, v) for sid, (_, v) in self._versions.items())
+        live.update((sid, v) for sid, (_, v, _) in self._versions.items())
         dead = self._known_prompts - live
         self._known_prompts -= dead
         drop: dict[str, list[int]] = {}

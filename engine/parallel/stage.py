@@ -22,6 +22,7 @@ from engine.models.wan_dit import KVCache, PromptCache
 from engine.parallel.comm import Channel, Message
 from engine.parallel.partition import check_ranges
 from engine.sampling import renoise, x0_from_velocity
+from engine.streaming.rescale import rescale_kv_cache, rescale_vae_cache, token_grid
 from engine.streaming.runtime import StreamRuntime, resize_window
 
 WeightsMode = Literal["all", "own"]
@@ -64,6 +65,7 @@ class Stage:
         self.first, self.last = rank == 0, rank == world - 1
         self.kv: dict[tuple[str, int], KVCache] = {}
         self.text: dict[tuple[str, int], Tensor] = {}  # text tokens per (stream, prompt version)
+        self.text_loras: dict[tuple[str, int], dict[str, float]] = {}  # the LoRA strengths they were made with
         self.prompts: dict[tuple[str, int], PromptCache] = {}  # this rank's blocks' cross-attention K/V
         self.decoders: dict[str, Any] = {}
         self.clock = _Clock(self.device)
@@ -92,14 +94,45 @@ class Stage:
             cache = self.kv[key] = resize_window(cache, window)
         return cache
 
-    def add_prompt(self, sid: str, version: int, text: Tensor) -> None:
+    def fit(self, meta: dict[str, Any]) -> None:
+        """A stream's new step count or engine size between its chunks (:meth:`RingRuntime._refit`): its
+        pending sink decisions, then its caches rescaled (``rescale_state``'s order), then the step
+        caches fitted (``StreamRuntime._fit_caches``). A stream with no caches yet gets zeros lazily."""
+        sid, steps = meta["sid"], meta["steps"]
+        self._apply_refresh(meta["refresh"])
+        if meta["sizes"] is not None:
+            old, new = (tuple(size) for size in meta["sizes"])
+            sc = self.rt.vae.spatial_compression
+            grids = token_grid(self.dit.config, sc, old), token_grid(self.dit.config, sc, new)
+            for key in [k for k in self.kv if k[0] == sid]:
+                self.kv[key] = rescale_kv_cache(self.kv[key], self.dit.config, *grids)
+            if sid in self.decoders:
+                self.decoders[sid] = rescale_vae_cache(self.decoders[sid], old, new)
+        have = sorted(step for s, step in self.kv if s == sid)
+        for step in have[steps:]:
+            del self.kv[(sid, step)]
+        if have:
+            for step in range(len(have), steps):
+                self.kv[(sid, step)] = self.kv[(sid, step - 1)].to(self.device)
+
+    def _apply_refresh(self, decisions: Sequence[tuple[str, int, int, int]]) -> None:
+        for sid, step, worst, newest in decisions:
+            cache = self.kv[(sid, step)]
+            cache.replace_frame(worst, *cache.read_frame(newest))
+
+    def add_prompt(self, sid: str, version: int, text: Tensor, loras: dict[str, float]) -> None:
         self.text[(sid, version)] = text
-        self.prompts[(sid, version)] = self.dit.prompt_kv(text, self.blocks)
+        self.text_loras[(sid, version)] = loras
+        self.prompts[(sid, version)] = self._prompt_kv((sid, version))
+
+    def _prompt_kv(self, key: tuple[str, int]) -> PromptCache:
+        with self.rt.loras.rows([self.text_loras[key]]):
+            return self.dit.prompt_kv(self.text[key], self.blocks)
 
     def forget(self, sid: str, versions: Sequence[int] | None = None) -> None:
         """Drop a stream's prompt versions (all of its state when ``versions`` is None)."""
         for key in [k for k in self.text if k[0] == sid and (versions is None or k[1] in versions)]:
-            del self.text[key], self.prompts[key]
+            del self.text[key], self.prompts[key], self.text_loras[key]
         if versions is None:
             for key in [k for k in self.kv if k[0] == sid]:
                 del self.kv[key]
@@ -113,13 +146,11 @@ class Stage:
         timing: dict[str, list[float]] = {"total": [], "blocks": []}
         out: dict[str, Tensor] = {}
         with self.clock.measure(timing["total"]):
-            for sid, version in meta["prompts"]:
-                self.add_prompt(sid, version, ts[f"ctx.{sid}.{version}"])
+            for sid, version, loras in meta["prompts"]:
+                self.add_prompt(sid, version, ts[f"ctx.{sid}.{version}"], loras)
             for sid, versions in meta["drop_prompts"]:
                 self.forget(sid, versions)
-            for sid, step, worst, newest in meta["refresh"]:
-                cache = self.kv[(sid, step)]
-                cache.replace_frame(worst, *cache.read_frame(newest))
+            self._apply_refresh(meta["refresh"])
             ret: dict[str, Any] = {"op": "return", "m": meta["m"], "continue": [], "finished": [], "refresh": []}
             for gi, group in enumerate(meta["groups"]):
                 self._group(gi, group, ts, out, meta["sink"], ret, timing["blocks"])
@@ -137,7 +168,7 @@ class Stage:
                sink: dict[int, list[Any]], ret: dict[str, Any], block_times: list[float]) -> None:
         rows: list[dict[str, Any]] = group["rows"]
         x = ts[f"x.{gi}"]
-        with self._precision(group["precision"]):
+        with self._precision(group["precision"]), self.rt.loras.rows([r["loras"] for r in rows]):
             if self.first:
                 t = torch.tensor([r["t"] for r in rows], dtype=torch.float32, device=self.device)
                 tokens, e, e0, grid = self.dit.embed(x, t[:, None].expand(-1, x.shape[2]))
@@ -243,8 +274,8 @@ class Stage:
                 if b not in new[me]:
                     self.dit.blocks[b].to_empty(device="meta")
         self.ranges = new
-        for key, text in self.text.items():
-            self.prompts[key] = self.dit.prompt_kv(text, self.blocks)
+        for key in self.text:
+            self.prompts[key] = self._prompt_kv(key)
 
     def _pack_blocks(self, blocks: list[int]) -> Message:
         mine = {b: j for j, b in enumerate(self.blocks)}
@@ -311,6 +342,8 @@ class StageWorker:
                 self.stage.rebalance([range(a, b) for a, b in msg.meta["ranges"]], self.channel)
             elif op == "forget":
                 self.stage.forget(msg.meta["sid"])
+            elif op == "fit":
+                self.stage.fit(msg.meta)
             elif op == "stop":
                 break
             else:

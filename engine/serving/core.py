@@ -26,7 +26,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.serving.credit import Tier
 from engine.serving.fidelity import ProfilePoint
@@ -41,6 +41,9 @@ from engine.serving.snapshot import (
     TickPlan,
     WorkerView,
 )
+
+if TYPE_CHECKING:
+    from engine.serving.scaler import Scaler
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,9 @@ class Work:
     evict: tuple[int, ...] = ()
     restore: tuple[int, ...] = ()
     preempted: tuple[int, ...] = ()  # their partial chunks stay parked until they are dispatched again
+    # Streams whose chunks the core abandoned since their last step: the engine forgets them first
+    # (part of the work, so that it happens in order with the steps on that engine).
+    drop: tuple[int, ...] = ()
     continues: bool = False  # the next step of the worker's previous work (a step boundary, no preemption)
     est_step_s: float = 0.0  # the profile's estimate of this step's time
 
@@ -150,8 +156,11 @@ class EngineCore:
     calibrate: bool = False
     jobs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # worker -> streams of its step in flight
     pending_rehomes: dict[int, Rehome] = field(default_factory=dict)
+    abandoned: set[int] = field(default_factory=set)  # streams whose engine must drop chunks (next Work)
     fidelity_counts: dict[str, int] = field(default_factory=dict)
     stats: dict[int, StreamStats] = field(default_factory=dict)
+    # The autoscaler that acts (engine/serving/scaler.py): adds and removes the executor's workers.
+    scaler: Scaler | None = None
     speed_ratio: float = 1.0
     applied_ratio: float = 1.0
     _ratio_samples: int = 0
@@ -205,6 +214,7 @@ class EngineCore:
         entry = self.ledger.entries.get(stream_id)
         if entry is not None and entry.left and not self._running(stream_id):
             entry.inflight = None
+            self.abandoned.discard(stream_id)
             self.ledger.forget(stream_id)
             self.stats.pop(stream_id, None)
 
@@ -290,8 +300,10 @@ class EngineCore:
         lead = self.ledger.entries[decision.stream_ids[0]].inflight
         assert lead is not None
         self.jobs[wid] = decision.stream_ids
+        drop = tuple(sid for sid in decision.stream_ids if sid in self.abandoned)
+        self.abandoned.difference_update(drop)
         work = Work(wid, tuple(orders), decision.evict, restored, preempted,
-                    continues=step_boundary and not preempted, est_step_s=lead.est_step_s)
+                    continues=step_boundary and not preempted, est_step_s=lead.est_step_s, drop=drop)
         delay = self.executor.execute(work)
         if delay > 0:  # the step starts once the restored states are back
             for sid in decision.stream_ids:
@@ -351,6 +363,7 @@ class EngineCore:
             # going for its other streams and the stale output is discarded at the end).
             self.ledger.abandon(job[0], now)
             self.counters.abandoned += 1
+            self.abandoned.add(job[0])
             self.jobs.pop(worker_id)
             self.kick(worker_id)
             return StepResult(abandoned=job)
@@ -369,10 +382,12 @@ class EngineCore:
                 if self.ledger.entries[sid].left:
                     self.ledger.leave(sid, running=False)
             self.counters.abandoned += len(job)
+            self.abandoned.update(job)
             self.kick(worker_id)
             return StepResult(abandoned=job)
         delivered: list[int] = []
         discarded: list[int] = []
+        moves: list[Rehome] = []
         for sid in job:
             entry = self.ledger.entries[sid]
             duration = self.policy.chunk_duration_s(first=entry.first_chunk)
@@ -387,7 +402,11 @@ class EngineCore:
             (delivered if fresh else discarded).append(sid)
             move = self.pending_rehomes.pop(sid, None)
             if move is not None:
-                self._apply_rehome(move)
+                moves.append(move)
+        # After every chunk of the batch is done: a move kicks its source worker, whose next dispatch
+        # must not see a batch partner's finished chunk as one still in flight.
+        for move in moves:
+            self._apply_rehome(move)
         self.kick(worker_id)
         return StepResult(tuple(delivered), tuple(discarded))
 
@@ -402,6 +421,56 @@ class EngineCore:
         self.kick(worker_id)
         return job
 
+    def worker_lost(self, worker_id: int, homes: Mapping[int, int | None]) -> tuple[int, ...]:
+        """A worker died. Its step in flight is dropped and its streams' started chunks abandoned; each
+        stream in ``homes`` goes on from the home the executor re-admitted it on (resident there), or
+        leaves (None: no worker left). Returns the streams of the dropped step."""
+        job = self.jobs.pop(worker_id, ())
+        now = self.clock()
+        for sid, home in homes.items():
+            entry = self._active(sid)
+            if entry is None:
+                continue
+            if entry.inflight is not None:
+                self.ledger.abandon(sid, now)
+                self.counters.abandoned += 1
+            self.pending_rehomes.pop(sid, None)
+            if home is None:
+                self.leave(sid)
+                self.forget(sid)
+                continue
+            self.ledger.move(sid, home, now, 0.0)
+            self.ledger.restore(sid)
+            self.kick(home)
+        return job
+
+    def step_lost(self, worker_id: int) -> tuple[int, ...]:
+        """The worker's step did not run (a stream's state was moved away under it): the chunks its
+        streams had started are abandoned (their engine drops them at their next step). The caller
+        schedules the worker again. Returns the streams of the lost step."""
+        job = self.jobs.pop(worker_id, ())
+        now = self.clock()
+        for sid in job:
+            entry = self._active(sid)
+            if entry is not None and entry.inflight is not None:
+                self.ledger.abandon(sid, now)
+                self.counters.abandoned += 1
+                self.abandoned.add(sid)
+        return job
+
+    def moved(self, stream_id: int, worker_id: int) -> None:
+        """The stream's state was moved to ``worker_id`` outside the policy (an operator's migration):
+        the ledger follows; a partial chunk it had parked did not travel and starts again."""
+        entry = self._active(stream_id)
+        if entry is None or self._running(stream_id) or entry.worker == worker_id:
+            return
+        if entry.inflight is not None:
+            self.ledger.abandon(stream_id, self.clock())
+            self.counters.abandoned += 1
+        self.pending_rehomes.pop(stream_id, None)
+        self.ledger.move(stream_id, worker_id, self.clock(), 0.0)
+        self.kick(worker_id)
+
     # ---- re-homing and the control tick -----------------------------------------------------------
     def _apply_rehome(self, move: Rehome) -> None:
         entry = self.ledger.entries[move.stream_id]
@@ -413,15 +482,24 @@ class EngineCore:
         self.executor.wake_at(move.dst, entry.available_t)
         self.kick(move.src)
 
+    def request_rehome(self, move: Rehome) -> None:
+        """Move a stream at its next chunk boundary (now, if it has no chunk started)."""
+        entry = self._active(move.stream_id)
+        if entry is None:
+            return
+        if entry.inflight is not None:
+            self.pending_rehomes[move.stream_id] = move
+        else:
+            self._apply_rehome(move)
+
     def tick(self) -> TickPlan:
         """The control tick: credits and tiers for every stream, re-homes (each at its stream's next
         chunk boundary), the autoscaler's advice."""
         plan = self.policy.tick(self.snapshot())
         for move in plan.rehomes:
-            if self.ledger.entries[move.stream_id].inflight is not None:
-                self.pending_rehomes[move.stream_id] = move
-            else:
-                self._apply_rehome(move)
+            self.request_rehome(move)
+        if self.scaler is not None:
+            self.scaler.step(self, plan)
         for i, sid in enumerate(plan.stream_ids.tolist()):
             stats = self.stats.get(int(sid))
             if stats is not None:

@@ -17,12 +17,14 @@ from enum import IntEnum
 
 import numpy as np
 
+from engine.serving.autoscale import AutoscaleConfig
 from engine.serving.core import EngineCore, Work
 from engine.serving.credit import Tier
 from engine.serving.fidelity import FidelityProfile
 from engine.serving.ledger import StreamEntry, StreamLedger
 from engine.serving.playout import Stall
 from engine.serving.policy import SlackPolicy
+from engine.serving.scaler import Scaler
 from engine.serving.snapshot import Rehome, Snapshot, WorkerView
 from engine.serving.transfer import Link, TransferModel
 from engine.sim.workload import EventKind, TraceEvent
@@ -48,6 +50,12 @@ class SimConfig:
     seed: int = 0
     max_lookahead_s: float | None = None
     transfer: TransferModel = field(default_factory=TransferModel)
+    # Per-worker slowdown factors (worker i's steps take slowdown[i] times the profile; missing = 1),
+    # the simulator's --worker-delay-ms: unequal workers.
+    slowdown: tuple[float, ...] = ()
+    # The autoscaler that acts (engine/serving/scaler.py): None = a fixed cluster (the paper's setup).
+    autoscale: AutoscaleConfig | None = None
+    scale_in_cooldown_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.nodes < 1 or self.state_slots < 1:
@@ -123,8 +131,12 @@ class Simulator:
         per_node = math.ceil(n_workers / config.nodes)
         slots = config.state_slots * policy.config.gpus_per_worker
         self.workers = {w: SimWorker(w, w // per_node, slots) for w in range(n_workers)}
+        self._next_worker = n_workers
         self.core = EngineCore(policy, self, lambda: self.now, StreamLedger(max_lookahead_s=config.max_lookahead_s))
+        if config.autoscale is not None:
+            self.core.scaler = Scaler(config.autoscale, self, cooldown_s=config.scale_in_cooldown_s)
         self.rejected: dict[int, str] = {}
+        self.removed_busy_s: dict[int, float] = {}  # busy time of workers the autoscaler removed
         self.timeline: list[TimelineRow] = []
         self._pending_trace = len(events)
 
@@ -159,7 +171,7 @@ class Simulator:
             elif kind == Ev.STEP_DONE:
                 assert isinstance(payload, tuple)
                 wid, gen = payload
-                if gen == self.workers[wid].gen:
+                if wid in self.workers and gen == self.workers[wid].gen:
                     self.core.step_done(wid)
             elif kind in (Ev.READY, Ev.WAKE):
                 assert isinstance(payload, int)
@@ -179,7 +191,8 @@ class Simulator:
         w = self.workers[work.worker_id]
         delay = sum(self.cfg.transfer.residual_s(self.streams[sid].state_bytes, Link.HOST) for sid in work.restore)
         if not work.continues:
-            w.step_s = work.est_step_s * self._jitter()
+            slow = self.cfg.slowdown[w.wid] if w.wid < len(self.cfg.slowdown) else 1.0
+            w.step_s = work.est_step_s * self._jitter() * slow
         w.gen += 1
         w.busy_s += w.step_s + delay
         self._push(self.now + delay + w.step_s, Ev.STEP_DONE, (w.wid, w.gen))
@@ -190,6 +203,24 @@ class Simulator:
 
     def wake_at(self, worker_id: int, t: float) -> None:
         self._push(t, Ev.WAKE, worker_id)
+
+    # ---- the scaler's WorkerPool ----------------------------------------------------------------
+    def pending_workers(self) -> int:
+        return 0  # a simulated worker is ready at once
+
+    def add_worker(self) -> None:
+        wid = self._next_worker
+        self._next_worker += 1
+        slots = self.cfg.state_slots * self.policy.config.gpus_per_worker
+        self.workers[wid] = SimWorker(wid, 0, slots)
+
+    def set_draining(self, worker_id: int, draining: bool) -> None:
+        self.workers[worker_id].draining = draining
+
+    def remove_worker(self, worker_id: int) -> None:
+        if any(e.worker == worker_id and e.active for e in self.streams.values()):
+            raise ValueError(f"worker {worker_id} still hosts streams")
+        self.removed_busy_s[worker_id] = self.workers.pop(worker_id).busy_s
 
     def snapshot(self) -> Snapshot:
         return self.core.snapshot()
@@ -259,5 +290,5 @@ class Simulator:
             timeline=self.timeline,
             fidelity_counts=dict(self.core.fidelity_counts),
             end_t=self.now,
-            worker_busy_s={w.wid: w.busy_s for w in self.workers.values()},
+            worker_busy_s={**self.removed_busy_s, **{w.wid: w.busy_s for w in self.workers.values()}},
         )

@@ -21,12 +21,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from engine.fidelity import FidelityConfig, unsupported_reason
+from engine.models.lora import LoRABank, check_strengths
 from engine.models.wan_dit import CausalWanDiT, KVCache, PromptCache
 from engine.sampling import NoiseSource, SamplerPreset, renoise, v2v_input, x0_from_velocity
 from engine.streaming.config import RuntimeConfig
@@ -116,6 +117,7 @@ class ChunkInFlight:
     fidelity: FidelityConfig  # the stream's fidelity when it entered (it keeps it until it finishes)
     step: int = 0
     refreshed: bool = False
+    loras: dict[str, float] = field(default_factory=dict)  # the stream's LoRA strengths when it entered
 
     @property
     def steps_left(self) -> int:
@@ -145,6 +147,7 @@ class StreamRuntime:
         config: RuntimeConfig,
     ) -> None:
         self.dit = dit
+        self.loras = LoRABank.of(dit)  # the LoRAs loaded on ``dit`` (docs/lora.md); streams pick strengths
         self.vae = vae
         self.prompts = prompts
         self.preset = preset
@@ -167,11 +170,14 @@ class StreamRuntime:
         blend_mode: BlendMode = "linear",
         noise_scale: float = 0.8,
         stabilize: bool = True,
+        loras: Mapping[str, float] | None = None,
     ) -> StreamState:
+        """A new stream's state. ``loras``: strength per loaded LoRA (absent ones 0), see :meth:`set_loras`."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         self.check_fidelity(fidelity)
         self._check_size(size, fidelity)
         replace(self.config.noise, noise_scale=noise_scale)  # validates the noise strength
+        strengths = self.checked_loras(loras or {})
         embedding = self.prompts.embed(prompts, weights, blend_mode)
         return StreamState(
             noise_scale=noise_scale,
@@ -179,12 +185,32 @@ class StreamRuntime:
             fidelity=fidelity,
             size=size,
             embedding=embedding,
-            prompt=self.dit.encode_prompt(embedding),
+            prompt=self.encode_prompt(embedding, strengths),
             noise=NoiseSource(seed),
             vae_encoder=self.vae.new_encoder_cache(),
             vae_decoder=self.vae.new_decoder_cache(),
             stabilize=stabilize,
+            loras=strengths,
         )
+
+    def encode_prompt(self, embedding: torch.Tensor, loras: Mapping[str, float]) -> PromptCache:
+        """Cross-attention K/V of a text embedding for a stream with LoRA strengths ``loras`` (a LoRA on the
+        text embedding or the cross-attention K/V projections changes them)."""
+        with self.loras.rows([loras]):
+            return self.dit.encode_prompt(embedding)
+
+    def set_loras(self, state: StreamState, loras: Mapping[str, float]) -> None:
+        """Change the strengths of the LoRAs named in ``loras`` (the others keep theirs; 0 turns one off)
+        from the next chunk on, without a reload: only this stream's rows of later forwards change."""
+        strengths = self.checked_loras({**state.loras, **loras})
+        state.prompt = self.encode_prompt(state.embedding, strengths)
+        state.loras = strengths
+
+    def checked_loras(self, loras: Mapping[str, float]) -> dict[str, float]:
+        """``loras`` checked (finite, bounded, loaded), without the ones at strength 0."""
+        strengths = check_strengths(loras)
+        self.loras.strengths([strengths])  # names every LoRA that is not loaded
+        return {name: s for name, s in strengths.items() if s != 0.0}
 
     def set_prompt(
         self,
@@ -207,7 +233,7 @@ class StreamRuntime:
         else:
             state.transition = None
             state.embedding = target
-            state.prompt = self.dit.encode_prompt(target)
+            state.prompt = self.encode_prompt(target, state.loras)
             # A hard cut to a new look: the stabilizer's history is of the old one.
             state.restart_stabilizer = True
         state.force_sink_refresh = refresh_sinks
@@ -305,7 +331,7 @@ class StreamRuntime:
         elif self.config.sink_refresh:
             tau = self.config.sink_tau
         chunk = ChunkInFlight(state, x, timesteps, noises, state.prompt, state.frame, state.rope_frame, rate, tau,
-                              inputs, restart, state.fidelity)
+                              inputs, restart, state.fidelity, loras=dict(state.loras))
         state.frame += x.shape[2]
         state.rope_frame += x.shape[2]
         return chunk
@@ -331,7 +357,7 @@ class StreamRuntime:
         sparse = {"sparsity": self.shared_sparsity(c.fidelity for c in chunks),
                   "sparse_block_tokens": self.config.sparse_block_tokens}
         with self.precision(chunks[0].fidelity.precision):
-            with _batched_cache(caches) as (cache, written):
+            with _batched_cache(caches) as (cache, written), self.loras.rows([c.loras for c in chunks]):
                 v = self.dit(x, t[:, None].expand(-1, f), prompt, cache, start_frame=start, rope_start=rope, **sparse)
             _write_back(chunks, written, per_step)
             sigma = self.schedule.sigma(t).to(self.device).view(-1, 1, 1, 1, 1)
@@ -343,7 +369,8 @@ class StreamRuntime:
                 clean = torch.cat([x0[i : i + 1] for i in finishing])
                 zero = torch.zeros(len(rows), f, device=self.device)
                 prompt = rows[0].prompt if len(rows) == 1 else PromptCache.concat([c.prompt for c in rows])
-                with _batched_cache([c.state.kv[0] for c in rows]) as (cache, written):
+                with _batched_cache([c.state.kv[0] for c in rows]) as (cache, written), \
+                        self.loras.rows([c.loras for c in rows]):
                     self.dit(clean, zero, prompt, cache, start_frame=[c.frame for c in rows],
                              rope_start=[c.rope for c in rows], **sparse)
                 _write_back(rows, written, False)
@@ -465,7 +492,7 @@ class StreamRuntime:
         if state.transition is not None:
             state.embedding = state.transition.next_embedding()
             if local_caches:
-                state.prompt = self.dit.encode_prompt(state.embedding)
+                state.prompt = self.encode_prompt(state.embedding, state.loras)
             if state.transition.finished:
                 state.transition = None
         if local_caches:

@@ -52,6 +52,7 @@ class StreamState:
     # (width, height) the model runs at that the caches hold (KV, VAE, noise controller's last frame);
     # None until the first chunk fixes it. A fidelity with another engine size rescales them (rescale.py).
     engine_size: tuple[int, int] | None = None
+    loras: dict[str, float] = field(default_factory=dict)  # strength of each loaded LoRA it uses (others 0)
 
     def take_stabilizer_restart(self) -> bool:
         """Whether the chunk entering now starts a fresh stabilizer history (a hard prompt switch before it)."""

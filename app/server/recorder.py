@@ -1,0 +1,213 @@
+"""Recording one stream's output: what viewers see, with its audio, to MP4 (PyAV), plus the prompt
+timeline as a sidecar JSON.
+
+The event loop only copies references into a bounded queue (each playout tick's frame, each
+audio tick's samples); a thread of the recording's own encodes and muxes, so neither the event loop
+nor the engine thread ever waits on the encoder. Timestamps come from the two playout clocks, both
+on ``time.monotonic``: the file shows what was played when it was played (variable frame rate,
+repeated frames included), with the audio in sync as the viewers heard it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+
+from app.server.audio import FRAME_S, FRAME_SAMPLES, SAMPLE_RATE, AudioPlayout, audio_frame
+from app.server.frame_path import Playout
+
+log = logging.getLogger(__name__)
+
+VIDEO_CLOCK_HZ = 90_000
+VIDEO_TIME_BASE = Fraction(1, VIDEO_CLOCK_HZ)
+# H.264 where the installed FFmpeg has libx264 (PyAV's wheels do), else FFmpeg's own MPEG-4 Part 2.
+VIDEO_CODEC = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+X264_OPTIONS = {"preset": "veryfast", "tune": "zerolatency", "crf": "20"}
+AUDIO_CODEC = "aac"
+QUEUE_ITEMS = 512  # about 8 s of video and audio: the encoder falling further behind drops frames
+SIZE_CHECK_S = 1.0  # how often the encoder checks the storage quota
+
+
+@dataclass
+class PromptMark:
+    t: float  # seconds since the recording started
+    prompt: str
+
+
+@dataclass
+class RecordingInfo:
+    """What the sidecar JSON says about a finished recording."""
+
+    stream_id: str
+    name: str
+    started_at: str
+    prompts: list[PromptMark] = field(default_factory=list)
+    duration_s: float = 0.0
+    frames: int = 0
+    audio: bool = False
+    dropped: int = 0
+    ended: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stream_id": self.stream_id, "recording": self.name, "started_at": self.started_at,
+            "duration_s": round(self.duration_s, 3), "frames": self.frames, "video_codec": VIDEO_CODEC,
+            "audio": self.audio, "audio_codec": AUDIO_CODEC if self.audio else None,
+            "dropped_frames": self.dropped, "ended": self.ended,
+            "prompts": [{"t": round(m.t, 3), "prompt": m.prompt} for m in self.prompts],
+        }
+
+
+def even_size(image: np.ndarray) -> np.ndarray:
+    """H.264 in 4:2:0 wants even dimensions: drop a last odd row or column."""
+    h, w = image.shape[:2]
+    return image[: h - h % 2, : w - w % 2]
+
+
+class Recorder:
+    """One recording: ``<dir>/<name>.mp4`` (``.part`` while it runs) and ``<dir>/<name>.json``."""
+
+    def __init__(
+        self, directory: Path, name: str, stream_id: str, prompt: str, playout: Playout,
+        audio: AudioPlayout | None, fits: Callable[[], bool], clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.directory = directory
+        self.name = name
+        self._playout = playout
+        self._audio = audio
+        self._fits = fits
+        self._clock = clock
+        self.started = clock()
+        self.info = RecordingInfo(stream_id, name,
+                                  datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                                  [PromptMark(0.0, prompt)], audio=audio is not None)
+        self._queue: queue.Queue[tuple[str, np.ndarray, float] | None] = queue.Queue(QUEUE_ITEMS)
+        self.full = threading.Event()  # the encoder stopped: the storage quota was reached
+        self._thread = threading.Thread(target=self._encode, name=f"record:{name[:8]}", daemon=True)
+        self._thread.start()
+
+    @property
+    def part_path(self) -> Path:
+        return self.directory / f"{self.name}.mp4.part"
+
+    @property
+    def elapsed_s(self) -> float:
+        return self._clock() - self.started
+
+    def note_prompt(self, prompt: str) -> None:
+        self.info.prompts.append(PromptMark(self.elapsed_s, prompt))
+
+    def _put(self, kind: str, data: np.ndarray, at: float) -> None:
+        try:
+            self._queue.put_nowait((kind, data, at))
+        except queue.Full:
+            self.info.dropped += 1
+
+    async def feed_video(self) -> None:
+        """Event loop: every playout tick from now on (ends when the encoder stops)."""
+        tick = self._playout.tick_count
+        while not self.full.is_set():
+            tick, frame, seconds = await self._playout.next_frame(tick)
+            self._put("video", frame.image, self._playout.started_at + seconds)
+
+    async def feed_audio(self) -> None:
+        audio = self._audio
+        if audio is None:
+            return
+        tick = audio.tick_count
+        while not self.full.is_set():
+            tick, samples = await audio.next_frame(tick)
+            self._put("audio", samples, audio.start + tick * FRAME_S)
+
+    async def finish(self, reason: str) -> RecordingInfo:
+        """Stop taking frames, let the thread finish the file, and wait for it (off the loop)."""
+        if not self.info.ended:
+            self.info.ended = reason
+        self.info.duration_s = self.elapsed_s
+        while True:  # the sentinel must get in, even past a full queue
+            try:
+                self._queue.put_nowait(None)
+                break
+            except queue.Full:
+                await asyncio.sleep(0.01)
+        await asyncio.to_thread(self._thread.join)
+        return self.info
+
+    # -- the recording's thread ----------------------------------------------------------------
+
+    def _encode(self) -> None:
+        try:
+            self._write()
+        except Exception:
+            log.exception("recording %s failed; what was written is kept", self.name)
+            self.full.set()
+        if self.info.frames == 0:  # stopped before the first frame: nothing to keep
+            self.part_path.unlink(missing_ok=True)
+            return
+        try:
+            self.part_path.rename(self.directory / f"{self.name}.mp4")
+        except OSError:
+            log.exception("recording %s: cannot finish the file", self.name)
+        (self.directory / f"{self.name}.json").write_text(json.dumps(self.info.to_json(), indent=1))
+
+    def _write(self) -> None:
+        container = av.open(str(self.part_path), mode="w", format="mp4")
+        video: Any = None
+        sound: Any = None
+        last_video_pts = -1
+        audio_pts: int | None = None
+        next_check = self._clock() + SIZE_CHECK_S
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    break
+                kind, data, at = item
+                if kind == "video":
+                    image = even_size(data)
+                    if video is None:
+                        video = container.add_stream(VIDEO_CODEC, rate=30, options=X264_OPTIONS if VIDEO_CODEC == "libx264" else {})
+                        video.width, video.height = image.shape[1], image.shape[0]
+                        video.pix_fmt = "yuv420p"
+                        video.codec_context.time_base = VIDEO_TIME_BASE
+                        if self._audio is not None:
+                            sound = container.add_stream(AUDIO_CODEC, rate=SAMPLE_RATE, layout="stereo")
+                    frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
+                    last_video_pts = max(round((at - self.started) * VIDEO_CLOCK_HZ), last_video_pts + 1)
+                    frame.pts = last_video_pts
+                    frame.time_base = VIDEO_TIME_BASE
+                    container.mux(video.encode(frame))
+                    self.info.frames += 1
+                elif sound is not None:  # audio before the first video frame has no stream yet
+                    if audio_pts is None:
+                        audio_pts = max(0, round((at - self.started) * SAMPLE_RATE))
+                    else:
+                        audio_pts += FRAME_SAMPLES
+                    container.mux(sound.encode(audio_frame(data, 0, audio_pts)))
+                if self._clock() >= next_check:
+                    next_check = self._clock() + SIZE_CHECK_S
+                    if not self._fits():
+                        log.warning("recording %s stopped: the recording storage is full", self.name)
+                        self.info.ended = "storage full"
+                        self.info.duration_s = self.elapsed_s
+                        self.full.set()
+                        break
+        finally:
+            for stream in (video, sound):
+                if stream is not None:
+                    container.mux(stream.encode(None))
+            container.close()
+

@@ -1,0 +1,252 @@
+"""One stream driven step by step through the chunk recipe's stages, and one engine step over several.
+
+The engine core (engine/serving/core.py) plans every denoising step; whoever owns the engine carries a
+step out with :func:`run_step`: the in-process server's engine thread (app/server/executors.py) and each
+Ray worker actor (engine/cluster/worker.py) run this same code, so per-chunk fidelity, cross-user
+batches, eviction to host memory and step preemption behave alike on both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from engine.serving.fidelity import FidelityConfig
+
+
+@runtime_checkable
+class StepProcessor(Protocol):
+    """A `StreamProcessor` the engine core drives through the chunk recipe's stages: its fidelity
+    is set per chunk, its chunk runs one denoising step at a time (so a more urgent stream can run
+    between two steps), steps of several streams share one forward, with ``step_batch`` the steps of
+    its successive chunks share one forward too, and its state can be parked in host memory and
+    brought back bit-identically. Every call happens on the engine thread."""
+
+    @property
+    def first_chunk_frames(self) -> int: ...
+
+    @property
+    def chunk_frames(self) -> int: ...
+
+    def process(self, frames: np.ndarray) -> np.ndarray: ...
+
+    def update(self, **changes: Any) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def fidelity(self) -> FidelityConfig: ...
+
+    def set_fidelity(self, config: FidelityConfig) -> None:
+        """Applies from the next chunk; raises ValueError for a config this engine cannot run."""
+        ...
+
+    def begin_chunk(self, frames: np.ndarray) -> None:
+        """A new chunk enters (encode, noise). Chunks still in the step batch finish first when the new
+        chunk cannot join them (another fidelity); their frames come out of :meth:`take_finished`."""
+        ...
+
+    def step_rows(self) -> list[tuple[Hashable, Any]]:
+        """The chunks that take a denoising step now (one, or every chunk of the step batch), each with
+        the key that says which rows may share a forward."""
+        ...
+
+    def denoise_rows(self, rows: Sequence[Any]) -> None:
+        """One forward moving every row (from ``step_rows`` of any processors of this engine) one step."""
+        ...
+
+    def take_finished(self) -> list[np.ndarray]:
+        """Frames of every finished chunk, oldest first (decode, stabilizer): uint8 [T, H, W, 3] each."""
+        ...
+
+    def drop_chunks(self) -> None:
+        """Forget chunks in flight (the policy abandoned them); the stream's state stays as it is."""
+        ...
+
+    def offload(self) -> int:
+        """Move the stream's state (and chunks in flight) to host memory; returns its bytes."""
+        ...
+
+    def restore(self) -> None:
+        """Bring the state back from host memory, bit-identical."""
+        ...
+
+    @property
+    def offloaded(self) -> bool: ...
+
+
+class InProcessProcessor:
+    """A `StepProcessor` over one `engine.pipeline` stream and its runtime's chunk stages."""
+
+    def __init__(self, stream: Any, first_chunk_frames: int, chunk_frames: int) -> None:
+        self._stream = stream
+        self._first = first_chunk_frames
+        self._chunk = chunk_frames
+        self._queue: list[Any] = []  # the runtime's ChunkInFlight objects, oldest first
+        self._drained: list[np.ndarray] = []  # frames of chunks finished while making room
+        self._parked: bytes | None = None  # state and chunks in flight while offloaded to host memory
+
+    @property
+    def first_chunk_frames(self) -> int:
+        return self._first
+
+    @property
+    def chunk_frames(self) -> int:
+        return self._chunk
+
+    def process(self, frames: np.ndarray) -> np.ndarray:
+        self._resident()
+        self._queue, self._drained = [], []
+        return np.asarray(self._stream.process(frames), dtype=np.uint8)
+
+    def update(self, **changes: Any) -> None:
+        # A control change while offloaded: bring the state back, change it, park it again.
+        parked = self.offloaded
+        self._resident()
+        self._stream.update(**changes)
+        if parked:
+            self.offload()
+
+    def reset(self) -> None:
+        self._parked = None
+        self._queue, self._drained = [], []
+        self._stream.reset()
+
+    def fidelity(self) -> FidelityConfig:
+        self._resident()
+        config: FidelityConfig = self._stream.state.fidelity
+        return config
+
+    def set_fidelity(self, config: FidelityConfig) -> None:
+        # How many streams share a forward, and on how many devices, is the executor's business.
+        config = replace(config, stream_batch=1, gpus=1)
+        if config != self.fidelity():
+            self._stream.set_fidelity(config)
+
+    # -- the chunk recipe's stages, driven by the engine core --------------------------------------
+
+    def begin_chunk(self, frames: np.ndarray) -> None:
+        from engine.frames import frames_to_tensor
+
+        self._resident()
+        stream = self._stream
+        fidelity = stream.state.fidelity
+        if self._queue and not (fidelity.step_batch and self._queue[-1].fidelity == fidelity):
+            # The new chunk cannot join the chunks in flight (another step count, size or knob, or no
+            # step batch): they finish first, without new input (StreamBatch.drain's rule).
+            self._drain()
+        chunk = stream.runtime.enter_chunk(stream.state, frames_to_tensor(frames, stream.expected_frames))
+        self._queue.append(chunk)
+
+    def step_rows(self) -> list[tuple[Hashable, Any]]:
+        runtime = self._stream.runtime
+        per_step = runtime.config.cache_mode == "per-step"
+        return [((id(runtime), c.batch_key(per_step)), c) for c in self._queue if not c.done]
+
+    def denoise_rows(self, rows: Sequence[Any]) -> None:
+        self._stream.runtime.denoise_step(rows)
+
+    def take_finished(self) -> list[np.ndarray]:
+        from engine.frames import tensor_to_frames
+
+        done, self._drained = self._drained, []
+        while self._queue and self._queue[0].done:
+            self._stream.last = self._stream.runtime.finish_chunk(self._queue.pop(0))
+            done.append(tensor_to_frames(self._stream.last.frames))
+        return done
+
+    def drop_chunks(self) -> None:
+        self._queue = []
+
+    def _drain(self) -> None:
+        while rows := self.step_rows():
+            groups: dict[Hashable, list[Any]] = {}
+            for key, chunk in rows:
+                groups.setdefault(key, []).append(chunk)
+            for group in groups.values():
+                self.denoise_rows(group)
+        finished = self.take_finished()  # it empties self._drained first: extend the list after the call
+        self._drained.extend(finished)
+
+    def offload(self) -> int:
+        from engine.streaming.state import pack
+
+        if self._parked is None:
+            self._parked = pack((self._stream.state, self._queue))
+            self._stream.state, self._queue = None, []
+        return len(self._parked)
+
+    def restore(self) -> None:
+        self._resident()
+
+    @property
+    def offloaded(self) -> bool:
+        return self._parked is not None
+
+    @property
+    def parked(self) -> bytes | None:
+        """The state (and chunks in flight) as parked in host memory, while offloaded."""
+        return self._parked
+
+    def adopt(self, parked: bytes) -> None:
+        """Take over a parked copy of this stream's state (from another replica), without its chunks
+        in flight: the stream goes on from the chunk boundary the copy was made at."""
+        self._parked = parked
+        self._resident()
+        self._queue, self._drained = [], []
+
+    @property
+    def stream(self) -> Any:
+        """The `engine.pipeline.Stream` underneath (resident)."""
+        self._resident()
+        return self._stream
+
+    def _resident(self) -> None:
+        from engine.streaming.state import unpack
+
+        if self._parked is None:
+            return
+        self._stream.state, self._queue = unpack(self._parked, self._stream.runtime.device)
+        self._parked = None
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One stream's part of an engine step: a new chunk (its fidelity and input frames) or None, the
+    next step of the chunk it has in flight."""
+
+    processor: StepProcessor
+    config: FidelityConfig | None = None
+    inputs: np.ndarray | None = None
+
+
+def run_step(rows: Sequence[StepRow], evict: Sequence[StepProcessor] = (), restore: Sequence[StepProcessor] = (),
+             delay_s: float = 0.0, step_delay_s: float = 0.0) -> tuple[list[list[np.ndarray]], int]:
+    """Park, unpark, enter new chunks, one forward per batch group, take finished chunks.
+
+    Returns every row's finished chunks (uint8 [T, H, W, 3] each, oldest first) and the forwards run.
+    ``delay_s`` per new chunk and ``step_delay_s`` per forward emulate a slower engine (test knobs)."""
+    for processor in evict:
+        processor.offload()
+    for processor in restore:
+        processor.restore()
+    for row in rows:
+        if row.inputs is None:
+            continue
+        if row.config is not None:
+            row.processor.set_fidelity(row.config)
+        row.processor.begin_chunk(row.inputs)
+        if delay_s:
+            time.sleep(delay_s)
+    groups: dict[Hashable, list[tuple[StepProcessor, Any]]] = {}
+    for row in rows:
+        for key, item in row.processor.step_rows():
+            groups.setdefault(key, []).append((row.processor, item))
+    for group in groups.values():
+        if step_delay_s:
+            time.sleep(step_delay_s)
+        group[0][0].denoise_rows([item for _, item in group])
+    return [row.processor.take_finished() for row in rows], len(groups)
