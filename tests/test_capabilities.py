@@ -89,6 +89,14 @@ async def test_serve_lists_capabilities_and_notices_far_prompts() -> None:
         assert near.status_code == 200 and near.json().get("notice") is None, near.text
         again = await api.client.post(url, json={"type": "update", "prompt": "a bowl of ramen"}, headers=auth)
         assert again.status_code == 200 and "far from every look" in again.json()["notice"], again.text
+        # The data channel and /ws carry the same messages to the same handler: the same answers.
+        session = api.app.state.manager.get(stream_id)
+        by_channel = await session.handle_text(json.dumps({"type": "update", "prompt": "a bowl of ramen"}), 500)
+        assert by_channel["type"] == "ack" and "far from every look" in by_channel["notice"], by_channel
+        near_by_channel = await session.handle_text(json.dumps({"type": "update", "prompt": "pop art"}), 500)
+        assert "notice" in near_by_channel and near_by_channel["notice"] is None  # clears the page's notice
+        no_prompt = await session.handle_text(json.dumps({"type": "update", "seed": 3}), 500)
+        assert "notice" not in no_prompt  # nothing about the prompt changed
         switch = await api.client.post(url, json={"type": "update", "mode": "t2v"}, headers=auth)
         assert switch.status_code == 422 and "mode" in switch.json()["message"], switch.text  # fixed at opening
     finally:

@@ -59,6 +59,7 @@ function renderStats(stats) {
 
 function onMessage(message) {
   if (message.type === "stats") renderStats(message);
+  else if (message.type === "ack" && "notice" in message) notice(message.notice || "");  // a new prompt: far or near
   else if (message.type === "error") {
     state.errors.push(message.message);
     notice(`server: ${message.message}`);

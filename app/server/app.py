@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 import threading
@@ -249,17 +248,6 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             "capabilities": caps.to_json(),
         }
 
-    pipe = getattr(factory, "pipeline", None)
-
-    async def far_prompt_notice(prompt: str) -> str | None:
-        """The notice for a prompt far from every shipped look (the text encoder runs on the engine
-        thread, like every engine call); None for a near prompt or where no pipeline is here."""
-        if pipe is None or not hasattr(pipe, "prompt_notice"):
-            return None
-        notice: str | None = await asyncio.get_running_loop().run_in_executor(
-            manager.executor, pipe.prompt_notice, (prompt,))
-        return notice
-
     @app.post("/api/offer", responses={200: {"model": OfferReply}, **errors("/api/offer", 400, 503)})
     async def offer(body: OfferRequest) -> Response:
         try:
@@ -280,7 +268,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
                 "stream_id": session.id,
                 "whep_url": f"/whep/{session.id}",
                 "view_url": f"/view/{session.id}",
-                "notice": await far_prompt_notice(settings.prompt),
+                "notice": await manager.prompt_notice((settings.prompt,)),
             }
         )
 
@@ -311,11 +299,6 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             return _json_error(404, f"no stream {stream_id}")
         text = (await request.body()).decode("utf-8", "replace")
         reply = await session.handle_text(text, config.max_prompt_chars)
-        if reply.get("applied") == "update":  # parsed and checked by handle_text: a new prompt may be far
-            prompt = json.loads(text).get("prompt")
-            notices = [await far_prompt_notice(p) for p in ([prompt] if isinstance(prompt, str) else prompt or [])]
-            if notices and all(notices):
-                reply["notice"] = notices[0]
         return JSONResponse(reply, status_code=422 if reply["type"] == "error" else 200)
 
     @app.delete("/api/streams/{stream_id}", status_code=204, responses=errors("/api/streams/{stream_id}", 404))

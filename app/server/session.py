@@ -76,6 +76,8 @@ class Session:
         self.recorder: Recorder | None = None
         self.record_error: str | None = None
         self._record_task: asyncio.Task[Any] | None = None
+        # The notice for prompts far from every look the model ships (None: the model has no looks).
+        self.prompt_notice: Callable[[tuple[str, ...]], Awaitable[str | None]] | None = None
 
     def enable_audio(self) -> AudioPlayout:
         """The stream has audio: start its delayed playout (fed by the publisher's audio track)."""
@@ -203,7 +205,13 @@ class Session:
             await self.apply(message)
         except ValueError as exc:  # ControlError, MessageLimitError, or the engine refusing a value
             return {"type": "error", "message": str(exc)}
-        return {"type": "ack", "applied": message.type}
+        reply: dict[str, Any] = {"type": "ack", "applied": message.type}
+        if isinstance(message, UpdateMessage) and message.prompt is not None and self.prompt_notice is not None:
+            # Every transport (data channel, /ws, HTTP control, OSC) answers a new prompt the same way;
+            # None says the new prompt is near a look, so a client clears an old notice.
+            prompts = (message.prompt,) if isinstance(message.prompt, str) else tuple(message.prompt)
+            reply["notice"] = await self.prompt_notice(prompts)
+        return reply
 
     def peer(self, session: str, publisher: bool) -> RTCPeerConnection | None:
         """The publisher's peer (``publisher``) or a WHEP viewer's behind a session id; None when the
@@ -299,6 +307,16 @@ class SessionManager:
     def size(self) -> tuple[int, int]:
         return self.factory.size
 
+    async def prompt_notice(self, prompts: tuple[str, ...]) -> str | None:
+        """The notice for prompts far from every look the loaded model ships, naming the nearest ones;
+        None for a near prompt or a model without looks. The text encoder runs on the engine thread,
+        like every engine call."""
+        pipe = getattr(self.factory, "pipeline", None)
+        if pipe is None or not hasattr(pipe, "prompt_notice"):
+            return None
+        notice: str | None = await asyncio.get_running_loop().run_in_executor(self.executor, pipe.prompt_notice, prompts)
+        return notice
+
     def check_capacity(self) -> None:
         if len(self.sessions) + self._opening >= self.config.max_streams:
             raise CapacityError(f"server is at capacity ({self.config.max_streams} streams)")
@@ -333,6 +351,7 @@ class SessionManager:
         )
         session.control_guard = control_guard(cfg.max_message_bytes, cfg.max_messages_per_s)
         session.recordings = self.recordings
+        session.prompt_notice = self.prompt_notice
         self.sessions[session.id] = session
         self.opened += 1
         serving.attach(policy_id, runner, playout, on_failure=lambda exc: session.fail("engine chunk", exc))
