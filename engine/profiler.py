@@ -43,7 +43,7 @@ import torch
 from skimage.metrics import structural_similarity
 from tqdm import tqdm
 
-from engine.embedded.evaluate import teacher_scores
+from engine.embedded.evaluate import SHIPPING_PSNR_DB, teacher_scores
 from engine.fidelity import required_capabilities
 from engine.frames import frames_to_tensor, tensor_to_frames
 from engine.pipeline import Pipeline, StreamParams
@@ -245,6 +245,7 @@ def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = N
         first_chunk_pixel_frames=first_n,
         fps=run.fps,
         points=tuple(points),
+        quality_floor=SHIPPING_PSNR_DB if scores else None,
         source=f"measured: engine/profiler.py, {run.chunks} chunks after {warmup} warm-up, seed {run.seed}",
         notes=(
             (f"quality = mean PSNR (dB) of each config's shipped output against the teachers on {teacher_clips} "

@@ -63,3 +63,29 @@ def test_budget_keeps_stream_out_of_urgent() -> None:
 def test_empty_candidates_rejected() -> None:
     with pytest.raises(ValueError, match="at least one"):
         BMPR([])
+
+
+def test_a_declared_floor_replaces_the_median_and_is_clamped_to_the_best_candidate() -> None:
+    b = BMPR(pts(), floor=75.0)
+    assert b.floor == 75.0
+    r = b.route(0.45)  # (0.4, 81) fits and clears the declared floor, though not the median one
+    assert r.mode is Mode.QUALITY and r.point.latency_s == 0.4
+    assert b.route(0.1).point.latency_s == 0.4  # speed recovery stops at the floor: (0.2, 70) stays out
+    assert BMPR(pts(), floor=99.0).floor == 84.0  # above every candidate: the best one is the floor
+
+
+def test_the_default_models_ladder_routes_down_to_its_shipping_bar() -> None:
+    """The shipped profile declares the embedded model's shipping bar (20 dB against the teachers) as
+    its floor, so the policy uses every rung that clears it, not only those above the median."""
+    import json
+
+    from engine.serving.fidelity import BUNDLED_PROFILES, load_profile
+    from engine.serving.policy import SlackPolicy
+
+    path = BUNDLED_PROFILES / "default_cpu_256.json"
+    raw = json.loads(path.read_text())
+    clearing = sorted(p["latency_s"] for p in raw["points"] if p["quality"] >= raw["quality_floor"])
+    assert len(clearing) >= 5
+    policy = SlackPolicy(load_profile(path))
+    reachable = {policy.router.route(budget).point.latency_s for budget in np.linspace(0.0, 1.0, 201)}
+    assert sorted(reachable) == clearing

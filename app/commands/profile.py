@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot profile: %s", exc)
         return 2
     profile = result.profile
-    router = BMPR(profile.per_stream())
+    router = BMPR(profile.per_stream(), profile.quality_floor)
     frontier = {p.config for p in router.frontier}
     rungs = {p.config for p in result.ladder(args.min_speedup).profile.points}
     print(f"{'config':<34} {'chunk ms':>9} {'first ms':>9} {'PSNR dB':>8} {'SSIM':>6} {'warp':>6}  frontier")

@@ -40,6 +40,11 @@ from engine.fidelity import FidelityConfig
 from engine.frames import frames_to_tensor, tensor_to_frames
 from engine.pipeline import Pipeline, StreamParams
 
+# A look whose output stays under this PSNR against its teacher on held-out clips is not shipped; the
+# same bar is the lowest quality the live policy routes a stream of this model to (profiles measured
+# with teacher quality declare it as their floor).
+SHIPPING_PSNR_DB = 20.0
+
 log = logging.getLogger(__name__)
 
 

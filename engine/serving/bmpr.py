@@ -1,7 +1,8 @@
 """Bi-Modal Pareto Routing (SlackServe §5.2).
 
 Offline: keep the Pareto frontier F of (latency, quality) over the per-stream configurations, and the
-global floor Q_floor = median quality of ALL candidate configurations (not just the frontier).
+global floor Q_floor = median quality of ALL candidate configurations (not just the frontier), unless
+the profile declares a floor of its own (``FidelityProfile.quality_floor``).
 Online, for a chunk with time budget B:
 * quality mode: among frontier points with L <= B and Q >= Q_floor, take the highest quality;
 * speed-recovery mode (quality mode infeasible): the lowest-latency frontier point with Q >= Q_floor,
@@ -39,11 +40,11 @@ class Route:
 
 
 class BMPR:
-    def __init__(self, candidates: Sequence[ProfilePoint]) -> None:
+    def __init__(self, candidates: Sequence[ProfilePoint], floor: float | None = None) -> None:
         if not candidates:
             raise ValueError("BMPR needs at least one candidate configuration")
         self.candidates = tuple(candidates)
-        self.floor = quality_floor(self.candidates)
+        self.floor = quality_floor(self.candidates, floor)
         self.frontier = pareto_frontier(self.candidates)
         self._lat = np.array([p.latency_s for p in self.frontier], dtype=np.float64)
         self._first_lat = np.array([p.first_chunk_latency_s for p in self.frontier], dtype=np.float64)

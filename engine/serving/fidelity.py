@@ -77,6 +77,12 @@ class FidelityProfile:
     points: tuple[ProfilePoint, ...]
     source: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # The lowest quality a stream may be routed to. None: SlackServe's global floor, the median over
+    # all configurations. A profile whose quality is an absolute measure with a bar of its own (the
+    # embedded model's PSNR against its teachers, where a look under 20 dB is not shipped) states
+    # that bar instead: the median of a ladder measured to reach down to the bar would cut off its
+    # lower half, the rungs built for overload.
+    quality_floor: float | None = None
 
     def __post_init__(self) -> None:
         if not self.points:
@@ -146,6 +152,7 @@ class FidelityProfile:
             "fps": self.fps,
             "source": self.source,
             "notes": list(self.notes),
+            **({"quality_floor": self.quality_floor} if self.quality_floor is not None else {}),
             "points": [
                 {
                     "config": asdict(p.config),
@@ -210,6 +217,7 @@ def profile_from_json(data: dict[str, Any], where: str = "profile") -> FidelityP
         points=tuple(points),
         source=str(data.get("source", "")),
         notes=tuple(data.get("notes", ())),
+        quality_floor=None if data.get("quality_floor") is None else float(data["quality_floor"]),
     )
 
 
@@ -264,8 +272,12 @@ def pareto_frontier(points: Iterable[ProfilePoint]) -> tuple[ProfilePoint, ...]:
     return tuple(frontier)
 
 
-def quality_floor(points: Sequence[ProfilePoint]) -> float:
-    """SlackServe's global floor: the median quality over ALL candidate configurations."""
+def quality_floor(points: Sequence[ProfilePoint], declared: float | None = None) -> float:
+    """The lowest quality BMPR routes to: the profile's ``declared`` floor, else SlackServe's global
+    floor, the median quality over ALL candidate configurations. A declared floor above every
+    candidate (a user's step ceiling, or the device, left only lower points) keeps the best of them."""
+    if declared is not None and points:
+        return min(declared, max(p.quality for p in points))
     if not points:
         raise ValueError("quality_floor needs at least one point")
     return float(statistics.median(p.quality for p in points))

@@ -123,7 +123,7 @@ class SlackPolicy:
         self.config = config = config if config is not None else PolicyConfig()
         self.transfer = transfer if transfer is not None else TransferModel()
         self.autoscale = autoscale
-        self.router = BMPR(profile.per_stream())
+        self.router = BMPR(profile.per_stream(), profile.quality_floor)
         self.reference = profile.reference()
         self._routers: dict[int, BMPR] = {}
         self._batch_points = {b: self.batch_point(self.reference, b) for b in range(1, config.max_batch + 1)}
@@ -170,7 +170,7 @@ class SlackPolicy:
             return self.router
         k = max((s for s in steps if s <= max_steps), default=steps[0])
         if k not in self._routers:
-            self._routers[k] = BMPR([p for p in points if p.config.steps <= k])
+            self._routers[k] = BMPR([p for p in points if p.config.steps <= k], self.profile.quality_floor)
         return self._routers[k]
 
     def top_point(self, max_steps: int | None = None) -> ProfilePoint:

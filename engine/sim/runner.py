@@ -46,7 +46,7 @@ def simulation_profile(path: Path | None = None) -> FidelityProfile:
 
 def advisory_autoscale(profile: FidelityProfile) -> AutoscaleConfig:
     """K = streams one GPU sustains in real time at the fastest floor-quality config (BMPR's floor)."""
-    router = BMPR(profile.per_stream())
+    router = BMPR(profile.per_stream(), profile.quality_floor)
     floor_point = router.frontier[router.fastest_ok]
     return AutoscaleConfig(streams_per_worker=profile.chunk_duration_s / floor_point.latency_s)
 
