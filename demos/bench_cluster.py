@@ -46,6 +46,7 @@ from app.server.executors import AdmissionError, ServingLoop, build_serving_loop
 from app.server.frame_path import ChunkAssembler, InputFrame, Playout, StreamRunner  # noqa: E402
 from engine.cluster.controller import ClusterConfig, ClusterController  # noqa: E402
 from engine.serving.fidelity import FidelityProfile, bundled_profile  # noqa: E402
+from engine.serving.ledger import Camera  # noqa: E402
 from engine.serving.policy import SlackPolicy  # noqa: E402
 from engine.sim.metrics import Summary, summarise  # noqa: E402
 from engine.sim.simulator import SimConfig, SimResult, Simulator, StreamRecord  # noqa: E402
@@ -109,10 +110,10 @@ def ttfcs(result: SimResult) -> list[float]:
 
 def simulate(preset: str, profile: FidelityProfile, events: list[TraceEvent], max_batch: int) -> dict[str, Any]:
     policy = SlackPolicy(profile, live_policy_config(preset, max_batch, True, workers=WORKERS))
-    # A live stream cannot run ahead of its camera: a chunk's input is all there only once its last frame
-    # was captured, when the slack is at most the initial slack minus one chunk.
-    lookahead = policy.initial_slack_s - profile.chunk_duration_s
-    sim = SimConfig(workers=WORKERS, nodes=1, state_slots=1 << 10, tick_s=0.5, max_lookahead_s=lookahead)
+    # A live stream cannot run ahead of its camera: each chunk waits until its last input frame was
+    # captured, as the live streams' assemblers do (the engine's first chunk is one frame).
+    camera = Camera(profile.first_chunk_duration_s, profile.chunk_duration_s, 1 / FPS)
+    sim = SimConfig(workers=WORKERS, nodes=1, state_slots=1 << 10, tick_s=0.5, camera=camera)
     result = Simulator(policy, profile, events, sim).run()
     return row(summarise(result), ttfcs(result), result)
 
