@@ -115,7 +115,7 @@ def simulate(preset: str, profile: FidelityProfile, events: list[TraceEvent], ma
     camera = Camera(profile.first_chunk_duration_s, profile.chunk_duration_s, 1 / FPS)
     sim = SimConfig(workers=WORKERS, nodes=1, state_slots=1 << 10, tick_s=0.5, camera=camera)
     result = Simulator(policy, profile, events, sim).run()
-    return row(summarise(result), ttfcs(result), result)
+    return {**row(summarise(result), ttfcs(result), result), "failed": 0}
 
 
 # ---- the live cluster --------------------------------------------------------------------------------
@@ -138,7 +138,8 @@ class LiveStream:
                  t0: float) -> None:
         self.loop, self.factory, self.pool, self.arrive, self.t0 = loop, factory, pool, arrive, t0
         self.record: StreamRecord | None = None
-        self.rejected = ""
+        self.rejected = ""  # the policy's admission refused it
+        self.failed = ""  # the engine failed it mid-stream (not a refusal: counted apart)
         self.paused = False
 
     async def run(self, events: list[TraceEvent]) -> None:
@@ -182,7 +183,7 @@ class LiveStream:
 
     def _failed(self, exc: BaseException) -> None:
         log.error("stream %d failed: %r", self.arrive.stream, exc)
-        self.rejected = f"failed: {exc!r}"
+        self.failed = repr(exc)
 
     async def _control(self, runner: StreamRunner, events: list[TraceEvent]) -> None:
         for event in events:
@@ -237,7 +238,7 @@ async def run_live(preset: str, controller: ClusterController, profile_path: Pat
                        rehomes=counters["rehomes"], evictions=counters["evictions"], restores=counters["restores"],
                        preemptions=counters["preemptions"], timeline=[], fidelity_counts=dict(loop.core.fidelity_counts),
                        end_t=time.monotonic() - t0, worker_busy_s={})
-    return row(summarise(result), ttfcs(result), result)
+    return {**row(summarise(result), ttfcs(result), result), "failed": sum(1 for s in streams if s.failed)}
 
 
 def main() -> int:
