@@ -141,20 +141,22 @@ def start_load(args: argparse.Namespace, url: str) -> subprocess.Popen[bytes]:
 
 
 def check_moves(timeline: Timeline) -> list[str]:
-    """For each Chromium stream move seen: frames and currentTime 3 s before and 3 s after it."""
+    """For each move of the Chromium stream: the page's frames and video time at the samples before the
+    move, after it, and the next ones (the page kept playing when both kept rising)."""
     lines = []
-    homes = [(s.t, s.home, s) for s in timeline.samples]
-    for (_, before, prev), (_, after, nxt) in zip(homes, homes[1:], strict=False):
-        if before and after and before != after:
-            t0 = prev.t - 3
-            t1 = nxt.t + 3
-            pre = min((s for s in timeline.samples if s.t >= t0), key=lambda s: s.t)
-            post = max((s for s in timeline.samples if s.t <= t1), key=lambda s: s.t)
-            lines.append(
-                f"move {before} -> {after} between t={prev.t:.1f} and {nxt.t:.1f} s: page frames "
-                f"{pre.frames} -> {prev.frames} | {nxt.frames} -> {post.frames}, video time {pre.current_time:.2f} -> "
-                f"{post.current_time:.2f} s ({'kept playing' if post.frames > nxt.frames > prev.frames else 'STALLED'})"
-            )
+    samples = timeline.samples
+    for i in range(1, len(samples)):
+        before, after = samples[i - 1], samples[i]
+        if not (before.home and after.home and before.home != after.home):
+            continue
+        window = samples[max(0, i - 3): i + 3]
+        frames = ", ".join(f"{s.frames} at {s.t:.1f} s" for s in window)
+        times = ", ".join(f"{s.current_time:.2f}" for s in window)
+        later = samples[i + 1] if i + 1 < len(samples) else after
+        playing = after.frames > before.frames and later.frames > after.frames and \
+            later.current_time > before.current_time
+        lines.append(f"move {before.home} -> {after.home} between t={before.t:.1f} and {after.t:.1f} s: page frames "
+                     f"{frames}; video time {times} s ({'kept playing' if playing else 'STALLED'})")
     return lines
 
 
