@@ -128,23 +128,3 @@ def test_a_rehome_at_a_batch_chunk_boundary_waits_for_the_whole_batch() -> None:
                        SimConfig(workers=2, nodes=1, state_slots=64, tick_s=0.5)).run()
     assert result.rehomes >= 1
     assert all(s.chunks_on_time + s.chunks_late > 0 for s in result.streams)
-
-
-class NoInput(Simulator):
-    """An executor whose streams have no input frames yet (a live camera that has not delivered a chunk)."""
-
-    def input_ready(self, worker_id: int) -> set[int] | None:
-        return set()
-
-
-def test_admission_does_not_count_streams_waiting_for_their_input_as_work_ahead() -> None:
-    policy = SlackPolicy(PROFILE, resolve_preset("slackserve"))
-    fed = Simulator(policy, PROFILE, [], SimConfig(workers=1, nodes=1))
-    starved = NoInput(policy, PROFILE, [], SimConfig(workers=1, nodes=1))
-    for sim in (fed, starved):
-        for sid in range(3):
-            assert sim.core.arrive(sid, 10.0).accepted
-    # Dispatch and the snapshot (admission, tick) agree on what may run now.
-    assert all(v.runnable for v in fed.core.snapshot().streams)
-    assert not any(v.runnable for v in starved.core.snapshot().streams)
-    assert not any(v.runnable for w in starved.worker_views() for v in starved.core._views(w))

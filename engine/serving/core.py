@@ -236,20 +236,13 @@ class EngineCore:
         return {sid for job in self.jobs.values() for sid in job}
 
     def snapshot(self) -> Snapshot:
-        """What admission and the tick read: a stream is runnable by the rule dispatch uses (``_views``),
-        so a stream waiting for its camera's frames does not count as work ahead of a newcomer."""
-        workers = list(self.executor.worker_views())
-        snap = self.ledger.snapshot(self.clock(), workers, self.running())
-        views = [v for w in workers for v in self._input_gated(w.worker_id, [s for s in snap.streams
-                                                                            if s.worker_id == w.worker_id])]
-        return replace(snap, streams=views)
+        return self.ledger.snapshot(self.clock(), list(self.executor.worker_views()), self.running())
 
     def _views(self, worker: WorkerView) -> list[StreamView]:
+        now = self.clock()
         job = self.jobs.get(worker.worker_id, ())
-        return self._input_gated(worker.worker_id, self.ledger.views_on(worker.worker_id, self.clock(), job))
-
-    def _input_gated(self, worker_id: int, views: list[StreamView]) -> list[StreamView]:
-        ready = self.executor.input_ready(worker_id)
+        views = self.ledger.views_on(worker.worker_id, now, job)
+        ready = self.executor.input_ready(worker.worker_id)
         if ready is None:
             return views
         # A chunk already started (running or preempted) needs no new input.
