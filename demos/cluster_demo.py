@@ -167,7 +167,7 @@ def main() -> int:
     parser.add_argument("--slow-ms", type=int, default=40, help="--worker-delay-ms of worker 0 (default 40)")
     parser.add_argument("--users", type=int, default=4, help="aiortc load users (default 4)")
     parser.add_argument("--load-s", type=float, default=70.0, help="seconds each load user stays (default 70)")
-    parser.add_argument("--cooldown-s", type=float, default=15.0, help="--scale-in-cooldown-s (default 15)")
+    parser.add_argument("--cooldown-s", type=float, default=20.0, help="--scale-in-cooldown-s (default 20)")
     parser.add_argument("--screenshot", type=Path, default=DOCS_IMG / "cluster-dashboard.png")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
