@@ -46,6 +46,7 @@ from app.server.executors import AdmissionError, ServingLoop, build_serving_loop
 from app.server.frame_path import ChunkAssembler, InputFrame, Playout, StreamRunner  # noqa: E402
 from engine.cluster.controller import ClusterConfig, ClusterController  # noqa: E402
 from engine.serving.fidelity import FidelityProfile, bundled_profile  # noqa: E402
+from engine.serving.ledger import Camera  # noqa: E402
 from engine.serving.policy import SlackPolicy  # noqa: E402
 from engine.sim.metrics import Summary, summarise  # noqa: E402
 from engine.sim.simulator import SimConfig, SimResult, Simulator, StreamRecord  # noqa: E402
@@ -109,12 +110,12 @@ def ttfcs(result: SimResult) -> list[float]:
 
 def simulate(preset: str, profile: FidelityProfile, events: list[TraceEvent], max_batch: int) -> dict[str, Any]:
     policy = SlackPolicy(profile, live_policy_config(preset, max_batch, True, workers=WORKERS))
-    # A live stream cannot run ahead of its camera: a chunk's input is all there only once its last frame
-    # was captured, when the slack is at most the initial slack minus one chunk.
-    lookahead = policy.initial_slack_s - profile.chunk_duration_s
-    sim = SimConfig(workers=WORKERS, nodes=1, state_slots=1 << 10, tick_s=0.5, max_lookahead_s=lookahead)
+    # A live stream cannot run ahead of its camera: each chunk waits until its last input frame was
+    # captured, as the live streams' assemblers do (the engine's first chunk is one frame).
+    camera = Camera(profile.first_chunk_duration_s, profile.chunk_duration_s, 1 / FPS)
+    sim = SimConfig(workers=WORKERS, nodes=1, state_slots=1 << 10, tick_s=0.5, camera=camera)
     result = Simulator(policy, profile, events, sim).run()
-    return row(summarise(result), ttfcs(result), result)
+    return {**row(summarise(result), ttfcs(result), result), "failed": 0}
 
 
 # ---- the live cluster --------------------------------------------------------------------------------
@@ -137,7 +138,8 @@ class LiveStream:
                  t0: float) -> None:
         self.loop, self.factory, self.pool, self.arrive, self.t0 = loop, factory, pool, arrive, t0
         self.record: StreamRecord | None = None
-        self.rejected = ""
+        self.rejected = ""  # the policy's admission refused it
+        self.failed = ""  # the engine failed it mid-stream (not a refusal: counted apart)
         self.paused = False
 
     async def run(self, events: list[TraceEvent]) -> None:
@@ -181,7 +183,7 @@ class LiveStream:
 
     def _failed(self, exc: BaseException) -> None:
         log.error("stream %d failed: %r", self.arrive.stream, exc)
-        self.rejected = f"failed: {exc!r}"
+        self.failed = repr(exc)
 
     async def _control(self, runner: StreamRunner, events: list[TraceEvent]) -> None:
         for event in events:
@@ -236,7 +238,7 @@ async def run_live(preset: str, controller: ClusterController, profile_path: Pat
                        rehomes=counters["rehomes"], evictions=counters["evictions"], restores=counters["restores"],
                        preemptions=counters["preemptions"], timeline=[], fidelity_counts=dict(loop.core.fidelity_counts),
                        end_t=time.monotonic() - t0, worker_busy_s={})
-    return row(summarise(result), ttfcs(result), result)
+    return {**row(summarise(result), ttfcs(result), result), "failed": sum(1 for s in streams if s.failed)}
 
 
 def main() -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.serving.fidelity import bundled_profile
-from engine.serving.ledger import StreamLedger
+from engine.serving.ledger import Camera, StreamLedger
 from engine.serving.snapshot import Admission, WorkerView
 
 REF = bundled_profile().reference()
@@ -70,3 +70,28 @@ def test_snapshot_lists_active_streams_and_lookahead_cap() -> None:
     assert led.view(1, 1.1, running=False).runnable
     with pytest.raises(ValueError, match="not admitted"):
         led.admit(Admission(9, False, None, 3.0, "full"), 0.0, 5.0, 0.0)
+
+
+def finish_chunk(led: StreamLedger, sid: int, now: float, duration_s: float) -> None:
+    led.chunk_started(sid, now, REF)
+    for _ in range(REF.config.sequential_steps):
+        led.step_done(sid, now)
+    led.chunk_done(sid, now, duration_s)
+
+
+def test_camera_gates_each_chunk_on_its_last_input_frame() -> None:
+    # 8 fps camera, first chunk 1 frame, then 4-frame chunks; frame i is captured at i / 8 s, so the
+    # chunk holding frames 1-4 can start at 0.5 s, frames 5-8 at 1.0 s (plus the pause below).
+    led = StreamLedger(camera=Camera(first_chunk_s=0.125, chunk_s=0.5, frame_s=0.125))
+    admitted(led)
+    assert led.view(1, 0.0, running=False).runnable  # frame 0 is there at arrival
+    finish_chunk(led, 1, 0.05, 0.125)
+    assert not led.view(1, 0.49, running=False).runnable
+    assert led.input_wait_s(1, 0.3) == pytest.approx(0.2)
+    assert led.view(1, 0.5, running=False).runnable
+    finish_chunk(led, 1, 0.6, 0.5)
+    led.pause(1, 0.7)  # the camera stands still for 1 s
+    assert led.input_wait_s(1, 1.2) == float("inf")
+    led.resume(1, 1.7)
+    assert not led.view(1, 1.99, running=False).runnable
+    assert led.view(1, 2.0, running=False).runnable

@@ -254,6 +254,11 @@ class StreamWorker:
         from the handoff so that the controller can learn the export's fate without fetching the state."""
         stream = self._runnable(stream_id)
         self._steppers[stream_id].restore()  # a state parked by the policy travels as any other
+        # The handoff carries the state, not chunks in flight: a step batch's partly denoised chunks
+        # (the engine core already counted them as abandoned) are dropped here, giving back their frame
+        # positions. Else the state would move with its position past chunks whose K/V only some step
+        # caches hold, and the destination's next forward would write past a cache's end.
+        self.drop_chunks(stream_id)
         t0 = time.perf_counter()
         data = np.frombuffer(stream.state.to_bytes(), dtype=np.uint8)
         self._frozen.add(stream_id)

@@ -327,7 +327,8 @@ class EngineCore:
         stats.chunks += 1
 
     def _schedule_wake(self, wid: int, views: Sequence[StreamView]) -> None:
-        """Idle worker: wake when a blocked stream becomes runnable (transfer done or lookahead cap)."""
+        """Idle worker: wake when a blocked stream becomes runnable (transfer done, lookahead cap, camera
+        input captured)."""
         now = self.clock()
         wake = math.inf
         cap = self.ledger.max_lookahead_s
@@ -337,8 +338,12 @@ class EngineCore:
                 continue
             if entry.available_t > now:
                 wake = min(wake, entry.available_t)
-            elif cap is not None and not v.paused:
-                wake = min(wake, now + max(1e-3, v.slack_s - cap))
+            elif not v.paused:
+                if cap is not None:
+                    wake = min(wake, now + max(1e-3, v.slack_s - cap))
+                wait = self.ledger.input_wait_s(v.stream_id, now)
+                if 0 < wait < math.inf:
+                    wake = min(wake, now + wait)
         if wake < math.inf:
             self.executor.wake_at(wid, wake)
 

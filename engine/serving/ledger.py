@@ -30,6 +30,18 @@ from engine.serving.playout import ChunkOutcome, PlayoutTracker
 from engine.serving.snapshot import Admission, Snapshot, StreamView, WorkerView
 
 
+@dataclass(frozen=True)
+class Camera:
+    """A live stream's input: the camera delivers content at the content rate from the stream's arrival
+    (stopping while it is paused), and a chunk can start once its last input frame was captured. A frame
+    is captured at its start time, so a chunk of ``d`` seconds is ready ``d - frame_s`` after the
+    content before it. The engine's first chunk is shorter (one frame for the causal VAE's first latent)."""
+
+    first_chunk_s: float
+    chunk_s: float
+    frame_s: float
+
+
 @dataclass
 class InFlight:
     point: ProfilePoint
@@ -56,6 +68,13 @@ class StreamEntry:
     quality_sum: float = 0.0
     quality_chunks: int = 0
     max_steps: int | None = None  # the user's step count caps the stream's fidelity (None: no cap)
+    input_s: float = 0.0  # camera content its started chunks consumed (``StreamLedger.camera``)
+    camera_paused_s: float = 0.0  # how long the camera stood still (pauses) before ``paused_at``
+    paused_at: float | None = None
+
+    def captured_s(self, now: float) -> float:
+        """Camera content captured by ``now``."""
+        return (now if self.paused_at is None else self.paused_at) - self.arrival_t - self.camera_paused_s
 
     @property
     def active(self) -> bool:
@@ -69,6 +88,8 @@ class StreamEntry:
 @dataclass
 class StreamLedger:
     max_lookahead_s: float | None = None  # live V2V cannot run ahead of the camera; None = unbounded
+    # A finer model of the same: each chunk waits for its input frames (the simulator of a live trace).
+    camera: Camera | None = None
     max_log: int | None = None  # per-stream tracker log/stall rows kept (live servers); None = all
     entries: dict[int, StreamEntry] = field(default_factory=dict)
     _by_worker: dict[int, set[int]] = field(default_factory=dict)
@@ -129,6 +150,8 @@ class StreamLedger:
             e.inflight.step_started_t = now  # resuming a preempted chunk
             return
         total = point.first_chunk_latency_s if e.first_chunk else point.latency_s
+        if self.camera is not None:
+            e.input_s += self.camera.first_chunk_s if e.first_chunk else self.camera.chunk_s
         steps = point.config.sequential_steps
         e.inflight = InFlight(point, total / steps, steps, e.tracker.epoch, now)
 
@@ -175,10 +198,17 @@ class StreamLedger:
         self.entries[sid].tracker.report_cursor(now, cursor_s)
 
     def pause(self, sid: int, now: float) -> None:
-        self.entries[sid].tracker.pause(now)
+        e = self.entries[sid]
+        e.tracker.pause(now)
+        if e.paused_at is None:
+            e.paused_at = now
 
     def resume(self, sid: int, now: float) -> None:
-        self.entries[sid].tracker.resume(now)
+        e = self.entries[sid]
+        e.tracker.resume(now)
+        if e.paused_at is not None:
+            e.camera_paused_s += now - e.paused_at
+            e.paused_at = None
 
     def prompt_switch(self, sid: int, now: float, running: bool) -> bool:
         """Reset slack; drop a preempted partial chunk of the old prompt; revive a stream that had
@@ -202,6 +232,18 @@ class StreamLedger:
         if not running:
             self._detach(e)
 
+    def input_wait_s(self, sid: int, now: float) -> float:
+        """Seconds until the camera has captured the stream's next chunk (0: there; inf: paused)."""
+        camera = self.camera
+        e = self.entries[sid]
+        if camera is None:
+            return 0.0
+        need = e.input_s + (camera.first_chunk_s if e.first_chunk else camera.chunk_s) - camera.frame_s
+        wait = need - e.captured_s(now)
+        if wait <= 1e-9:
+            return 0.0
+        return math.inf if e.paused_at is not None else wait
+
     # ---- views --------------------------------------------------------------------------------
     def view(self, sid: int, now: float, running: bool) -> StreamView:
         e = self.entries[sid]
@@ -214,7 +256,8 @@ class StreamLedger:
                 rem -= min(inflight.est_step_s, now - inflight.step_started_t)
         slack = tr.slack(now)
         cap = self.max_lookahead_s
-        runnable = e.active and e.available_t <= now and (cap is None or slack < cap or inflight is not None)
+        runnable = e.active and e.available_t <= now and (
+            inflight is not None or ((cap is None or slack < cap) and self.input_wait_s(sid, now) <= 0))
         return StreamView(
             stream_id=sid,
             worker_id=e.worker,

@@ -21,7 +21,7 @@ from engine.serving.autoscale import AutoscaleConfig
 from engine.serving.core import EngineCore, Work
 from engine.serving.credit import Tier
 from engine.serving.fidelity import FidelityProfile
-from engine.serving.ledger import StreamEntry, StreamLedger
+from engine.serving.ledger import Camera, StreamEntry, StreamLedger
 from engine.serving.playout import Stall
 from engine.serving.policy import SlackPolicy
 from engine.serving.scaler import Scaler
@@ -49,6 +49,7 @@ class SimConfig:
     tick_s: float = 3.0
     seed: int = 0
     max_lookahead_s: float | None = None
+    camera: Camera | None = None  # streams wait for their camera's frames (engine/serving/ledger.py)
     transfer: TransferModel = field(default_factory=TransferModel)
     # Per-worker slowdown factors (worker i's steps take slowdown[i] times the profile; missing = 1),
     # the simulator's --worker-delay-ms: unequal workers.
@@ -132,7 +133,8 @@ class Simulator:
         slots = config.state_slots * policy.config.gpus_per_worker
         self.workers = {w: SimWorker(w, w // per_node, slots) for w in range(n_workers)}
         self._next_worker = n_workers
-        self.core = EngineCore(policy, self, lambda: self.now, StreamLedger(max_lookahead_s=config.max_lookahead_s))
+        ledger = StreamLedger(max_lookahead_s=config.max_lookahead_s, camera=config.camera)
+        self.core = EngineCore(policy, self, lambda: self.now, ledger)
         if config.autoscale is not None:
             self.core.scaler = Scaler(config.autoscale, self, cooldown_s=config.scale_in_cooldown_s)
         self.rejected: dict[int, str] = {}

@@ -159,6 +159,12 @@ class InProcessProcessor:
         return done
 
     def drop_chunks(self) -> None:
+        if self._queue and self._stream.state is not None:
+            # Entering a chunk moved the stream's frame and RoPE positions past it; a dropped chunk never
+            # reaches the KV cache's history, so the next one takes its positions (else it would write
+            # past the cache's end: "start frame leaves a gap").
+            first = self._queue[0]
+            self._stream.state.frame, self._stream.state.rope_frame = first.frame, first.rope
         self._queue = []
 
     def _drain(self) -> None:
