@@ -351,7 +351,8 @@ class SessionManager:
         )
         session.control_guard = control_guard(cfg.max_message_bytes, cfg.max_messages_per_s)
         session.recordings = self.recordings
-        session.prompt_notice = self.prompt_notice
+        if getattr(getattr(self.factory, "pipeline", None), "styles", None) is not None:
+            session.prompt_notice = self.prompt_notice  # an open-vocabulary model's acks carry no notice
         self.sessions[session.id] = session
         self.opened += 1
         serving.attach(policy_id, runner, playout, on_failure=lambda exc: session.fail("engine chunk", exc))
