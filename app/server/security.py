@@ -377,12 +377,10 @@ class EdgeGuard:
             await self._playground(scope, receive, send, token)
             return
         if scope["type"] == "http":
-            body = await self._read_body(receive)
-            if body is None:
-                await refuse(scope, receive, send, 413,
-                             f"request body is larger than the limit of {self.config.max_body_bytes} bytes")
+            buffered = await self._buffered(scope, receive, send)
+            if buffered is None:
                 return
-            receive = _replay(body, receive)
+            receive = buffered
         if (method, path) in LISTING:
             refusal = self._listing_refusal(scope, token)
             if refusal is not None:
@@ -445,13 +443,21 @@ class EdgeGuard:
                                                         f"the limit of {self.config.max_upload_bytes} bytes")
                 return
         elif scope["type"] == "http":
-            body = await self._read_body(receive)
-            if body is None:
-                await refuse(scope, receive, send, 413,
-                             f"request body is larger than the limit of {self.config.max_body_bytes} bytes")
+            buffered = await self._buffered(scope, receive, send)
+            if buffered is None:
                 return
-            receive = _replay(body, receive)
+            receive = buffered
         await self.app(scope, receive, send)
+
+    async def _buffered(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
+        """The request's body read whole and replayed to the app; None when it passed the limit
+        (the client then has its 413)."""
+        body = await self._read_body(receive)
+        if body is None:
+            await refuse(scope, receive, send, 413,
+                         f"request body is larger than the limit of {self.config.max_body_bytes} bytes")
+            return None
+        return _replay(body, receive)
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         """The whole body, or None once it passes the limit (the rest is not read)."""
