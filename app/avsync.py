@@ -23,7 +23,7 @@ from aiortc import MediaStreamTrack, RTCRtpReceiver
 from aiortc.mediastreams import MediaStreamError
 from aiortc.rtp import RtcpSrPacket
 
-from app.client import CodedCamera
+from app.client import CodedCamera, video_frames
 from app.server.framecode import read_id
 
 RATE = 48_000
@@ -123,13 +123,7 @@ class VideoStamps:
         self.stamps: dict[float, tuple[int, float]] = {}
 
     async def consume(self, track: MediaStreamTrack) -> None:
-        while True:
-            try:
-                frame = await track.recv()
-            except MediaStreamError:
-                return
-            if not isinstance(frame, av.VideoFrame):
-                continue
+        async for frame in video_frames(track):
             frame_id = read_id(frame.to_ndarray(format="rgb24"))
             captured = None if frame_id is None else self.camera.sent.get(frame_id)
             if captured is not None and captured not in self.stamps and frame.pts is not None:

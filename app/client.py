@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -27,6 +28,17 @@ from aiortc.mediastreams import MediaStreamError
 from app.server.framecode import MAX_ID, draw_id, read_id
 
 TIME_BASE = Fraction(1, 90_000)
+
+
+async def video_frames(track: MediaStreamTrack) -> AsyncIterator[av.VideoFrame]:
+    """The video frames a received track yields until it ends (audio frames skipped)."""
+    while True:
+        try:
+            frame = await track.recv()
+        except MediaStreamError:
+            return
+        if isinstance(frame, av.VideoFrame):
+            yield frame
 
 
 def pattern_frame(index: int, size: tuple[int, int], variant: int = 0) -> np.ndarray:
@@ -95,13 +107,7 @@ class OutputProbe:
     _last_id: int | None = None
 
     async def consume(self, track: MediaStreamTrack) -> None:
-        while True:
-            try:
-                frame = await track.recv()
-            except MediaStreamError:
-                return
-            if not isinstance(frame, av.VideoFrame):
-                continue
+        async for frame in video_frames(track):
             now = time.monotonic()
             image = frame.to_ndarray(format="rgb24")
             self.frames += 1

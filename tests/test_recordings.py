@@ -16,10 +16,9 @@ import cv2
 import numpy as np
 import pytest
 from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
-from aiortc.mediastreams import MediaStreamError
 
 from app.avsync import BeepMicrophone
-from app.client import CodedCamera, http, pattern_frame
+from app.client import CodedCamera, http, pattern_frame, video_frames
 from app.server.recordings import RecordingError, RecordingStore
 
 Live = Callable[..., AbstractContextManager[str]]
@@ -37,11 +36,7 @@ class Received:
         self.frames: list[tuple[float, np.ndarray]] = []
 
     async def consume(self, track: MediaStreamTrack) -> None:
-        while True:
-            try:
-                frame = await track.recv()
-            except MediaStreamError:
-                return
+        async for frame in video_frames(track):
             self.frames.append((time.monotonic(), thumb(frame.to_ndarray(format="rgb24"))))
 
     def between(self, start: float, end: float) -> list[np.ndarray]:
