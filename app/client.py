@@ -15,7 +15,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -23,22 +22,11 @@ from typing import Any
 import av
 import numpy as np
 from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
-from aiortc.mediastreams import MediaStreamError
 
+from app.server.frame_path import video_frames
 from app.server.framecode import MAX_ID, draw_id, read_id
 
 TIME_BASE = Fraction(1, 90_000)
-
-
-async def video_frames(track: MediaStreamTrack) -> AsyncIterator[av.VideoFrame]:
-    """The video frames a received track yields until it ends (audio frames skipped)."""
-    while True:
-        try:
-            frame = await track.recv()
-        except MediaStreamError:
-            return
-        if isinstance(frame, av.VideoFrame):
-            yield frame
 
 
 def pattern_frame(index: int, size: tuple[int, int], variant: int = 0) -> np.ndarray:

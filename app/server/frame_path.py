@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +26,8 @@ from typing import Any
 import av
 import cv2
 import numpy as np
+from aiortc import MediaStreamTrack
+from aiortc.mediastreams import MediaStreamError
 
 from app.server.engine_bridge import StreamProcessor
 from app.server.framecode import copy_band
@@ -35,6 +37,17 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 FPS_WINDOW_S = 2.0
 LATENCY_WINDOW_S = 5.0
+
+
+async def video_frames(track: MediaStreamTrack) -> AsyncIterator[av.VideoFrame]:
+    """The video frames a received track yields until it ends (audio frames skipped)."""
+    while True:
+        try:
+            frame = await track.recv()
+        except MediaStreamError:
+            return
+        if isinstance(frame, av.VideoFrame):
+            yield frame
 
 
 @dataclass(frozen=True)

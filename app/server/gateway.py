@@ -15,7 +15,7 @@ from aiortc.mediastreams import MediaStreamError
 from app.server.audio import AudioPlayout, DelayedAudioTrack, offers_audio, wants_audio
 from app.server.config import ServerConfig
 from app.server.engine_bridge import StreamSettings
-from app.server.frame_path import ChunkAssembler, Playout
+from app.server.frame_path import ChunkAssembler, Playout, video_frames
 from app.server.ice import rtc_configuration, strip_candidates
 from app.server.logs import mint_secret
 from app.server.sdp import OfferError, check_offer
@@ -46,13 +46,8 @@ class PlayoutTrack(MediaStreamTrack):
 
 
 async def read_input(track: MediaStreamTrack, assembler: ChunkAssembler) -> None:
-    while True:
-        try:
-            frame = await track.recv()
-        except MediaStreamError:
-            return
-        if isinstance(frame, av.VideoFrame):
-            assembler.push(frame)
+    async for frame in video_frames(track):
+        assembler.push(frame)
 
 
 async def read_audio(track: MediaStreamTrack, audio: AudioPlayout) -> None:
