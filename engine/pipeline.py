@@ -40,7 +40,7 @@ from engine.models.wan_dit import CONFIGS, CausalWanDiT, WanDiTConfig
 from engine.sampling import SELF_FORCING, STREAMDIFFUSION_V2, SamplerPreset
 from engine.streaming.config import RuntimeConfig
 from engine.streaming.noise import NoiseControllerConfig
-from engine.streaming.prompts import BlendMode
+from engine.streaming.prompts import BlendMode, LookAnchors
 from engine.streaming.runtime import ChunkResult, PromptEncoder, StreamRuntime
 from engine.streaming.stabilizer import StabilizerConfig
 from engine.streaming.state import StreamState
@@ -152,12 +152,13 @@ class Pipeline:
         name: str,
         styles: StyleRegistry | None = None,
         text_conditioning: str = "tokens",
+        anchors: LookAnchors | None = None,
     ) -> None:
         self.name = name
         self.default_size = default_size
         self.capabilities = ModelCapabilities()
         self.styles = styles
-        prompts = PromptEncoder(text_encoder, text_conditioning)
+        prompts = PromptEncoder(text_encoder, text_conditioning, anchors)
         self.loras = LoRABank.of(dit)
         self.lora_strengths: dict[str, float] = {}  # what a stream gets unless its StreamParams say otherwise
         self.runtime = StreamRuntime(dit, vae, prompts, preset, runtime)
@@ -485,6 +486,21 @@ def stream_recipe(config: dict[str, Any], name: str) -> tuple[SamplerPreset, Run
     return preset, _runtime_from_json(config.get("runtime", {}))
 
 
+def look_anchors(config: dict[str, Any]) -> LookAnchors | None:
+    """The look anchoring a diffcast model config asks for (``look_temperature`` with ``prototypes``);
+    None for a config without it (models trained before anchoring read their raw prompt embedding)."""
+    temperature = config.get("look_temperature")
+    if temperature is None or not config.get("prototypes"):
+        return None
+    return LookAnchors(*_prototypes(config), float(temperature))
+
+
+def _prototypes(config: dict[str, Any]) -> tuple[tuple[str, ...], torch.Tensor]:
+    """A config's look names and their L2-normalised prototype embeddings [looks, dim]."""
+    names = tuple(config["prototypes"])
+    return names, torch.nn.functional.normalize(torch.tensor([config["prototypes"][n] for n in names]), dim=-1)
+
+
 def _load_diffcast_file(path: Path, device: str, dtype: torch.dtype) -> Pipeline:
     """One safetensors file (keys ``dit.*``, ``vae.*``) plus a JSON config beside it."""
     from safetensors.torch import load_file
@@ -514,15 +530,14 @@ def _load_diffcast_file(path: Path, device: str, dtype: torch.dtype) -> Pipeline
     dit = dit.to(device=device, dtype=dtype).eval()
     vae = vae.to(device=device, dtype=dtype).eval()
     preset, runtime = stream_recipe(config, path.stem)
-    styles = None
+    styles, anchors = None, None
     if config.get("prototypes"):
-        names = tuple(config["prototypes"])
-        protos = torch.nn.functional.normalize(torch.tensor([config["prototypes"][n] for n in names]), dim=-1)
-        styles = StyleRegistry(names, protos, float(config["too_far_below"]))
+        styles = StyleRegistry(*_prototypes(config), float(config["too_far_below"]))
+        anchors = look_anchors(config)
     text = load_text_encoder(config.get("text_encoder", "minilm"), device=device)
     size = tuple(config.get("size", (256, 256)))
     pipe = Pipeline(dit, vae, text, preset, runtime, (int(size[0]), int(size[1])), path.stem, styles,
-                    text_conditioning=config.get("text_conditioning", "tokens"))
+                    text_conditioning=config.get("text_conditioning", "tokens"), anchors=anchors)
     pipe.capabilities = ModelCapabilities.from_config(config)
     return pipe
 

@@ -124,3 +124,31 @@ def test_training_time_streams_equal_one_masked_forward_per_row(model: EmbeddedM
     for b, prompt in enumerate(prompts):
         reference = _masked_reference(model, z, pooled_embeddings([prompt])[:, None, :], 11, [s] * 3)
         torch.testing.assert_close(streamed[b : b + 1], reference, rtol=0, atol=1e-4)
+
+
+def _look_video(pipe: Pipeline, frames: np.ndarray, prompt: str | list[str],
+                weights: tuple[float, ...] | None = None) -> np.ndarray:
+    stream = pipe.open_stream(StreamParams(prompt=prompt, prompt_weights=weights, seed=0))
+    return np.concatenate([stream.process(frames[:1]), stream.process(frames[1:5])]).astype(np.float32)
+
+
+def _dist(x: np.ndarray, y: np.ndarray) -> float:
+    return float(np.abs(x - y).mean())
+
+
+def test_explicit_prompt_weights_blend_two_looks_between_them(pipe: Pipeline) -> None:
+    """A 50/50 blend of two looks is far from both and near the path between them (the distances to
+    the two ends add up to about the distance between the looks); moving the weights moves the output
+    along that path. A blend that came out as a third look, noise or either end alone fails."""
+    frames = render_clip(heldout_specs()[1])[:5]
+    a, b = "pencil sketch", "thermal camera"
+    look_a, look_b = _look_video(pipe, frames, a), _look_video(pipe, frames, b)
+    apart = _dist(look_a, look_b)
+    assert apart > 30
+    middle = _look_video(pipe, frames, [a, b], (0.5, 0.5))
+    to_a, to_b = _dist(middle, look_a), _dist(middle, look_b)
+    assert to_a < 0.9 * apart and to_b < 0.9 * apart and to_a > 0.1 * apart and to_b > 0.1 * apart
+    assert to_a + to_b < 1.25 * apart
+    leaning_a = _look_video(pipe, frames, [a, b], (0.8, 0.2))
+    leaning_b = _look_video(pipe, frames, [a, b], (0.2, 0.8))
+    assert _dist(leaning_a, look_a) < to_a < _dist(leaning_b, look_a)

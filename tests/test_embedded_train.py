@@ -10,7 +10,7 @@ import torch
 
 from engine.embedded import train
 from engine.embedded.model import EmbeddedModel, EmbeddedSpec, EmbeddedStream, SamplerSpec
-from engine.embedded.styles import STYLE_PROMPTS
+from engine.embedded.styles import NOT_SHIPPED, STYLE_PROMPTS
 from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
 from engine.models.wan_dit import CausalWanDiT
 from engine.sampling import FlowMatchSchedule
@@ -132,3 +132,27 @@ def test_decoder_data_streams_each_clip_with_every_style_as_its_own_stream(tmp_p
                            seed=1 * 100_003 + 1, noise_scale=spec.sampler.noise_scale, num_steps=1)
     torch.testing.assert_close(pred[1, style], alone.denoise(lat[1, :1].float())[0].half(), rtol=0, atol=2e-3)
     assert torch.equal(train.dit_predictions(cfg, lat, model), pred)
+
+
+def test_a_work_directory_with_checkpoints_needs_resume(tmp_path: Path) -> None:
+    train.check_workdir(tmp_path / "new", resume=False)  # nothing there yet: fine
+    (tmp_path / "dit_ckpt.pt").write_bytes(b"")
+    with pytest.raises(train.WorkdirInUseError, match="--resume"):
+        train.check_workdir(tmp_path, resume=False)
+    train.check_workdir(tmp_path, resume=True)
+
+
+def test_decoder_batches_leave_out_looks_that_are_not_shipped(tmp_path: Path) -> None:
+    """Every style row of the predictions holds its index; no batch may draw a look left out."""
+    styles = len(train.STYLE_NAMES)
+    left_out = {k for k, n in enumerate(train.STYLE_NAMES) if n in NOT_SHIPPED}
+    assert left_out, "the registry leaves a trained look out (neon)"
+    frames = np.zeros((1, 1 + styles, train.CLIP_FRAMES, 256, 256, 3), np.uint8)
+    lat = torch.zeros(1, 1 + styles, 4, 3, 24, 24).half()
+    pred = torch.arange(float(styles)).view(1, styles, 1, 1, 1, 1).expand(1, styles, 4, 3, 24, 24).half()
+    cfg = train.TrainConfig(workdir=tmp_path, vae_batch=64)
+    drawn = set()
+    for step in range(4):
+        z, _ = train._decoder_batch(cfg, step, frames, lat, pred)
+        drawn |= set(z.flatten(1).max(dim=1).values.tolist())
+    assert drawn and not drawn & {float(k) for k in left_out}

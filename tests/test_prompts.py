@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.streaming.prompts import PromptTransition, blend, slerp
+from engine.streaming.prompts import LookAnchors, PromptTransition, blend, slerp
 
 
 def test_linear_blend_is_the_weighted_mean() -> None:
@@ -45,3 +45,39 @@ def test_transition_reaches_the_target_in_k_chunks() -> None:
     torch.testing.assert_close(steps[0], a + (b - a) / 3)
     assert tr.finished
     torch.testing.assert_close(steps[-1], b)
+
+
+def _anchors() -> LookAnchors:
+    protos = torch.nn.functional.normalize(torch.randn(4, 16, generator=torch.Generator().manual_seed(0)), dim=-1)
+    return LookAnchors(("a", "b", "c", "d"), protos, temperature=0.03)
+
+
+def test_a_prompt_on_a_look_is_served_as_that_look() -> None:
+    anchors = _anchors()
+    near_b = torch.nn.functional.normalize(anchors.prototypes[1] + 0.05 * anchors.prototypes[2], dim=0)
+    (name, weight), _ = anchors.weights(near_b)
+    assert name == "b" and weight > 0.99
+    torch.testing.assert_close(anchors.anchor(near_b[None])[0], anchors.prototypes[1], atol=1e-3, rtol=0)
+
+
+def test_a_prompt_between_two_looks_is_their_interpolation() -> None:
+    anchors = _anchors()
+    a, c = anchors.prototypes[0], anchors.prototypes[2]
+    middle = torch.nn.functional.normalize(a + c, dim=0)
+    weights = dict(anchors.weights(middle))
+    assert set(weights) == {"a", "c"} and abs(weights["a"] - 0.5) < 1e-4
+    # The served embedding is the slerp midpoint of the two prototypes, computed here independently.
+    omega = torch.arccos(torch.dot(a, c))
+    expected = (torch.sin(omega / 2) / torch.sin(omega)) * (a + c)
+    torch.testing.assert_close(anchors.anchor(middle[None])[0], expected, atol=1e-4, rtol=0)
+    # Leaning towards one look moves the blend towards it.
+    leaning = torch.nn.functional.normalize(0.6 * a + 0.4 * c, dim=0)
+    assert dict(anchors.weights(leaning))["a"] > 0.6
+
+
+def test_anchoring_needs_looks_and_a_positive_temperature() -> None:
+    protos = torch.eye(2)
+    with pytest.raises(ValueError, match="temperature"):
+        LookAnchors(("a", "b"), protos, 0.0)
+    with pytest.raises(ValueError, match="2 looks"):
+        LookAnchors(("a",), protos[:1], 0.03)

@@ -1,8 +1,11 @@
-"""`diffcast train-default`: reproduce the embedded default model from scratch on a CPU.
+"""`diffcast train-default`: reproduce the embedded default model from scratch on a CPU, or teach a
+shipped one new looks.
 
 One command runs every stage of engine.embedded.train (synthetic clips + teachers, tiny VAE, latents,
-tiny causal DiT, decoder fine-tune, export). Each stage checkpoints into ``--workdir``; rerunning the command resumes
-where an interrupted run stopped.
+tiny causal DiT, decoder fine-tune, export). Each stage checkpoints into ``--workdir``; ``--resume``
+continues where an interrupted run stopped (without it a work directory holding checkpoints is
+refused, so two runs never mix). ``--finetune-from CONFIG`` starts from a shipped checkpoint and
+trains only the looks it lacks (plus a replay of its own), which takes a fraction of a full run.
 """
 
 from __future__ import annotations
@@ -40,11 +43,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive, default=1,
                         help="torch threads (1 on a shared machine: more threads contend badly)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run whose checkpoints --workdir holds (each stage from its last checkpoint)")
+    parser.add_argument("--finetune-from", type=Path, default=None, metavar="CONFIG",
+                        help="a shipped model's .json: keep its VAE encoder and DiT, train the looks it lacks")
+    parser.add_argument("--looks-steps", type=_positive, default=None,
+                        help="with --finetune-from: DiT steps of the new-looks phase before the tune rounds")
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.embedded.train import TrainConfig, train_default
+    from engine.embedded.train import (
+        TrainConfig,
+        WorkdirInUseError,
+        check_workdir,
+        finetune_looks,
+        train_default,
+    )
 
+    try:
+        check_workdir(args.workdir, args.resume)
+    except WorkdirInUseError as exc:
+        raise SystemExit(str(exc)) from None
+    if args.looks_steps is not None and args.finetune_from is None:
+        raise SystemExit("--looks-steps only applies with --finetune-from")
     cfg = TrainConfig(workdir=args.workdir, threads=args.threads, seed=args.seed)
     if args.vae_steps is not None:
         cfg.vae_steps = args.vae_steps
@@ -56,6 +77,13 @@ def run(args: argparse.Namespace) -> int:
         cfg.dit_tune_rounds = args.tune_rounds
     if args.decoder_steps is not None:
         cfg.decoder_steps = args.decoder_steps
-    path = train_default(cfg, args.out)
+    if args.finetune_from is not None:
+        if not args.finetune_from.is_file():
+            raise SystemExit(f"--finetune-from {args.finetune_from}: no such model config (a .json next to its .safetensors)")
+        if args.looks_steps is not None:
+            cfg.looks_steps = args.looks_steps
+        path = finetune_looks(cfg, args.finetune_from, args.out)
+    else:
+        path = train_default(cfg, args.out)
     log.info("wrote %s and %s", path, path.with_suffix(".safetensors"))
     return 0

@@ -28,7 +28,7 @@ from engine.embedded.styles import FAR_BELOW, StyleMatch, match_style, pooled_em
 from engine.fidelity import FidelityConfig
 from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
 from engine.models.wan_dit import CausalWanDiT, WanDiTConfig
-from engine.pipeline import stream_recipe
+from engine.pipeline import look_anchors, stream_recipe
 from engine.sampling import noise_scale_to_timestep
 from engine.streaming.runtime import PromptEncoder, StreamRuntime
 from engine.streaming.stabilizer import StabilizerConfig
@@ -63,6 +63,9 @@ class EmbeddedSpec:
     styles: dict[str, tuple[str, ...]]
     prototypes: dict[str, list[float]]
     too_far_below: float = FAR_BELOW
+    # Softmax temperature of the look anchoring (engine/streaming/prompts.py ``LookAnchors``); None: the
+    # DiT reads the prompt's raw embedding (models trained before anchoring).
+    look_temperature: float | None = None
     text_encoder: str = "minilm"
     text_conditioning: str = "pooled"
     sampler: SamplerSpec = field(default_factory=SamplerSpec)
@@ -142,8 +145,10 @@ class EmbeddedModel:
     def stream_runtime(self) -> StreamRuntime:
         """The product's runtime over this model's modules, configured as ``Pipeline.load`` would configure
         it from this spec's JSON (the training stages hold the modules in memory, not in a file)."""
-        preset, config = stream_recipe(json.loads(self.spec.to_json()), "embedded")
-        prompts = PromptEncoder(load_text_encoder(self.spec.text_encoder), self.spec.text_conditioning)
+        data = json.loads(self.spec.to_json())
+        preset, config = stream_recipe(data, "embedded")
+        prompts = PromptEncoder(load_text_encoder(self.spec.text_encoder), self.spec.text_conditioning,
+                                look_anchors(data))
         return StreamRuntime(self.dit, self.vae, prompts, preset, config)
 
 

@@ -133,6 +133,124 @@ def pop_art(frame: np.ndarray) -> np.ndarray:
     return _to_u8(palette[i] * (1 - a) + palette[i + 1] * a)
 
 
+def _smoothstep(x: np.ndarray) -> np.ndarray:
+    x = np.clip(x, 0.0, 1.0)
+    return x * x * (3.0 - 2.0 * x)
+
+
+def charcoal(frame: np.ndarray) -> np.ndarray:
+    """Smudged dark tones and heavy soft strokes on grey-beige paper (darker and broader than the pencil)."""
+    g = cv2.GaussianBlur(_gray(frame), (0, 0), 1.5)
+    tone = _smoothstep(1.3 * g - 0.1)
+    strokes = _soft_edges(g, 2.0, 4.0)
+    ink = np.clip(0.12 + 0.8 * tone - 0.6 * strokes, 0.0, 1.0)
+    paper = np.array([0.90, 0.87, 0.82], np.float32)
+    return _to_u8(ink[..., None] * paper[None, None])
+
+
+def comic_ink(frame: np.ndarray) -> np.ndarray:
+    """Black ink on white paper: solid blacks in the shadows, bold soft outlines, nothing in between."""
+    g = cv2.GaussianBlur(_gray(frame), (0, 0), 1.2)
+    fill = _smoothstep((g - 0.25) / 0.2)
+    lines = _soft_edges(_gray(frame), 1.8, 3.5)
+    ink = np.clip(fill * (1.0 - lines), 0.0, 1.0)
+    paper = np.array([0.98, 0.97, 0.93], np.float32)
+    return _to_u8(0.06 + 0.94 * ink[..., None] * paper[None, None])
+
+
+def blueprint(frame: np.ndarray) -> np.ndarray:
+    """White technical lines on blueprint blue, the faint tones of the scene under them."""
+    g = _gray(frame)
+    lines = _soft_edges(g, 1.5, 3.5)
+    base = np.array([0.08, 0.24, 0.55], np.float32)
+    shade = 0.8 + 0.4 * cv2.GaussianBlur(g, (0, 0), 3.0)[..., None]
+    white = np.array([0.92, 0.96, 1.0], np.float32)
+    a = lines[..., None]
+    return _to_u8(base[None, None] * shade * (1 - a) + white[None, None] * a)
+
+
+def vaporwave(frame: np.ndarray) -> np.ndarray:
+    """A pink-purple-cyan grade: shadows violet, mid-tones magenta, highlights cyan, the colours boosted."""
+    f = frame.astype(np.float32) / 255.0
+    g = cv2.GaussianBlur(_gray(frame), (0, 0), 1.0)[..., None]
+    ramp = np.array([[0.18, 0.05, 0.35], [0.95, 0.35, 0.75], [0.45, 0.95, 0.98]], np.float32)
+    x = np.clip(g * 2.0, 0.0, 2.0)
+    i = np.minimum(np.floor(x), 1).astype(np.int64)[..., 0]
+    a = _smoothstep(x[..., 0] - i)[..., None]
+    graded = ramp[i] * (1 - a) + ramp[i + 1] * a
+    return _to_u8(0.75 * graded + 0.25 * f)
+
+
+def cyanotype(frame: np.ndarray) -> np.ndarray:
+    """Prussian-blue sun print: continuous tone from deep blue shadows to pale cyan-white highlights."""
+    g = _smoothstep(cv2.GaussianBlur(_gray(frame), (0, 0), 0.8) * 1.1)[..., None]
+    dark = np.array([0.05, 0.18, 0.42], np.float32)
+    light = np.array([0.86, 0.93, 0.97], np.float32)
+    return _to_u8(dark[None, None] * (1 - g) + light[None, None] * g)
+
+
+def noir(frame: np.ndarray) -> np.ndarray:
+    """High-contrast black-and-white film: a steep S-curve, crushed blacks and a soft glow in the lights."""
+    g = _gray(frame)
+    s = _smoothstep((cv2.GaussianBlur(g, (0, 0), 0.8) - 0.12) / 0.76)
+    glow = cv2.GaussianBlur(s, (0, 0), 4.0)
+    out = np.clip(0.85 * s + 0.2 * glow * s, 0.0, 1.0)
+    return _to_u8(np.repeat(out[..., None], 3, axis=2))
+
+
+def woodblock(frame: np.ndarray) -> np.ndarray:
+    """A woodblock print: three flat ink layers (indigo, rust, ochre) on cream paper, dark carved outlines."""
+    g = cv2.GaussianBlur(_gray(frame), (0, 0), 2.0)
+    palette = np.array([[0.12, 0.16, 0.32], [0.62, 0.25, 0.16], [0.85, 0.66, 0.35], [0.95, 0.91, 0.80]], np.float32)
+    x = np.clip(g * 3.2, 0.0, 3.0)
+    i = np.minimum(np.floor(x), 2).astype(np.int64)
+    a = _smoothstep((x - i - 0.6) / 0.4)[..., None]
+    layers = palette[i] * (1 - a) + palette[i + 1] * a
+    lines = _soft_edges(_gray(frame), 1.8, 3.5)[..., None]
+    return _to_u8(layers * (1.0 - 0.8 * lines))
+
+
+def chalkboard(frame: np.ndarray) -> np.ndarray:
+    """White chalk strokes on a dark green board: the edges and the bright areas, dusty and soft."""
+    g = _gray(frame)
+    lines = _soft_edges(g, 1.8, 3.0)
+    fill = 0.35 * _smoothstep((cv2.GaussianBlur(g, (0, 0), 2.0) - 0.5) / 0.4)
+    chalk = np.clip(lines + fill, 0.0, 1.0)[..., None]
+    board = np.array([0.13, 0.24, 0.18], np.float32)
+    white = np.array([0.93, 0.94, 0.90], np.float32)
+    return _to_u8(board[None, None] * (1 - chalk) + white[None, None] * chalk)
+
+
+def x_ray(frame: np.ndarray) -> np.ndarray:
+    """An x-ray plate: inverted, softened luminance in cold blue-white, dense areas glowing."""
+    g = 1.0 - cv2.GaussianBlur(_gray(frame), (0, 0), 1.2)
+    g = _smoothstep(0.1 + 0.9 * g) ** 1.3
+    glow = cv2.GaussianBlur(g, (0, 0), 3.0)
+    v = np.clip(0.8 * g + 0.25 * glow, 0.0, 1.0)[..., None]
+    tint = np.array([0.78, 0.9, 1.0], np.float32)
+    return _to_u8(0.04 + 0.96 * v * tint[None, None])
+
+
+def cinematic(frame: np.ndarray) -> np.ndarray:
+    """The teal-and-orange film grade: shadows pushed to teal, skin and highlights to orange, gentle contrast."""
+    f = frame.astype(np.float32) / 255.0
+    g = cv2.GaussianBlur(_gray(frame), (0, 0), 1.0)[..., None]
+    teal = np.array([0.05, 0.32, 0.38], np.float32)
+    orange = np.array([1.0, 0.66, 0.38], np.float32)
+    tone = _smoothstep(g)
+    grade = teal * (1 - tone) + orange * tone
+    return _to_u8(np.clip(0.55 * grade + 0.55 * f * (0.35 + 0.9 * g) - 0.03, 0.0, 1.0))
+
+
+def golden_hour(frame: np.ndarray) -> np.ndarray:
+    """Warm late-sun light: a golden cast, lifted and glowing highlights, soft warm shadows."""
+    f = frame.astype(np.float32) / 255.0
+    warm = f * np.array([1.12, 0.94, 0.66], np.float32)[None, None]
+    g = cv2.GaussianBlur(_gray(frame), (0, 0), 5.0)[..., None]
+    glow = np.array([1.0, 0.7, 0.3], np.float32)[None, None] * _smoothstep(g) * 0.35
+    return _to_u8(np.clip(0.06 + 0.85 * warm + glow, 0.0, 1.0))
+
+
 TEACHERS: dict[str, Teacher] = {
     "pencil_sketch": pencil_sketch,
     "cartoon": cartoon,
@@ -144,6 +262,17 @@ TEACHERS: dict[str, Teacher] = {
     "pixel_art": pixel_art,
     "night_vision": night_vision,
     "pop_art": pop_art,
+    "charcoal": charcoal,
+    "comic_ink": comic_ink,
+    "blueprint": blueprint,
+    "vaporwave": vaporwave,
+    "cyanotype": cyanotype,
+    "noir": noir,
+    "woodblock": woodblock,
+    "chalkboard": chalkboard,
+    "x_ray": x_ray,
+    "cinematic": cinematic,
+    "golden_hour": golden_hour,
 }
 
 

@@ -43,7 +43,14 @@ from tqdm import tqdm
 
 from engine.embedded import clips as clipdata
 from engine.embedded.model import EmbeddedModel, EmbeddedSpec, EmbeddedStream, SamplerSpec, StreamSpec
-from engine.embedded.styles import NOT_SHIPPED, STYLE_PROMPTS, pooled_embeddings, prototypes, style_phrasings
+from engine.embedded.styles import (
+    LOOK_TEMPERATURE,
+    NOT_SHIPPED,
+    STYLE_PROMPTS,
+    pooled_embeddings,
+    prototypes,
+    style_phrasings,
+)
 from engine.embedded.teachers import TEACHERS, stylize_clip
 from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
 from engine.models.wan_dit import CausalWanDiT, PromptCache, WanBlock, WanDiTConfig
@@ -71,6 +78,11 @@ class TrainConfig:
     decoder_steps: int = 1500
     decoder_lr: float = 3e-4
     temporal_weight: float = 1.0  # weight of the temporal-difference terms (VAE and DiT)
+    # Fine-tuning new looks onto a shipped model (``finetune_looks``): steps that draw the looks the base
+    # model lacks ``new_look_share`` of the time and replay the base's looks the rest, then the tune rounds.
+    looks_steps: int = 2500
+    looks_lr: float = 3e-4
+    new_look_share: float = 0.6
     threads: int = 2
     seed: int = 0
     checkpoint_every: int = 100
@@ -235,11 +247,13 @@ def _latent_crop_origin(cfg: TrainConfig, clip: int) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def encode_latents(cfg: TrainConfig, frames: np.ndarray, vae: TinyVAE) -> tuple[torch.Tensor, TinyVAE]:
+def encode_latents(cfg: TrainConfig, frames: np.ndarray, vae: TinyVAE,
+                   measure_stats: bool = True) -> tuple[torch.Tensor, TinyVAE]:
     """Latents of every clip crop and variant, float16 [clips, 1 + styles, C, 3, 24, 24], normalised.
 
-    Also sets the VAE's per-channel latent statistics (measured on these raw latents). Cached in the
-    work directory together with the final VAE.
+    Also sets the VAE's per-channel latent statistics (measured on these raw latents) unless
+    ``measure_stats`` is off (a fine-tune keeps its base model's: its DiT was trained on them). Cached
+    in the work directory together with the final VAE.
     """
     lat_path, final_path = cfg.workdir / "latents.pt", cfg.workdir / "vae_final.pt"
     if lat_path.exists() and final_path.exists():
@@ -252,6 +266,15 @@ def encode_latents(cfg: TrainConfig, frames: np.ndarray, vae: TinyVAE) -> tuple[
         z, _ = vae.encode_groups(stream_groups(to_unit(crop)), None)
         raw.append(z)
     allz = torch.stack(raw)  # [clips, variants, C, 3, h, w]
+    if measure_stats:
+        _measure_latent_stats(vae, allz)
+    lat = vae.normalize(allz.flatten(0, 1)).unflatten(0, allz.shape[:2]).half()
+    torch.save(lat, lat_path)
+    _save(final_path, model=vae.state_dict())
+    return lat, vae.eval()
+
+
+def _measure_latent_stats(vae: TinyVAE, allz: torch.Tensor) -> None:
     flat = allz.transpose(0, 2).flatten(1)
     vae.latent_mean.copy_(flat.mean(dim=1))
     # A per-channel std, so every channel reaches the DiT with the same signal-to-noise ratio under V2V
@@ -260,10 +283,6 @@ def encode_latents(cfg: TrainConfig, frames: np.ndarray, vae: TinyVAE) -> tuple[
     # noise, and the DiT could only guess them anew each chunk, which came out as blur and flicker.
     # ``dit_loss`` weights channels by their variance so its MSE still tracks pixel MSE.
     vae.latent_std.copy_(flat.std(dim=1).clamp_min(1e-4))
-    lat = vae.normalize(allz.flatten(0, 1)).unflatten(0, allz.shape[:2]).half()
-    torch.save(lat, lat_path)
-    _save(final_path, model=vae.state_dict())
-    return lat, vae.eval()
 
 
 # -- stage 4: DiT -------------------------------------------------------------------------------------
@@ -371,13 +390,19 @@ def train_dit(cfg: TrainConfig, vae: TinyVAE, lat: torch.Tensor, emb: torch.Tens
     torch.manual_seed(cfg.seed + 1)
     dit = CausalWanDiT(dit_config)
     _dit_phase(cfg, dit, vae, lat, emb, sampler, "dit", cfg.dit_steps, cfg.dit_lr, None, 0)
+    _tune_rounds(cfg, dit, vae, lat, emb, sampler, "dit_tune", cfg.dit_steps)
+    return dit.eval()
+
+
+def _tune_rounds(cfg: TrainConfig, dit: CausalWanDiT, vae: TinyVAE, lat: torch.Tensor, emb: torch.Tensor,
+                 sampler: SamplerSpec, name: str, offset: int) -> None:
+    """``dit_tune_rounds`` rounds of ``dit_tune_steps``, each drawing the shipped styles in proportion
+    to their loss at the start of the round (phases ``name``, ``name2``, ...)."""
     for r in range(cfg.dit_tune_rounds):
         probs = _hard_style_probs(cfg, dit, vae, lat, emb, sampler)
         log.info("tune round %d style probabilities: %s", r + 1, dict(zip(STYLE_NAMES, probs.round(3).tolist(), strict=True)))
-        name = "dit_tune" if r == 0 else f"dit_tune{r + 1}"
-        _dit_phase(cfg, dit, vae, lat, emb, sampler, name, cfg.dit_tune_steps, cfg.dit_tune_lr, probs,
-                   cfg.dit_steps + r * cfg.dit_tune_steps)
-    return dit.eval()
+        _dit_phase(cfg, dit, vae, lat, emb, sampler, name if r == 0 else f"{name}{r + 1}", cfg.dit_tune_steps,
+                   cfg.dit_tune_lr, probs, offset + r * cfg.dit_tune_steps)
 
 
 @torch.no_grad()
@@ -467,8 +492,11 @@ def _decoder_batch(cfg: TrainConfig, step: int, frames: np.ndarray, lat: torch.T
     n_clips, styles = pred.shape[:2]
     w = 8  # latent window: 64x64 pixels, like the VAE's crops
     zs, xs = [], []
+    shipped = [k for k in range(styles) if STYLE_NAMES[k] not in NOT_SHIPPED]
     for _ in range(cfg.vae_batch):
-        i, j = int(rng.integers(n_clips)), int(rng.integers(styles))
+        # A look left out is not served, and its stylised latents (anchored to the shipped looks' prompts)
+        # do not match its teacher: training the decoder on such pairs would teach it wrong colours.
+        i, j = int(rng.integers(n_clips)), shipped[int(rng.integers(len(shipped)))]
         ly, lx = (int(v) for v in rng.integers(0, lat.shape[-1] - w + 1, 2))
         source = lat[i, 1 + j] if rng.random() < 0.25 else pred[i, j]
         zs.append(source[:, :, ly : ly + w, lx : lx + w].float())
@@ -525,7 +553,7 @@ def build_spec(vae: TinyVAE, dit: CausalWanDiT, sampler: SamplerSpec, stream: St
     return EmbeddedSpec(
         vae=vae.config, dit=dit.config, styles={names[i]: STYLE_PROMPTS[names[i]] for i in shipped},
         prototypes={names[i]: [round(float(v), 6) for v in protos[i]] for i in shipped},
-        sampler=sampler, stream=stream, metrics=metrics or {},
+        sampler=sampler, stream=stream, metrics=metrics or {}, look_temperature=LOOK_TEMPERATURE,
     )
 
 
@@ -538,6 +566,59 @@ def export(out_dir: Path, spec: EmbeddedSpec, vae: TinyVAE, dit: CausalWanDiT) -
     save_file(tensors, str(out_dir / "default.safetensors"))
     (out_dir / "default.json").write_text(spec.to_json())
     return out_dir / "default.json"
+
+
+class WorkdirInUseError(RuntimeError):
+    """The work directory holds another run's checkpoints and resuming was not asked for."""
+
+
+def check_workdir(workdir: Path, resume: bool) -> None:
+    """Refuse to start over a work directory that holds checkpoints unless ``resume`` is set: a stage
+    that finds its checkpoint continues from it, so a new run there would silently mix two runs."""
+    found = sorted(p.name for p in workdir.glob("*.pt")) if workdir.is_dir() else []
+    if found and not resume:
+        raise WorkdirInUseError(
+            f"{workdir} already holds a run's checkpoints ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}); "
+            "pass --resume to continue it, or choose another --workdir")
+
+
+def finetune_looks(cfg: TrainConfig, base_config: Path, out_dir: Path) -> Path:
+    """Teach a shipped model the looks it lacks without starting over: the base's VAE encoder and latent
+    statistics stay (its DiT was trained on them), the DiT continues from the base's weights on steps
+    that draw the new looks ``new_look_share`` of the time and replay the base's looks the rest (so
+    they are not forgotten), then the usual loss-proportional tune rounds over every shipped look, then
+    the decoder fine-tune on the new DiT's outputs. Every stage resumes like ``train_default``'s."""
+    torch.set_num_threads(cfg.threads)
+    started = time.time()
+    base = EmbeddedModel.load(base_config)
+    unknown = sorted(set(base.spec.styles) - set(STYLE_NAMES))
+    if unknown:
+        raise ValueError(f"the base model ships looks with no teacher here: {unknown}")
+    new = [n for n in STYLE_NAMES if n not in base.spec.styles and n not in NOT_SHIPPED]
+    if not new:
+        raise ValueError(f"the base model already has every look; nothing to fine-tune ({sorted(base.spec.styles)})")
+    log.info("fine-tuning %d new looks onto %s: %s", len(new), base_config, ", ".join(new))
+    frames = build_frames(cfg.workdir)
+    lat, vae = encode_latents(cfg, frames, base.vae, measure_stats=False)
+    names, phrasings = style_phrasings()
+    emb = pooled_embeddings(phrasings).reshape(len(names), -1, 384)
+    # The prototype joins each look's phrasings as one more context the DiT learns: a prompt between two
+    # looks is served as a blend of their prototypes (``PromptEncoder``'s look anchoring), so the
+    # prototypes themselves must give the look.
+    trained = torch.cat([emb, prototypes(emb.flatten(0, 1), names, emb.shape[1])[:, None]], dim=1)
+    sampler, stream = base.spec.sampler, base.spec.stream
+    dit = base.dit.float()
+    probs = np.array([0.0 if n in NOT_SHIPPED else cfg.new_look_share / len(new) if n in new
+                      else (1 - cfg.new_look_share) / (len(STYLE_NAMES) - len(new) - len(NOT_SHIPPED))
+                      for n in STYLE_NAMES])
+    _dit_phase(cfg, dit, vae, lat, trained, sampler, "looks", cfg.looks_steps, cfg.looks_lr, probs / probs.sum(), 0)
+    _tune_rounds(cfg, dit, vae, lat, trained, sampler, "looks_tune", cfg.looks_steps)
+    vae = finetune_decoder(cfg, frames, lat, EmbeddedModel(build_spec(vae, dit, sampler, stream, emb), vae, dit))
+    elapsed = time.time() - started
+    log.info("fine-tuned in %.1f min (this run; resumed stages not counted)", elapsed / 60)
+    metrics = {"train_config": {k: str(v) for k, v in asdict(cfg).items()}, "base": str(base_config),
+               "new_looks": new, "train_minutes_this_run": elapsed / 60}
+    return export(out_dir, build_spec(vae, dit, sampler, stream, emb, metrics), vae, dit)
 
 
 def train_default(cfg: TrainConfig, out_dir: Path) -> Path:

@@ -72,6 +72,46 @@ def blend(embeddings: Sequence[torch.Tensor], weights: Sequence[float], mode: Bl
     return acc
 
 
+@dataclass(frozen=True)
+class LookAnchors:
+    """The looks a pooled-text model was trained on, as prototype embeddings: a prompt is served as a
+    blend of its two nearest looks' prototypes rather than as its raw embedding.
+
+    A small model knows only its looks: a raw paraphrase or a prompt between two looks lands somewhere
+    the DiT never saw and comes out as an arbitrary mix. Anchored, a prompt near one look gets that look,
+    a prompt between two gets their interpolation (slerp in the embedding the model was trained on),
+    weighted by a softmax of its cosine similarities at ``temperature``; explicit prompt weights then
+    blend the anchored prompts.
+    """
+
+    names: tuple[str, ...]
+    prototypes: torch.Tensor  # [looks, dim], L2-normalised
+    temperature: float
+
+    def __post_init__(self) -> None:
+        if self.prototypes.shape[0] != len(self.names) or len(self.names) < 2:
+            raise ValueError(f"need at least 2 looks with one prototype each, got {len(self.names)} names for "
+                             f"{self.prototypes.shape[0]} prototypes")
+        if not self.temperature > 0:
+            raise ValueError(f"look temperature must be positive, got {self.temperature}")
+
+    def weights(self, embedding: torch.Tensor) -> list[tuple[str, float]]:
+        """The two nearest looks of one normalised embedding [dim] and their blend weights (sum 1)."""
+        sims = self.prototypes.float() @ torch.nn.functional.normalize(embedding.float().reshape(-1), dim=0)
+        top = torch.topk(sims, 2)
+        w = torch.softmax(top.values / self.temperature, dim=0)
+        return [(self.names[int(i)], float(wi)) for i, wi in zip(top.indices, w, strict=True)]
+
+    def anchor(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """[N, dim] prompt embeddings -> [N, dim] blends of each one's two nearest prototypes."""
+        index = {n: i for i, n in enumerate(self.names)}
+        rows = []
+        for e in embeddings:
+            (a, _), (b, wb) = self.weights(e)
+            rows.append(slerp(self.prototypes[index[a]].float(), self.prototypes[index[b]].float(), wb))
+        return torch.stack(rows).to(embeddings.dtype)
+
+
 @dataclass
 class PromptTransition:
     """Moves the conditioning from ``source`` to ``target`` over ``chunks`` chunks."""

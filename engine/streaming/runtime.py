@@ -32,7 +32,7 @@ from engine.models.wan_dit import CausalWanDiT, KVCache, PromptCache
 from engine.sampling import NoiseSource, SamplerPreset, renoise, v2v_input, x0_from_velocity
 from engine.streaming.config import RuntimeConfig
 from engine.streaming.noise import MotionAwareNoiseController, NoiseControllerConfig
-from engine.streaming.prompts import BlendMode, PromptTransition, blend
+from engine.streaming.prompts import BlendMode, LookAnchors, PromptTransition, blend
 from engine.streaming.rescale import rescale_state
 from engine.streaming.stabilizer import TemporalStabilizer
 from engine.streaming.state import StreamState
@@ -52,11 +52,14 @@ class PromptEncoder:
     states) or "pooled" (the embedded model: one row, the L2-normalised sentence embedding).
     """
 
-    def __init__(self, text_encoder: object, conditioning: str = "tokens") -> None:
+    def __init__(self, text_encoder: object, conditioning: str = "tokens", anchors: LookAnchors | None = None) -> None:
         if conditioning not in ("tokens", "pooled"):
             raise ValueError(f"text conditioning must be 'tokens' or 'pooled', got {conditioning!r}")
+        if anchors is not None and conditioning != "pooled":
+            raise ValueError("look anchoring needs pooled text conditioning")
         self._text = text_encoder
         self.conditioning = conditioning
+        self.anchors = anchors
 
     def pooled(self, prompts: Sequence[str]) -> torch.Tensor:
         """L2-normalised sentence embeddings [N, dim]."""
@@ -67,7 +70,8 @@ class PromptEncoder:
         if not prompts:
             raise ValueError("at least one prompt is needed")
         if self.conditioning == "pooled":
-            tokens = self.pooled(prompts)[:, None, :]
+            pooled = self.pooled(prompts)
+            tokens = (self.anchors.anchor(pooled) if self.anchors is not None else pooled)[:, None, :]
         else:
             tokens = self._text.encode(list(prompts))  # type: ignore[attr-defined]
         rows = [tokens[i : i + 1] for i in range(tokens.shape[0])]
