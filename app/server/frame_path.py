@@ -216,6 +216,14 @@ class Playout:
             self._buffer.popleft()
             self.dropped += 1
 
+    def fit_placeholder(self, size: tuple[int, int]) -> None:
+        """The stream's size is known (its camera's aspect): the black frame shown until its first chunk
+        takes it, so viewers and recordings see one size from the start. Called before the first chunk
+        is delivered, when no tick can change the frame shown."""
+        width, height = size
+        if self._current.meta is None and self._current.image.shape[:2] != (height, width):
+            self._current = OutputFrame(np.zeros((height, width, 3), np.uint8), None)
+
     def mark_gap(self) -> None:
         """Production stopped on purpose (pause, reset): do not count the gap as model speed."""
         self._last_push = None
@@ -416,6 +424,7 @@ class StreamRunner:
             source = frames[0].source
             camera = (source.shape[1], source.shape[0]) if isinstance(source, np.ndarray) else (source.width, source.height)
             self._size, self._pick_size = self._size_for(camera), False
+            self._playout.fit_placeholder(self._size)
         return np.stack([to_rgb(frame.source, self._size) for frame in frames])
 
     def deliver(self, frames: list[InputFrame], out: np.ndarray) -> None:
