@@ -129,6 +129,7 @@ class EngineThreadPipeline:
         self._pipe = pipe
         self._executor = executor
         self.default_size = pipe.default_size
+        self.stream_size = pipe.stream_size  # pure arithmetic on the model's sizes: no engine call
         self.first_chunk_frames = pipe.first_chunk_frames
         self.chunk_frames = pipe.chunk_frames
 
@@ -216,7 +217,8 @@ class Playground:
         return self.pipe
 
     def stylize(self, video: str | None, controls: Controls) -> str:
-        """Uploaded video path -> stylized .mp4 path (same frame count, the model's size)."""
+        """Uploaded video path -> stylized .mp4 path (same frame count, the input's aspect at the model's
+        pixel budget: ``Pipeline.stream_size``)."""
         from engine.video_io import stylize_file
 
         pipe = self._require("v2v")

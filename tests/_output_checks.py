@@ -145,11 +145,11 @@ def aspect_views(source: np.ndarray, size: tuple[int, int]) -> tuple[np.ndarray,
     return view(crop_w, crop_h), view(side, side)
 
 
-def assert_undistorted(output: np.ndarray, source: np.ndarray) -> None:
+def assert_undistorted(output: np.ndarray, source: np.ndarray, moving: bool = True) -> None:
     """``output`` is a stylisation of ``source`` at ``source``'s aspect, not stretched: its structure
     follows the undistorted view of ``source`` at the output's size far better than a stretched one."""
     undistorted, stretched = aspect_views(source, (output.shape[2], output.shape[1]))
-    assert_stylized(output, undistorted)
+    assert_stylized(output, undistorted, moving)
     good, bad = structure_correlation(output, undistorted), structure_correlation(output, stretched)
     # Calibrated on the default model's looks at 4:3, 16:9 and 3:4: undistorted 0.66-0.92, stretched 0.16-0.30.
     assert good > bad + 0.2, f"the output follows a stretched input ({bad:.2f}) as well as the undistorted one ({good:.2f})"

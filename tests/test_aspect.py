@@ -1,11 +1,22 @@
-"""A stream's size from its camera's aspect (engine/aspect.py): the rule, and a crop that never stretches."""
+"""A stream's size from its camera's aspect (engine/aspect.py): the rule, a crop that never stretches, and
+the live server's streams at their cameras' aspect."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import av
 import cv2
 import numpy as np
 import pytest
+from _output_checks import MIN_CONTRAST, assert_undistorted, circles_clip, contrast
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
+from app.client import CodedCamera, OutputProbe, http, open_session, open_whip_session
 from engine.aspect import crop_box, fit_frame, fit_size
 
 BUDGET, GRID = 256 * 256, 16  # the embedded default model's
@@ -58,3 +69,69 @@ def test_fitting_crops_the_excess_and_keeps_a_circle_round() -> None:
         ys, xs = np.nonzero(out[..., 0] > 127)
         width, height = xs.max() - xs.min() + 1, ys.max() - ys.min() + 1
         assert abs(width / height - 1.0) < 0.03, f"at {size} the circle is {width}x{height}"
+
+
+class StillCamera(CodedCamera):
+    """A paced camera showing one picture (so the output can be compared with it whenever it arrives)."""
+
+    def __init__(self, image: np.ndarray, fps: float = 15.0) -> None:
+        super().__init__((image.shape[1], image.shape[0]), fps)
+        self.image = image
+
+    async def recv(self) -> av.VideoFrame:
+        frame = await super().recv()
+        still = av.VideoFrame.from_ndarray(self.image, format="rgb24")
+        still.pts, still.time_base = frame.pts, frame.time_base
+        return still
+
+
+async def _stylized_frame(probe: OutputProbe, size: tuple[int, int], timeout_s: float = 60.0) -> np.ndarray:
+    """The first output frame at ``size`` that is a picture (not the black frame shown before the first
+    chunk), a few frames into the stream."""
+    deadline = time.monotonic() + timeout_s
+    seen = 0
+    while time.monotonic() < deadline:
+        image = probe.last_image
+        if image is not None and image.shape == (size[1], size[0], 3) and contrast(image[None]) > MIN_CONTRAST:
+            seen += 1
+            if seen > 5:
+                return image
+        await asyncio.sleep(0.2)
+    shape = None if probe.last_image is None else probe.last_image.shape
+    raise AssertionError(f"no stylised {size[0]}x{size[1]} frame within {timeout_s} s (last: {shape})")
+
+
+async def test_live_server_streams_4_3_and_16_9_cameras_undistorted(
+        live_server: Callable[..., AbstractContextManager[str]], engine_factory: Any) -> None:
+    """A 4:3 camera through the page's protocol (/api/offer) and a 16:9 one through WHIP, each watched
+    over WebRTC (the 16:9 one by a WHEP viewer too): they come back at their aspect, at the sizes
+    docs/default-model.md gives (the model's pixel budget, the aspect the 16-px grid can hit), undistorted
+    (the circles stay circles) and stylised."""
+    expected = {(640, 480): (288, 224), (640, 360): (336, 192)} if engine_factory.size == (256, 256) else \
+        {(640, 480): (144, 112), (640, 360): (160, 96)}  # tiny-random: a 128x128 budget
+    with live_server(max_streams=2) as url:
+        still = circles_clip((640, 480), 1)[0]
+        session = await open_session(url, StillCamera(still), prompt="oil painting")
+        try:
+            out = await _stylized_frame(session.probe, expected[(640, 480)])
+            assert_undistorted(out[None], still[None], moving=False)
+        finally:
+            await session.close()
+
+        wide = circles_clip((640, 360), 1)[0]
+        publisher = await open_whip_session(url, StillCamera(wide), prompt="oil painting")
+        viewer = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        probe = OutputProbe()
+        viewer.on("track", lambda track: asyncio.ensure_future(probe.consume(track)))
+        try:
+            viewer.addTransceiver("video", direction="recvonly")
+            await viewer.setLocalDescription(await viewer.createOffer())
+            status, _, answer = await asyncio.to_thread(
+                http, "POST", f"{url}/whep/{publisher.stream_id}", viewer.localDescription.sdp.encode(),
+                {"Content-Type": "application/sdp"})
+            assert status == 201, answer
+            await viewer.setRemoteDescription(RTCSessionDescription(sdp=answer.decode(), type="answer"))
+            out = await _stylized_frame(probe, expected[(640, 360)])
+            assert_undistorted(out[None], wide[None], moving=False)
+        finally:
+            await asyncio.gather(viewer.close(), publisher.close())
