@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
+    logging.getLogger("engine.streaming.runtime").setLevel(logging.WARNING)  # a line per stream's size otherwise
     torch.set_num_threads(args.threads)
     pipe = Pipeline.load(args.config.with_suffix(".safetensors"))
     scores = aspect_scores(pipe, style_prompts(args.config), args.clips)
