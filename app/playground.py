@@ -94,7 +94,7 @@ CSS = """
 .diffcast-live .badge[data-state="error"] { background: #e5484d; color: #fff; }
 .diffcast-live .notice { padding: .5rem .7rem; border-left: 3px solid #f2a541; background: #f2a54122; }
 .diffcast-live .dc-stage { display: grid; grid-template-columns: 1fr 1fr; gap: .6rem; }
-.diffcast-live .pane { margin: 0; background: #000; border-radius: .5rem; overflow: hidden; position: relative; aspect-ratio: 1; }
+.diffcast-live .pane { margin: 0; background: #000; border-radius: .5rem; overflow: hidden; position: relative; aspect-ratio: var(--aspect, 1); }
 .diffcast-live .pane video, .diffcast-live .pane canvas { width: 100%; height: 100%; object-fit: contain; display: block; }
 .diffcast-live figcaption { position: absolute; left: .5rem; bottom: .3rem; font-size: .75rem; color: #aaa; }
 .diffcast-live .stats dl { display: grid; grid-template-columns: repeat(6, 1fr); gap: .4rem; margin: .6rem 0 0; }
@@ -129,6 +129,7 @@ class EngineThreadPipeline:
         self._pipe = pipe
         self._executor = executor
         self.default_size = pipe.default_size
+        self.stream_size = pipe.stream_size  # pure arithmetic on the model's sizes: no engine call
         self.first_chunk_frames = pipe.first_chunk_frames
         self.chunk_frames = pipe.chunk_frames
 
@@ -216,7 +217,8 @@ class Playground:
         return self.pipe
 
     def stylize(self, video: str | None, controls: Controls) -> str:
-        """Uploaded video path -> stylized .mp4 path (same frame count, the model's size)."""
+        """Uploaded video path -> stylized .mp4 path (same frame count, the input's aspect at the model's
+        pixel budget: ``Pipeline.stream_size``)."""
         from engine.video_io import stylize_file
 
         pipe = self._require("v2v")

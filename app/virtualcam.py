@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from app.server.frame_path import fit_frame
+from engine.aspect import fit_frame
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +146,9 @@ def camera_frames(index: int = 0) -> Iterator[np.ndarray]:
         capture.release()
 
 
-def file_frames(path: Path, size: tuple[int, int], loop: bool = False) -> Iterator[np.ndarray]:
-    """Frames of a video file at ``size``, optionally looped forever."""
+def file_frames(path: Path, size: tuple[int, int] | None, loop: bool = False) -> Iterator[np.ndarray]:
+    """Frames of a video file at ``size`` (centre-cropped to its aspect; None: the file's own), optionally
+    looped forever."""
     from engine.video_io import read_frames
 
     while True:

@@ -12,8 +12,12 @@
     stream.reset()
 
 ``frames`` holds ``pipe.first_chunk_frames`` frames on a stream's first call and
-``pipe.chunk_frames`` frames after that. Frames of any size are resized to the stream's size
-(``StreamParams.size``, default ``pipe.default_size``); outputs come back at that size.
+``pipe.chunk_frames`` frames after that. A stream's size is ``StreamParams.size`` where given; else
+its first chunk picks it: ``pipe.stream_size((W, H))``, the size on the model's grid
+(``pipe.size_granularity``) within its pixel budget (``pipe.pixel_budget``, the area of
+``pipe.default_size``) closest to the frames' aspect (engine/aspect.py: 640x480 -> 288x224 and
+1280x720 -> 336x192 on the embedded default). Frames of any other size are centre-cropped to the
+stream's aspect and resized, never stretched; outputs come back at the stream's size (``stream.size``).
 This module is a stable contract: the service, the CLI and outside checks call it.
 """
 
@@ -31,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from engine.aspect import fit_size
 from engine.capabilities import ModelCapabilities
 from engine.capabilities import UnsupportedModeError as UnsupportedModeError  # part of this API
 from engine.fidelity import FidelityConfig
@@ -79,7 +84,7 @@ class StreamParams:
     seed: int = 0
     prompt_weights: tuple[float, ...] | None = None
     blend_mode: BlendMode = "linear"
-    size: tuple[int, int] | None = None  # (width, height); None = the model's default size
+    size: tuple[int, int] | None = None  # (width, height); None = from the first chunk's aspect
     mode: Literal["v2v", "t2v"] = "v2v"  # t2v: text-to-video with the Self-Forcing recipe, no input
     kv_window_frames: int | None = None
     resolution_scale: float = 1.0
@@ -227,6 +232,21 @@ class Pipeline:
 
     # -- streams ----------------------------------------------------------------------------------
 
+    @property
+    def size_granularity(self) -> int:
+        """Pixels a stream's sides are multiples of (the VAE's spatial compression times the DiT's patch)."""
+        return self.runtime.size_granularity
+
+    @property
+    def pixel_budget(self) -> int:
+        """Pixels per frame a stream runs at, at most: the area of the model's default size."""
+        return self.default_size[0] * self.default_size[1]
+
+    def stream_size(self, frame_size: tuple[int, int]) -> tuple[int, int]:
+        """The size a stream whose frames are ``frame_size`` (width, height) runs at when its params
+        give none: on the model's grid, within its pixel budget, closest to the frames' aspect."""
+        return fit_size(frame_size, self.pixel_budget, self.size_granularity)
+
     def runtime_for(self, params: StreamParams) -> StreamRuntime:
         return self.t2v_runtime if params.mode == "t2v" else self.runtime
 
@@ -297,7 +317,15 @@ class Stream:
             noise_scale=self.pipe.operating_point(params)[0],
             stabilize=params.stabilize,
             loras={**self.pipe.lora_strengths, **params.loras},
+            fit_input=params.size is None and params.mode == "v2v",
         )
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) of the stream's output frames: ``StreamParams.size``, else the model's default
+        size until the first chunk sets it from the input's aspect."""
+        size: tuple[int, int] = self.state.size
+        return size
 
     @property
     def expected_frames(self) -> int:

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import av
-import cv2
 import numpy as np
 from tqdm import tqdm
+
+from engine.aspect import fit_frame
 
 if TYPE_CHECKING:
     from engine.pipeline import Pipeline, StreamParams
@@ -32,8 +33,24 @@ class VideoInputError(ValueError):
     """The input file cannot be read as a video."""
 
 
+def video_size(path: Path) -> tuple[int, int]:
+    """(width, height) of ``path``'s first video stream, from its header."""
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise VideoInputError(f"{path} has no video stream")
+            codec = container.streams.video[0].codec_context
+            width, height = int(codec.width), int(codec.height)
+    except (av.error.InvalidDataError, av.error.FileNotFoundError, OSError) as exc:
+        raise VideoInputError(f"cannot open {path} as a video: {exc}") from exc
+    if width <= 0 or height <= 0:
+        raise VideoInputError(f"{path}: its video stream does not say its frame size")
+    return width, height
+
+
 def read_frames(path: Path, size: tuple[int, int] | None = None) -> tuple[Iterator[np.ndarray], float, int]:
-    """Decode ``path`` to RGB uint8 frames (resized to ``size`` = (W, H) if given).
+    """Decode ``path`` to RGB uint8 frames (centre-cropped to ``size``'s aspect and resized to ``size``
+    = (W, H) if given: never stretched, engine/aspect.py).
 
     Returns (frame iterator, fps, frame count estimate; 0 when the container does not say).
     """
@@ -52,9 +69,7 @@ def read_frames(path: Path, size: tuple[int, int] | None = None) -> tuple[Iterat
         try:
             for frame in container.decode(stream):
                 rgb: np.ndarray = frame.to_ndarray(format="rgb24")
-                if size is not None and (rgb.shape[1], rgb.shape[0]) != size:
-                    rgb = np.asarray(cv2.resize(rgb, size, interpolation=cv2.INTER_AREA), dtype=np.uint8)
-                yield rgb
+                yield rgb if size is None else fit_frame(rgb, size)
         except av.error.InvalidDataError as exc:
             raise VideoInputError(f"{path} is corrupt: {exc}") from exc
         finally:
@@ -103,11 +118,13 @@ def stylize_file(
     """Stylize ``src`` into ``dst`` through one live stream; returns the number of frames written.
 
     The output has exactly the input's frame count: a partial last chunk is padded by repeating the
-    last frame and the padding is dropped from the output.
+    last frame and the padding is dropped from the output. Its size is ``size``, else ``params.size``,
+    else the one a stream picks for the input's aspect (``pipe.stream_size``): a 4:3 or 16:9 file
+    stays 4:3 or 16:9; frames of another aspect are centre-cropped, never stretched.
     """
-    size = size or pipe.default_size
+    size = size or params.size or pipe.stream_size(video_size(src))
     frames, fps, count = read_frames(src, size)
-    stream = pipe.open_stream(params)
+    stream = pipe.open_stream(params.with_(size=size))
     writer = VideoWriter(dst, fps, size)
     bar = tqdm(total=count or None, unit="frame", disable=not progress, desc="stylize")
     pending: list[np.ndarray] = []

@@ -56,6 +56,17 @@ def _assert_output_advances(page: Any) -> None:
     assert page.evaluate("window.diffcast.outputFrames") > frames_before
 
 
+def _assert_output_keeps_the_cameras_aspect(page: Any, output: str) -> None:
+    """The fake camera is 4:3 (320x240): the stream keeps that aspect (288x224 on the default model, the
+    16-px grid's nearest within its 256x256 budget) and the output's pane takes the picture's aspect, so
+    it shows it whole and unstretched (object-fit: contain)."""
+    width, height = page.evaluate(f"(e => [e.videoWidth ?? e.width, e.videoHeight ?? e.height])"
+                                  f"(document.querySelector('{output}'))")
+    assert abs(width / height - 4 / 3) < 0.06, (width, height)
+    pane = page.locator("#output-pane").bounding_box()
+    assert pane and abs(pane["width"] / pane["height"] - width / height) < 0.02, (pane, width, height)
+
+
 def test_page_streams_over_webrtc(page: Any, live_server: Callable[..., AbstractContextManager[str]]) -> None:
     with live_server() as url:
         page.goto(f"{url}/?autostart=1")
@@ -64,6 +75,7 @@ def test_page_streams_over_webrtc(page: Any, live_server: Callable[..., Abstract
         assert page.text_content("#transport") == "WebRTC"
         # Stylized frames arrive and keep advancing (requestVideoFrameCallback on the output video).
         _assert_output_advances(page)
+        _assert_output_keeps_the_cameras_aspect(page, "#output")
         # The stats panel shows live values from the server.
         _wait(page, "window.diffcast.stats && window.diffcast.stats.frames_out > 0")
         for cell in ("#stat-fps", "#stat-latency", "#stat-slack", "#stat-fidelity", "#stat-dropped"):
@@ -136,6 +148,7 @@ def test_page_falls_back_to_websocket(page: Any, live_server: Callable[..., Abst
         assert "WebSocket fallback" in page.text_content("#notice")
         assert page.text_content("#transport") == "WebSocket fallback"
         _assert_output_advances(page)
+        _assert_output_keeps_the_cameras_aspect(page, "#output-canvas")
         _wait(page, "window.diffcast.stats && window.diffcast.stats.kind === 'ws' && window.diffcast.stats.frames_out > 0")
         page.fill("#prompt", "charcoal drawing")
         page.click("#apply")

@@ -6,7 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _output_checks import assert_looks_differ, assert_stylized, held_out_clip, run_stream
+from _output_checks import (
+    assert_looks_differ,
+    assert_stylized,
+    assert_undistorted,
+    circles_clip,
+    held_out_clip,
+    run_stream,
+)
 
 from engine.frames import frames_to_tensor, tensor_to_frames
 from engine.pipeline import ModelNotAvailableError, Pipeline, StreamParams
@@ -118,3 +125,40 @@ def test_the_default_model_through_the_api_defaults_stylizes_its_input() -> None
         assert out.shape == (len(clip), 128, 128, 3)
         assert_stylized(out, clip)
     assert_looks_differ(*outs)
+
+
+def test_a_stream_takes_its_size_from_its_first_chunks_aspect(pipe: Pipeline) -> None:
+    """On the tiny model (a 128x128 budget, a 16-px grid: 8-px VAE cells x 2-px patches) a 4:3 camera
+    streams at 144x112 and a 16:9 one at 160x96 (engine/aspect.py); the engine runs at that size."""
+    assert pipe.size_granularity == 16 and pipe.pixel_budget == 128 * 128
+    for (cam_w, cam_h), (w, h) in (((640, 480), (144, 112)), ((1280, 720), (160, 96))):
+        stream = pipe.open_stream(StreamParams(prompt="oil painting"))
+        assert stream.process(_frames(1, h=cam_h, w=cam_w)).shape == (1, h, w, 3)
+        assert stream.size == pipe.stream_size((cam_w, cam_h)) == (w, h) and stream.state.engine_size == (w, h)
+        # The camera turns mid-stream: the stream keeps its size and context, the frames are cropped to it.
+        assert stream.process(_frames(4, h=cam_w, w=cam_h)).shape == (4, h, w, 3)
+        # A lower resolution scale keeps the aspect on the grid; the output keeps the stream's size.
+        stream.update(resolution_scale=0.5)
+        assert stream.process(_frames(4, h=cam_h, w=cam_w)).shape == (4, h, w, 3)
+        ew, eh = stream.state.engine_size
+        assert ew % 16 == 0 and eh % 16 == 0 and ew * eh <= w * h / 4 and abs(np.log(ew / eh * h / w)) < 0.2
+        assert stream.stats()["chunks"] == 3
+        # A reset picks the size again, from the (now portrait) camera.
+        stream.reset()
+        assert stream.process(_frames(1, h=cam_w, w=cam_h)).shape == (1, w, h, 3)
+    # An explicit size wins over the camera's aspect.
+    sized = pipe.open_stream(StreamParams(prompt="oil painting", size=(64, 96)))
+    assert sized.process(_frames(1, h=480, w=640)).shape == (1, 96, 64, 3)
+
+
+@pytest.mark.parametrize(("camera", "size"), [((640, 480), (288, 224)), ((640, 360), (336, 192))])
+def test_the_default_model_streams_4_3_and_16_9_cameras_undistorted(camera: tuple[int, int],
+                                                                     size: tuple[int, int]) -> None:
+    """A 4:3 and a 16:9 camera through the Python API at the model's own settings: the output keeps the
+    camera's aspect (its circles stay circles) at the model's pixel budget, and is a stylisation."""
+    torch.set_num_threads(1)
+    default = Pipeline.load()
+    clip = circles_clip(camera)
+    out = run_stream(default.open_stream(StreamParams(prompt="oil painting")), clip)
+    assert out.shape == (len(clip), size[1], size[0], 3)
+    assert_undistorted(out, clip)

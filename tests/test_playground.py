@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import av
-import cv2
 import numpy as np
 import pytest
 import test_browser_page
-from _output_checks import assert_stylized
+from _output_checks import aspect_views, assert_stylized
 
 from app.client import http, pattern_frame
 from app.playground import Controls
@@ -121,13 +120,14 @@ def test_file_tab_returns_a_stylized_video(
     out.write_bytes(body)
     with av.open(str(out)) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    # Every input frame comes back, at the model's size, as a stylisation of the input (not black,
-    # not the input merely resized, not frozen, not noise).
-    width, height = engine_factory.size
+    # Every input frame comes back, at the input's 4:3 aspect on the model's pixel budget (288x224 on the
+    # default model's 256x256, docs/default-model.md), as a stylisation of the input (not black, not the
+    # input merely resized, not frozen, not noise).
+    width, height = (288, 224) if engine_factory.size == (256, 256) else (144, 112)  # tiny-random: 128x128
     assert len(frames) == 10
     assert frames[0].shape == (height, width, 3)
-    resized = np.stack([cv2.resize(pattern_frame(i, (160, 120)), (width, height)) for i in range(10)])
-    assert_stylized(np.stack(frames), resized)
+    undistorted, _ = aspect_views(np.stack([pattern_frame(i, (160, 120)) for i in range(10)]), (width, height))
+    assert_stylized(np.stack(frames), undistorted)
 
 
 def test_controls_validate_and_blend() -> None:

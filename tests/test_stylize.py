@@ -8,7 +8,13 @@ from pathlib import Path
 
 import av
 import numpy as np
-from _output_checks import assert_looks_differ, assert_stylized, held_out_clip
+from _output_checks import (
+    assert_looks_differ,
+    assert_stylized,
+    assert_undistorted,
+    circles_clip,
+    held_out_clip,
+)
 
 from app.cli import main
 from engine.video_io import VideoWriter, read_frames
@@ -61,6 +67,21 @@ def test_stylize_on_the_default_model_stylizes_the_file(tmp_path: Path) -> None:
         assert outs[-1].shape == (11, 128, 128, 3)
         assert_stylized(outs[-1], source)
     assert_looks_differ(*outs)
+
+
+def test_stylize_keeps_the_files_aspect(tmp_path: Path) -> None:
+    """Without --size a 4:3 file comes out 4:3 at the default model's pixel budget (288x224,
+    docs/default-model.md), undistorted (its circles stay circles) and stylised."""
+    src, dst = tmp_path / "in.mp4", tmp_path / "out.mp4"
+    clip = circles_clip((320, 240), frames=9)
+    writer = VideoWriter(src, 16.0, (320, 240))
+    for frame in clip:
+        writer.write(frame)
+    writer.close()
+    assert main(["stylize", str(src), str(dst), "--prompt", "oil painting"]) == 0
+    out = _decode(dst)
+    assert out.shape == (9, 224, 288, 3)
+    assert_undistorted(out, np.stack(list(read_frames(src)[0])))
 
 
 def test_stylize_rejects_missing_input_and_bad_size(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import pyvirtualcam
 import torch
-from _output_checks import assert_stylized
+from _output_checks import assert_stylized, assert_undistorted
 from pyvirtualcam.camera import BACKENDS
 from pyvirtualcam.util import encode_fourcc
 
@@ -100,6 +100,19 @@ def test_file_to_virtual_camera(recorder: type[RecordingBackend], tmp_path: Path
     # never sent faster than their schedule (each send waits for its due time, due times a period
     # apart), with one period of margin for the first send's own delay.
     assert camera.times[-1] - camera.times[0] > (len(camera.times) - 2) / fps
+
+
+def test_the_virtual_camera_takes_the_sources_aspect(recorder: type[RecordingBackend], tmp_path: Path) -> None:
+    """Without --size the virtual camera opens at the stream's size: a 4:3 file at the default model's
+    pixel budget is 288x224 (docs/default-model.md), and what reaches it is the undistorted file, stylised."""
+    torch.set_num_threads(1)
+    clip = _clip(tmp_path / "in.mp4", frames=5)  # 160x120
+    assert main(["virtualcam", "--source", str(clip), "--prompt", "oil painting", "--fps", "30",
+                 "--backend", BACKEND]) == 0
+    (camera,) = recorder.opened
+    assert (camera.width, camera.height) == (288, 224)
+    got = np.stack([frame.reshape(224, 288, 3) for frame in camera.frames])
+    assert_undistorted(got, np.stack([pattern_frame(i, (160, 120)) for i in range(5)]))
 
 
 class FakeTime:

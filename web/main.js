@@ -1,4 +1,5 @@
 // The diffcast page: camera in, stylized video out; WebRTC first, WebSocket fallback when ICE fails.
+import { fitPane, followAspect } from "./aspect.js";
 import { setupCamera } from "./camera.js";
 import { openMedia, playOutput, setupRecording } from "./record.js";
 import { connectWebRTC, logIn } from "./rtc.js";
@@ -124,6 +125,7 @@ async function start() {
         canvas: $("output-canvas"),
         onFrame: () => {
           state.outputFrames += 1;
+          fitPane($("output-canvas"), $("output-canvas").width, $("output-canvas").height);
         },
         onMessage,
       });
@@ -197,6 +199,8 @@ async function init() {
   buildPresets();
   recording = setupRecording({ $, state, config, output: $("output"), canvas: $("output-canvas"), notice });
   countVideoFrames($("output"));
+  followAspect($("input"));
+  followAspect($("output"));
   $("prompt-form").addEventListener("submit", (event) => {
     event.preventDefault();
     sendUpdate({ prompt: options().prompt, transition_chunks: 2 });

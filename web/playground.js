@@ -1,6 +1,7 @@
 // The playground's live webcam widget: the page's own WebRTC client (rtc.js, with the WebSocket
 // fallback from wsclient.js) mounted inside a Gradio gr.HTML block. Gradio controls outside the
 // block call window.diffcastPlayground.setOptions(...) / .apply(); nothing here is Gradio-specific.
+import { fitPane, followAspect } from "./aspect.js";
 import { connectWebRTC, logIn } from "./rtc.js";
 import { statCells } from "./stats.js";
 import { connectWebSocket } from "./wsclient.js";
@@ -105,7 +106,10 @@ async function start() {
       notice(`WebRTC could not connect (${error.message}); switched to the WebSocket fallback.`);
       connection = await connectWebSocket({
         cameraVideo: q("input"), config, options: opening, canvas: q("output-canvas"),
-        onFrame: () => { state.outputFrames += 1; },
+        onFrame: () => {
+          state.outputFrames += 1;
+          fitPane(q("output-canvas"), q("output-canvas").width, q("output-canvas").height);
+        },
         onMessage,
       });
     }
@@ -180,6 +184,8 @@ export async function mount(element) {
     output.requestVideoFrameCallback(count);
   };
   output.requestVideoFrameCallback(count);
+  followAspect(q("input"));
+  followAspect(output);
   q("start").addEventListener("click", start);
   q("stop").addEventListener("click", stop);
   q("pause").addEventListener("click", () => {

@@ -8,9 +8,9 @@ export function connectWebSocket({ cameraVideo, config, options, canvas, onFrame
   }
   const ws = new WebSocket(url);
   ws.binaryType = "blob";
+  // Frames go out at the camera's aspect with about the model's pixels (config.width x config.height);
+  // the server crops the few pixels its size grid cannot hit, like a WebRTC camera's.
   const grab = document.createElement("canvas");
-  grab.width = config.width;
-  grab.height = config.height;
   const grabContext = grab.getContext("2d");
   const drawContext = canvas.getContext("2d");
   let timer = null;
@@ -23,9 +23,11 @@ export function connectWebSocket({ cameraVideo, config, options, canvas, onFrame
     if (ws.readyState !== WebSocket.OPEN || ws.bufferedAmount > 64 * 1024) return;
     if (cameraVideo.readyState < 2) return;
     const w = cameraVideo.videoWidth, h = cameraVideo.videoHeight;
-    const scale = Math.max(grab.width / w, grab.height / h); // centre crop, like the server
-    const sw = grab.width / scale, sh = grab.height / scale;
-    grabContext.drawImage(cameraVideo, (w - sw) / 2, (h - sh) / 2, sw, sh, 0, 0, grab.width, grab.height);
+    const scale = Math.min(1, Math.sqrt((config.width * config.height) / (w * h)));
+    const gw = Math.round(w * scale), gh = Math.round(h * scale);
+    if (grab.width !== gw) grab.width = gw;
+    if (grab.height !== gh) grab.height = gh;
+    grabContext.drawImage(cameraVideo, 0, 0, w, h, 0, 0, gw, gh);
     grab.toBlob((blob) => blob && ws.readyState === WebSocket.OPEN && ws.send(blob), "image/jpeg", 0.8);
   };
 

@@ -38,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model path or 'tiny-random'; default: the embedded model")
     parser.add_argument("--device", default="cpu", help="torch device for the engine (default cpu)")
     parser.add_argument("--fps", type=float, default=15.0, help="virtual camera frame rate (default 15)")
-    parser.add_argument("--size", type=parse_size, default=None, help="virtual camera WxH (default: the model's size)")
+    parser.add_argument("--size", type=parse_size, default=None,
+                        help="virtual camera WxH (default: the stream's size, the source's aspect at the model's "
+                             "pixel budget; 640x480 for stream: sources)")
     parser.add_argument("--backend", default=None, help="pyvirtualcam backend (obs, v4l2loopback, unitycapture, ...)")
     parser.add_argument("--camera-device", default=None, help="virtual camera device, e.g. /dev/video10")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (1-4); default: the model's own")
@@ -72,11 +74,17 @@ def run(args: argparse.Namespace) -> int:
     if not from_stream and not is_camera and not Path(source).is_file():
         return _fail(f"--source {source!r} is not 'camera', an existing video file, or stream:<stream-id>")
     pipe: Pipeline | None = None
-    if not from_stream and args.size is None:  # the camera takes the model's size
+    source_frames: Iterator[np.ndarray] | None = None
+    size = args.size or (640, 480)
+    if not from_stream and args.size is None:
+        # The camera takes the stream's size: the source's aspect at the model's pixel budget.
         pipe = _load(args)
         if pipe is None:
             return 2
-    size = args.size or (pipe.default_size if pipe is not None else (640, 480))
+        try:
+            source_frames, size = _sized_source(args, source, pipe)
+        except (VirtualCameraError, ValueError) as exc:  # VideoInputError is a ValueError
+            return _fail(str(exc))
     # Open the camera before the (slow) model load when possible: with no backend, fail at once
     # with the setup steps.
     try:
@@ -90,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     log.info("virtual camera %s (%s) %dx%d @ %.1f fps", sink.camera.device, sink.camera.backend, *size, args.fps)
     try:
-        frames = _frames(args, source, pipe, size)
+        frames = _frames(args, source, pipe, size, source_frames)
         sent = sink.play(frames, args.max_frames)
     except VirtualCameraError as exc:
         return _fail(str(exc))
@@ -112,10 +120,38 @@ def _load(args: argparse.Namespace) -> Pipeline | None:
         return None
 
 
+def _source_frames(args: argparse.Namespace, source: str, size: tuple[int, int] | None) -> Iterator[np.ndarray]:
+    """A camera's or a file's frames (a file's at ``size``; None: as they come)."""
+    from app.virtualcam import camera_frames, file_frames
+
+    if source == "camera" or source.startswith("camera:"):
+        return camera_frames(int(source.partition(":")[2] or 0))
+    return file_frames(Path(source), size, loop=args.loop)
+
+
+def _sized_source(args: argparse.Namespace, source: str, pipe: Pipeline) -> tuple[Iterator[np.ndarray], tuple[int, int]]:
+    """The source's frames and the size a stream of them runs at (``Pipeline.stream_size``): a file's
+    from its header, a camera's from its first frame."""
+    import itertools
+
+    from app.virtualcam import VirtualCameraError
+    from engine.video_io import video_size
+
+    if not (source == "camera" or source.startswith("camera:")):
+        size = pipe.stream_size(video_size(Path(source)))
+        return _source_frames(args, source, size), size
+    frames = _source_frames(args, source, None)
+    first = next(frames, None)
+    if first is None:
+        raise VirtualCameraError(f"{source} delivered no frame")
+    return itertools.chain([first], frames), pipe.stream_size((first.shape[1], first.shape[0]))
+
+
 def _frames(
-    args: argparse.Namespace, source: str, pipe: Pipeline | None, size: tuple[int, int]
+    args: argparse.Namespace, source: str, pipe: Pipeline | None, size: tuple[int, int],
+    source_frames: Iterator[np.ndarray] | None = None,
 ) -> Iterator[np.ndarray]:
-    from app.virtualcam import camera_frames, file_frames, stylized_frames, whep_frames
+    from app.virtualcam import stylized_frames, whep_frames
     from engine.pipeline import StreamParams
 
     if pipe is None:  # stream: source, stylized by the server already
@@ -123,7 +159,4 @@ def _frames(
     stream = pipe.open_stream(
         StreamParams(prompt=args.prompt, steps=args.steps, noise_scale=args.noise_scale, seed=args.seed, size=size)
     )
-    if source == "camera" or source.startswith("camera:"):
-        index = int(source.partition(":")[2] or 0)
-        return stylized_frames(camera_frames(index), stream)
-    return stylized_frames(file_frames(Path(source), size, loop=args.loop), stream)
+    return stylized_frames(source_frames if source_frames is not None else _source_frames(args, source, size), stream)

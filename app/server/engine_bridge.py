@@ -72,7 +72,12 @@ class StreamProcessor(Protocol):
 class ProcessorFactory(Protocol):
     @property
     def size(self) -> tuple[int, int]:
-        """(width, height) the engine expects; the server resizes frames to it."""
+        """(width, height) of the model's default size (its pixel budget, and its profile's resolution)."""
+        ...
+
+    def size_for(self, camera: tuple[int, int]) -> tuple[int, int]:
+        """(width, height) a stream from a ``camera``-sized source runs at (engine/aspect.py): the server
+        centre-crops and resizes its frames to it, and the engine's stream takes it from its first chunk."""
         ...
 
     def open(self, settings: StreamSettings) -> StreamProcessor: ...
@@ -129,6 +134,10 @@ class InProcessFactory:
         width, height = self._pipe.default_size
         return int(width), int(height)
 
+    def size_for(self, camera: tuple[int, int]) -> tuple[int, int]:
+        size: tuple[int, int] = self._pipe.stream_size(camera)
+        return size
+
     def open(self, settings: StreamSettings) -> StreamProcessor:
         from engine.pipeline import StreamParams
 
@@ -145,6 +154,8 @@ class ChunkBatchFactory(Protocol):
 
     @property
     def size(self) -> tuple[int, int]: ...
+
+    def size_for(self, camera: tuple[int, int]) -> tuple[int, int]: ...
 
     def open(self, settings: StreamSettings) -> StreamProcessor: ...
 
@@ -260,6 +271,9 @@ class RankFactory:
         width, height = self.pipeline.default_size
         return int(width), int(height)
 
+    def size_for(self, camera: tuple[int, int]) -> tuple[int, int]:
+        return self.pipeline.stream_size(camera)
+
     def open(self, settings: StreamSettings) -> RankProcessor:
         from engine.pipeline import StreamParams
 
@@ -317,7 +331,8 @@ class RankFactory:
             stream_id, list(params.prompts), params.size or self.pipeline.default_size,
             self.pipeline.fidelity_for(params), seed=params.seed, weights=params.prompt_weights,
             blend_mode=params.blend_mode, noise_scale=self.pipeline.operating_point(params)[0],
-            stabilize=params.stabilize, loras={**self.pipeline.lora_strengths, **params.loras})
+            stabilize=params.stabilize, loras={**self.pipeline.lora_strengths, **params.loras},
+            fit_input=params.size is None and params.mode == "v2v")
         return state
 
     @property
@@ -392,6 +407,12 @@ class RayFactory:
     def size(self) -> tuple[int, int]:
         width, height = self.controller.info.default_size
         return int(width), int(height)
+
+    def size_for(self, camera: tuple[int, int]) -> tuple[int, int]:
+        from engine.aspect import fit_size
+
+        width, height = self.size
+        return fit_size(camera, width * height, int(self.controller.info.size_granularity))
 
     @property
     def loras(self) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from aiortc.mediastreams import MediaStreamError
 
 from app.server.engine_bridge import StreamProcessor
 from app.server.framecode import copy_band
+from engine.aspect import fit_frame
 
 log = logging.getLogger(__name__)
 
@@ -66,23 +67,6 @@ class InputFrame:
 class OutputFrame:
     image: np.ndarray  # uint8 [H, W, 3] RGB
     meta: FrameMeta | None  # None for the placeholder shown before the first chunk
-
-
-def fit_frame(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """Centre-crop to the target aspect ratio, then resize to ``size`` = (width, height)."""
-    width, height = size
-    h, w = image.shape[:2]
-    if (w, h) == (width, height):
-        return image
-    if w * height > h * width:  # too wide
-        crop = max(1, h * width // height)  # max: a 1-pixel-tall strip still yields an image
-        x0 = (w - crop) // 2
-        image = image[:, x0 : x0 + crop]
-    elif w * height < h * width:  # too tall
-        crop = max(1, w * height // width)
-        y0 = (h - crop) // 2
-        image = image[y0 : y0 + crop]
-    return cv2.resize(image, (width, height), interpolation=cv2.INTER_AREA)
 
 
 def to_rgb(source: av.VideoFrame | np.ndarray, size: tuple[int, int]) -> np.ndarray:
@@ -232,6 +216,14 @@ class Playout:
             self._buffer.popleft()
             self.dropped += 1
 
+    def fit_placeholder(self, size: tuple[int, int]) -> None:
+        """The stream's size is known (its camera's aspect): the black frame shown until its first chunk
+        takes it, so viewers and recordings see one size from the start. Called before the first chunk
+        is delivered, when no tick can change the frame shown."""
+        width, height = size
+        if self._current.meta is None and self._current.image.shape[:2] != (height, width):
+            self._current = OutputFrame(np.zeros((height, width, 3), np.uint8), None)
+
     def mark_gap(self) -> None:
         """Production stopped on purpose (pause, reset): do not count the gap as model speed."""
         self._last_push = None
@@ -346,12 +338,17 @@ class StreamRunner:
         executor: Executor,
         size: tuple[int, int],
         trace_stamp: bool = False,
+        size_for: Callable[[tuple[int, int]], tuple[int, int]] | None = None,
     ) -> None:
         self._processor = processor
         self._assembler = assembler
         self._playout = playout
         self._executor = executor
         self._size = size
+        # The stream's size from its camera's (ProcessorFactory.size_for), picked at its first chunk and
+        # again after a reset; None: always ``size``.
+        self._size_for = size_for
+        self._pick_size = size_for is not None
         self._trace_stamp = trace_stamp
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -395,6 +392,7 @@ class StreamRunner:
     async def reset(self) -> None:
         # The core hears of it first, so that it stops continuing the chunk the reset is about to drop.
         self._restart = True
+        self._pick_size = self._size_for is not None  # a camera turned since: the stream refits to it
         self._notify("reset")
         await self.call(self._processor.reset)
         self._playout.mark_gap()
@@ -421,7 +419,12 @@ class StreamRunner:
         return self._assembler.take(n)
 
     def chunk_inputs(self, frames: list[InputFrame]) -> np.ndarray:
-        """Engine thread: decode and resize a chunk's frames to the engine's size."""
+        """Engine thread: decode and resize a chunk's frames to the stream's size (from the camera's aspect)."""
+        if self._pick_size and self._size_for is not None:
+            source = frames[0].source
+            camera = (source.shape[1], source.shape[0]) if isinstance(source, np.ndarray) else (source.width, source.height)
+            self._size, self._pick_size = self._size_for(camera), False
+            self._playout.fit_placeholder(self._size)
         return np.stack([to_rgb(frame.source, self._size) for frame in frames])
 
     def deliver(self, frames: list[InputFrame], out: np.ndarray) -> None:

@@ -17,7 +17,8 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from app.server.frame_path import ChunkAssembler, fit_frame
+from app.server.frame_path import ChunkAssembler
+from engine.aspect import fit_frame
 
 Clock = Callable[[], float]
 # cv2.imdecode's reduced modes decode a JPEG at 1/2, 1/4 or 1/8 size for little more than the
@@ -89,14 +90,18 @@ def image_size(data: bytes) -> tuple[int, int]:
     return int(width), int(height)
 
 
-def decode_frame(data: bytes, size: tuple[int, int], max_pixels: int) -> np.ndarray:
-    """JPEG/PNG bytes -> uint8 RGB at ``size`` = (width, height), the engine's size.
+def decode_frame(data: bytes, size: tuple[int, int] | Callable[[tuple[int, int]], tuple[int, int]],
+                 max_pixels: int) -> np.ndarray:
+    """JPEG/PNG bytes -> uint8 RGB at ``size`` = (width, height), the engine's size, or at
+    ``size(image's size)`` (the stream's size from the image's aspect, ``SessionManager.size_for``).
 
     Images over ``max_pixels`` are refused before decoding (a decompression bomb); large JPEGs are
-    decoded at a reduced scale that still covers ``size``; any aspect ratio is centre-cropped."""
+    decoded at a reduced scale that still covers ``size``; any other aspect ratio is centre-cropped."""
     width, height = image_size(data)
     if width < 1 or height < 1 or width * height > max_pixels:
         raise MessageLimitError(f"frame is {width}x{height}; frames may have at most {max_pixels} pixels")
+    if callable(size):
+        size = size((width, height))
     flag = cv2.IMREAD_COLOR
     for factor, reduced in REDUCED:
         if width // factor >= size[0] and height // factor >= size[1]:

@@ -28,6 +28,7 @@ import numpy as np
 
 from app.server.audio import FRAME_S, FRAME_SAMPLES, SAMPLE_RATE, AudioPlayout, audio_frame
 from app.server.frame_path import Playout
+from engine.aspect import fit_frame
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,10 @@ class Recorder:
                 kind, data, at = item
                 if kind == "video":
                     image = even_size(data)
+                    if video is not None and image.shape[:2] != (video.height, video.width):
+                        # The black frame before the stream's first chunk can be at the model's default
+                        # size: the encoder would stretch a frame of another size, so it is cropped.
+                        image = fit_frame(image, (video.width, video.height))
                     if video is None:
                         video = container.add_stream(VIDEO_CODEC, rate=30, options=X264_OPTIONS if VIDEO_CODEC == "libx264" else {})
                         video.width, video.height = image.shape[1], image.shape[0]

@@ -305,7 +305,16 @@ class SessionManager:
 
     @property
     def size(self) -> tuple[int, int]:
+        """The model's default size: a stream's until its first frame says its camera's aspect."""
         return self.factory.size
+
+    def size_for(self, camera: tuple[int, int]) -> tuple[int, int]:
+        """The size a stream from a ``camera``-sized source runs at (``ProcessorFactory.size_for``)."""
+        size_for = getattr(self.factory, "size_for", None)  # an engine without one: every stream at its size
+        if size_for is None:
+            return self.size
+        width, height = size_for(camera)
+        return int(width), int(height)
 
     async def prompt_notice(self, prompts: tuple[str, ...]) -> str | None:
         """The notice for prompts far from every look the loaded model ships, naming the nearest ones;
@@ -344,7 +353,8 @@ class SessionManager:
         cfg = self.config
         assembler = ChunkAssembler(capacity=max(processor.first_chunk_frames, processor.chunk_frames))
         playout = Playout(self.size, processor.chunk_frames, cfg.max_fps, cfg.min_fps)
-        runner = StreamRunner(processor, assembler, playout, self.executor, self.size, cfg.trace_stamp)
+        runner = StreamRunner(processor, assembler, playout, self.executor, self.size, cfg.trace_stamp,
+                              size_for=self.size_for)
         # Unguessable (128 bits): with public viewing, knowing the id is what lets a viewer watch.
         session = Session(
             mint_secret(16), kind, settings, runner, assembler, playout, on_close=self._forget

@@ -69,7 +69,7 @@ async def serve_websocket(
                 try:
                     frames.check(message["bytes"])
                     image = await asyncio.to_thread(
-                        decode_frame, message["bytes"], (width, height), config.max_frame_pixels
+                        decode_frame, message["bytes"], manager.size_for, config.max_frame_pixels
                     )
                 except ValueError as exc:  # MessageLimitError: over a limit, or not an image
                     await send_text(json.dumps({"type": "error", "message": str(exc)}))

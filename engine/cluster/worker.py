@@ -36,6 +36,7 @@ class WorkerInfo:
     chunk_frames: int
     default_size: tuple[int, int]
     loras: tuple[dict[str, Any], ...] = ()  # Pipeline.lora_info() of the replica
+    size_granularity: int = 16  # Pipeline.size_granularity: a stream's sides are multiples of it
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class StreamWorker:
         pipe = self.pipe
         width, height = pipe.default_size
         return WorkerInfo(pipe.name, os.getpid(), pipe.first_chunk_frames, pipe.chunk_frames, (int(width), int(height)),
-                          tuple(pipe.lora_info()))
+                          tuple(pipe.lora_info()), int(pipe.size_granularity))
 
     def ping(self) -> dict[str, int]:
         """Health check; also the counts the controller reports."""

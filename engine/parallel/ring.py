@@ -132,15 +132,14 @@ class RingRuntime:
 
     def open(self, stream_id: str, prompt: str | Sequence[str], size: tuple[int, int], fidelity: FidelityConfig,
              seed: int = 0, weights: Sequence[float] | None = None, blend_mode: BlendMode = "linear",
-             noise_scale: float = 0.8, stabilize: bool = True, loras: Mapping[str, float] | None = None) -> StreamState:
+             noise_scale: float = 0.8, stabilize: bool = True, loras: Mapping[str, float] | None = None,
+             fit_input: bool = False) -> StreamState:
         """Like :meth:`StreamRuntime.open`, but the prompt's cross-attention K/V live on the ranks."""
         if stream_id in self._steps:
             raise ValueError(f"stream {stream_id!r} is already open in this pipeline")
         rt = self.rt
         rt.check_fidelity(fidelity)
-        w, h = rt.engine_size(size, fidelity)
-        if w <= 0 or h <= 0:
-            raise ValueError(f"frame size {size} at scale {fidelity.resolution_scale} is too small")
+        rt.engine_size(size, fidelity)  # a ValueError for a size too small to run
         dataclasses.replace(rt.config.noise, noise_scale=noise_scale)  # validates the noise strength
         strengths = rt.checked_loras(loras or {})
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
@@ -156,6 +155,7 @@ class RingRuntime:
             noise_scale=noise_scale,
             stabilize=stabilize,
             loras=strengths,
+            fit_input=fit_input,
         )
 
     def set_loras(self, state: StreamState, loras: Mapping[str, float]) -> None:
@@ -283,6 +283,7 @@ class RingRuntime:
     def _enter(self, state: StreamState, chunk: Tensor) -> _Slot:
         """A new chunk: the runtime's first stage (prompt/RoPE bookkeeping, VAE encode, noise draws);
         the KV caches and prompt K/V it would fit live on the ranks instead."""
+        self.rt.adopt_input_size(state, (chunk.shape[-1], chunk.shape[-2]))  # before the ranks see its size
         steps, size = state.fidelity.steps, self.rt.engine_size(state.size, state.fidelity)
         if self._steps.setdefault(state.stream_id, steps) != steps or state.engine_size not in (None, size):
             self._refit(state, steps, size)

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.aspect import crop_box, fit_size
 from engine.fidelity import FidelityConfig, unsupported_reason
 from engine.models.lora import LoRABank, check_strengths
 from engine.models.wan_dit import CausalWanDiT, KVCache, PromptCache
@@ -175,8 +177,11 @@ class StreamRuntime:
         noise_scale: float = 0.8,
         stabilize: bool = True,
         loras: Mapping[str, float] | None = None,
+        fit_input: bool = False,
     ) -> StreamState:
-        """A new stream's state. ``loras``: strength per loaded LoRA (absent ones 0), see :meth:`set_loras`."""
+        """A new stream's state. ``loras``: strength per loaded LoRA (absent ones 0), see :meth:`set_loras`.
+        ``fit_input``: the stream's size follows its first chunk's aspect at ``size``'s pixel budget
+        (:meth:`adopt_input_size`); otherwise it stays ``size``."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         self.check_fidelity(fidelity)
         self._check_size(size, fidelity)
@@ -195,6 +200,7 @@ class StreamRuntime:
             vae_decoder=self.vae.new_decoder_cache(),
             stabilize=stabilize,
             loras=strengths,
+            fit_input=fit_input,
         )
 
     def encode_prompt(self, embedding: torch.Tensor, loras: Mapping[str, float]) -> PromptCache:
@@ -262,16 +268,41 @@ class StreamRuntime:
             raise ValueError("step_batch needs one KV cache per denoising step (cache_mode 'per-step')")
 
     def _check_size(self, size: tuple[int, int], fidelity: FidelityConfig) -> None:
-        w, h = self.engine_size(size, fidelity)
-        if w <= 0 or h <= 0:
-            raise ValueError(f"frame size {size} at scale {fidelity.resolution_scale} is too small")
+        self.engine_size(size, fidelity)  # a ValueError for a size too small to run
+
+    @property
+    def size_granularity(self) -> int:
+        """Pixels a frame's sides must be multiples of: the VAE's spatial compression times the DiT's patch."""
+        _, ph, pw = self.dit.config.patch_size
+        return self.vae.spatial_compression * math.lcm(ph, pw)
 
     def engine_size(self, size: tuple[int, int], fidelity: FidelityConfig) -> tuple[int, int]:
-        """Pixel size the model runs at: ``size`` scaled, rounded down to what VAE and patches divide."""
-        multiple = self.vae.spatial_compression * self.dit.config.patch_size[1]
-        w = int(size[0] * fidelity.resolution_scale) // multiple * multiple
-        h = int(size[1] * fidelity.resolution_scale) // multiple * multiple
-        return w, h
+        """Pixel size the model runs at: the size on the model's grid within ``size`` scaled by the
+        fidelity's ``resolution_scale`` (its pixel budget) that keeps the most of ``size``'s picture
+        (engine/aspect.py: ``size`` itself when it is on the grid at scale 1; a square stays square)."""
+        scale = fidelity.resolution_scale
+        budget = int(size[0] * scale) * int(size[1] * scale)
+        g = self.size_granularity
+        if budget < g * g:
+            raise ValueError(f"frame size {size} at scale {scale} is too small: the model needs {g}x{g} pixels at least")
+        return fit_size(size, budget, g)
+
+    def adopt_input_size(self, state: StreamState, frame_size: tuple[int, int]) -> None:
+        """A stream opened with ``fit_input`` takes its size from its first chunk's frames (``frame_size``,
+        width and height): the grid size at its pixel budget closest to their aspect (engine/aspect.py).
+        Later chunks of another size are centre-cropped and resized to the stream's size: the stream
+        keeps its size, caches and context (a reset picks the size again from the next chunk)."""
+        if not state.fit_input:
+            return
+        state.fit_input = False
+        if state.engine_size is not None:  # caches already hold another size (a parked or moved stream)
+            return
+        budget = state.size[0] * state.size[1]
+        size = fit_size(frame_size, budget, self.size_granularity)
+        if size != state.size:
+            log.info("stream %s: %dx%d input -> stream size %dx%d", state.stream_id, *frame_size, *size)
+        state.size = size
+        self._check_size(size, state.fidelity)
 
     # -- the chunk recipe: public stages -----------------------------------------------------------
     #
@@ -284,9 +315,10 @@ class StreamRuntime:
         """Stage 1: a V2V chunk of input frames [3, T, H, W] in [-1, 1] enters: motion-aware noise
         level, VAE encode, every noise draw of the chunk, positions. See :meth:`enter_latents`."""
         restart = state.take_stabilizer_restart()
+        self.adopt_input_size(state, (frames.shape[-1], frames.shape[-2]))
         if local_caches:
             self.fit_engine_size(state)  # before the encode: the VAE cache must be at the chunk's size
-        engine_frames = self._resize(frames, self.engine_size(state.size, state.fidelity))
+        engine_frames = fit_frames(frames, self.engine_size(state.size, state.fidelity))
         controller = MotionAwareNoiseController(self._noise_config(state))
         rate = controller.step(engine_frames, state.noise_controller)
         z = self.vae.encode_chunk(engine_frames.unsqueeze(0).to(self.device, self.dit.dtype), state.vae_encoder)
@@ -402,7 +434,7 @@ class StreamRuntime:
         """x̂₀ [1, C, F, h, w] -> frames [3, T, H, W] in [-1, 1] at ``size`` (a pipeline's last rank
         calls this with its own decoder caches)."""
         frames = self.vae.decode_chunk(x0, decoder)[0].float().clamp(-1, 1)
-        return self._resize(frames, size)
+        return fit_frames(frames, size)
 
     @staticmethod
     def account(chunk: ChunkInFlight) -> None:
@@ -549,17 +581,7 @@ class StreamRuntime:
             state.stabilizer.reset()
         if stabilizer is None:
             return result
-        return replace(result, frames=stabilizer(state.stabilizer, self._resize(inputs, state.size), result.frames))
-
-    @staticmethod
-    def _resize(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-        """[3, T, H, W] -> [3, T, size[1], size[0]] (area-averaged down, bilinear up)."""
-        w, h = size
-        if frames.shape[-1] == w and frames.shape[-2] == h:
-            return frames
-        mode = "area" if frames.shape[-1] > w else "bilinear"
-        out = torch.nn.functional.interpolate(frames.permute(1, 0, 2, 3).float(), size=(h, w), mode=mode)
-        return out.permute(1, 0, 2, 3)
+        return replace(result, frames=stabilizer(state.stabilizer, fit_frames(inputs, state.size), result.frames))
 
     @staticmethod
     def shared_sparsity(fidelities: Iterable[FidelityConfig]) -> float:
@@ -637,3 +659,18 @@ def resize_window(cache: KVCache, window: int) -> KVCache:
         k.append(new_k)
         v.append(new_v)
     return replace(cache, k=k, v=v, window_frames=window, local_end=keep)
+
+
+def fit_frames(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """[3, T, H, W] -> [3, T, size[1], size[0]]: centre-cropped to ``size``'s aspect (engine/aspect.py,
+    never stretched), then area-averaged down or bilinear up."""
+    w, h = size
+    if frames.shape[-1] == w and frames.shape[-2] == h:
+        return frames
+    x, y, cw, ch = crop_box((frames.shape[-1], frames.shape[-2]), size)
+    frames = frames[..., y : y + ch, x : x + cw]
+    if cw == w and ch == h:
+        return frames
+    mode = "area" if cw > w else "bilinear"
+    out = torch.nn.functional.interpolate(frames.permute(1, 0, 2, 3).float(), size=(h, w), mode=mode)
+    return out.permute(1, 0, 2, 3)

@@ -27,7 +27,7 @@ from engine.streaming.stabilizer import StabilizerState
 class StreamState:
     stream_id: str
     fidelity: FidelityConfig
-    size: tuple[int, int]  # (width, height) of the frames the engine sees
+    size: tuple[int, int]  # (width, height) of the stream's frames (outputs come out at it)
     embedding: torch.Tensor  # current text conditioning [1, L, text_dim]
     prompt: PromptCache  # cross-attention K/V of ``embedding``
     noise: NoiseSource  # lives on CPU so a stream's noise is the same on every worker
@@ -53,6 +53,9 @@ class StreamState:
     # None until the first chunk fixes it. A fidelity with another engine size rescales them (rescale.py).
     engine_size: tuple[int, int] | None = None
     loras: dict[str, float] = field(default_factory=dict)  # strength of each loaded LoRA it uses (others 0)
+    # The size follows the first chunk's aspect at ``size``'s pixel budget (StreamRuntime.adopt_input_size);
+    # cleared once the first chunk fixed it.
+    fit_input: bool = False
 
     def take_stabilizer_restart(self) -> bool:
         """Whether the chunk entering now starts a fresh stabilizer history (a hard prompt switch before it)."""
