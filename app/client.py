@@ -23,7 +23,7 @@ import av
 import numpy as np
 from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
-from app.server.frame_path import video_frames
+from app.server.frame_path import frame_rgb, video_frames, yuv_frame
 from app.server.framecode import MAX_ID, draw_id, read_id
 
 TIME_BASE = Fraction(1, 90_000)
@@ -76,7 +76,7 @@ class CodedCamera(MediaStreamTrack):
         image = pattern_frame(index, self.size, self.variant)
         draw_id(image, self.frame_id(index))
         self.sent[self.frame_id(index)] = time.monotonic()
-        frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+        frame = yuv_frame(image)
         frame.pts = int((due - self._start) * 90_000)
         frame.time_base = TIME_BASE
         return frame
@@ -97,7 +97,7 @@ class OutputProbe:
     async def consume(self, track: MediaStreamTrack) -> None:
         async for frame in video_frames(track):
             now = time.monotonic()
-            image = frame.to_ndarray(format="rgb24")
+            image = frame_rgb(frame)
             self.frames += 1
             self.last_image = image
             frame_id = read_id(image)

@@ -32,6 +32,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -204,6 +205,11 @@ async def run_streams(url: str, count: int, seconds: float, fps: float, policy: 
     )
 
 
+def same_point(a: str, b: str) -> bool:
+    """Whether two fidelity labels name one ladder point, whatever their stream batch."""
+    return re.sub(r"/b\d+", "", a) == re.sub(r"/b\d+", "", b)
+
+
 def engine_only(model: str, profile: str | None, labels: list[str], streams: int, threads: int,
                 device: str) -> dict[str, tuple[float, float]]:
     """In this process: ``streams`` streams of ``model``, every chunk of theirs in one `run_step`, at each
@@ -218,11 +224,12 @@ def engine_only(model: str, profile: str | None, labels: list[str], streams: int
     if threads > 0:
         torch.set_num_threads(threads)
     factory = InProcessFactory.load(None if model == "default" else model, device)
-    points = {p.config.label(): p.config for p in
-              (load_profile(profile) if profile else bundled_live_profile(model, factory.size)).points}
+    ladder = (load_profile(profile) if profile else bundled_live_profile(model, factory.size)).points
     measured = {}
     for label in labels:
-        config = points[label]
+        # A policy's label names its cross-user batch (".../b4"); the engine runs the ladder point with
+        # the streams batched by run_step, as the live executor does.
+        config = next(p.config for p in ladder if same_point(p.config.label(), label))
         processors = [p for _ in range(streams) if isinstance(p := factory.open(StreamSettings(steps=config.steps)),
                                                                 StepProcessor)]
         index = 0
@@ -259,8 +266,11 @@ def with_engine_only(results: list[Result], model: str, profile: str | None, thr
                    "--threads", str(threads), "--device", device, "--streams", str(count)]
         if profile is not None:
             command += ["--profile", profile]
-        out = subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
-        measured = json.loads(out.strip().splitlines()[-1])
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            logging.warning("engine-only measurement of %d stream(s) failed: %s", count, done.stderr[-2000:])
+            continue
+        measured = json.loads(done.stdout.strip().splitlines()[-1])
         for r in results:
             if r.admitted != count or not r.points:
                 continue

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -28,6 +29,7 @@ import cv2
 import numpy as np
 from aiortc import MediaStreamTrack
 from aiortc.mediastreams import MediaStreamError
+from av.video.reformatter import VideoReformatter
 
 from app.server.engine_bridge import StreamProcessor
 from app.server.framecode import copy_band
@@ -37,6 +39,30 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 FPS_WINDOW_S = 2.0
 LATENCY_WINDOW_S = 5.0
+
+_local = threading.local()
+
+
+def _reformatter(target: str) -> VideoReformatter:
+    """This thread's swscale converter to ``target``, reused frame after frame. A frame's own
+    ``reformat`` / ``to_ndarray(format=...)`` builds a converter (with its slice threads) and frees
+    it with the frame: 0.5 ms CPU per 256x256 frame, and the freeing ran on the event loop. One per
+    target format, so that a thread converting both ways does not rebuild it at every call."""
+    converters: dict[str, VideoReformatter] = _local.__dict__.setdefault("reformatters", {})
+    if target not in converters:
+        converters[target] = VideoReformatter()
+    return converters[target]
+
+
+def frame_rgb(frame: av.VideoFrame) -> np.ndarray:
+    """A decoded video frame as uint8 [H, W, 3] RGB."""
+    return _reformatter("rgb24").reformat(frame, format="rgb24").to_ndarray()
+
+
+def yuv_frame(image: np.ndarray) -> av.VideoFrame:
+    """uint8 [H, W, 3] RGB as a yuv420p frame, the format aiortc's VP8 and H264 encoders take as it
+    is (given RGB they convert it themselves, with a new converter per frame)."""
+    return _reformatter("yuv420p").reformat(av.VideoFrame.from_ndarray(image, format="rgb24"), format="yuv420p")
 
 
 async def video_frames(track: MediaStreamTrack) -> AsyncIterator[av.VideoFrame]:
@@ -86,7 +112,7 @@ def fit_frame(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 
 
 def to_rgb(source: av.VideoFrame | np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    image = source if isinstance(source, np.ndarray) else source.to_ndarray(format="rgb24")
+    image = source if isinstance(source, np.ndarray) else frame_rgb(source)
     return fit_frame(image, size)
 
 
