@@ -25,6 +25,7 @@ from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSes
 
 from app.server.frame_path import frame_rgb, video_frames, yuv_frame
 from app.server.framecode import MAX_ID, draw_id, read_id
+from app.server.jitter import complete_video_frames_on_marker
 
 TIME_BASE = Fraction(1, 90_000)
 
@@ -155,6 +156,7 @@ async def open_session(base_url: str, camera: CodedCamera, **options: Any) -> Pr
     replies: list[dict[str, Any]] = []
     tasks: list[asyncio.Task[None]] = []
     pc.addTrack(camera)
+    complete_video_frames_on_marker(pc)  # the stylized track comes back on this transceiver
     channel = pc.createDataChannel("control")
 
     @channel.on("message")

@@ -18,6 +18,7 @@ from app.server.config import ServerConfig
 from app.server.engine_bridge import StreamSettings
 from app.server.frame_path import ChunkAssembler, OutputFrame, Playout, video_frames, yuv_frame
 from app.server.ice import rtc_configuration, strip_candidates
+from app.server.jitter import complete_video_frames_on_marker
 from app.server.logs import mint_secret
 from app.server.sdp import OfferError, check_offer
 from app.server.session import CapacityError, Session, SessionManager
@@ -93,6 +94,7 @@ class Gateway:
     async def _answer(self, pc: RTCPeerConnection, offer_sdp: str) -> str:
         try:
             await pc.setRemoteDescription(self._incoming(offer_sdp))
+            complete_video_frames_on_marker(pc)  # its transceivers exist now; media flows after the answer
             answer = await pc.createAnswer()
         except OperationError as exc:  # no codec in common (e.g. an H264 profile aiortc lacks)
             raise OfferError("no codec in the offer can be negotiated: the server receives VP8 or H264 "
