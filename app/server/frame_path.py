@@ -47,7 +47,8 @@ def _reformatter(target: str) -> VideoReformatter:
     """This thread's swscale converter to ``target``, reused frame after frame. A frame's own
     ``reformat`` / ``to_ndarray(format=...)`` builds a converter (with its slice threads) and frees
     it with the frame: 0.5 ms CPU per 256x256 frame, and the freeing ran on the event loop. One per
-    target format, so that a thread converting both ways does not rebuild it at every call."""
+    target format, so that a thread converting both ways does not rebuild it at every call. One slice
+    thread: a camera frame is too small to split, and the split waits on threads the engine competes for."""
     converters: dict[str, VideoReformatter] = _local.__dict__.setdefault("reformatters", {})
     if target not in converters:
         converters[target] = VideoReformatter()
@@ -56,13 +57,14 @@ def _reformatter(target: str) -> VideoReformatter:
 
 def frame_rgb(frame: av.VideoFrame) -> np.ndarray:
     """A decoded video frame as uint8 [H, W, 3] RGB."""
-    return _reformatter("rgb24").reformat(frame, format="rgb24").to_ndarray()
+    return _reformatter("rgb24").reformat(frame, format="rgb24", threads=1).to_ndarray()
 
 
 def yuv_frame(image: np.ndarray) -> av.VideoFrame:
     """uint8 [H, W, 3] RGB as a yuv420p frame, the format aiortc's VP8 and H264 encoders take as it
     is (given RGB they convert it themselves, with a new converter per frame)."""
-    return _reformatter("yuv420p").reformat(av.VideoFrame.from_ndarray(image, format="rgb24"), format="yuv420p")
+    return _reformatter("yuv420p").reformat(av.VideoFrame.from_ndarray(image, format="rgb24"), format="yuv420p",
+                                            threads=1)
 
 
 async def video_frames(track: MediaStreamTrack) -> AsyncIterator[av.VideoFrame]:
