@@ -145,14 +145,9 @@ class ChunkAssembler:
         self.accepting = True
         self.received = 0
         self.dropped = 0
-        self._gaps: deque[float] = deque(maxlen=31)  # between the last input frames' arrivals
-        self._last_arrival: float | None = None
 
     def push(self, source: av.VideoFrame | np.ndarray) -> FrameMeta:
         meta = FrameMeta(self._seq, self._clock())
-        if self._last_arrival is not None:
-            self._gaps.append(meta.arrival - self._last_arrival)
-        self._last_arrival = meta.arrival
         self._seq += 1
         self.received += 1
         if not self.accepting:  # paused: nothing will be generated from this frame
@@ -163,12 +158,6 @@ class ChunkAssembler:
         self._frames.append(InputFrame(source, meta))
         self._changed.set()
         return meta
-
-    @property
-    def period_s(self) -> float:
-        """The camera's frame period: the median gap between recent arrivals (a frame the reader
-        skipped on a busy loop doubles one gap, which the median ignores); 0 before two frames."""
-        return float(np.median(self._gaps)) if self._gaps else 0.0
 
     def ready(self, n: int) -> bool:
         return len(self._frames) >= n
