@@ -72,6 +72,7 @@ class Result:
     aggregate_fps: float = float("nan")  # new frames per second at the clients, all streams together
     server_cpu_ms_per_frame: float = float("nan")  # server process CPU / frames delivered
     client_cpu_ms_per_frame: float = float("nan")  # the clients' CPU (this process) / frames delivered
+    server_cores: float = float("nan")  # server CPU seconds per second: the share of the machine it got
     points: dict[str, float] = field(default_factory=dict)  # fidelity label -> share of the policy's choices
     engine_fps: float = float("nan")  # the engine alone at those points, the admitted streams batched
     engine_cpu_ms_per_frame: float = float("nan")
@@ -201,6 +202,7 @@ async def run_streams(url: str, count: int, seconds: float, fps: float, policy: 
         aggregate_fps=float(np.sum(fps_values)),
         server_cpu_ms_per_frame=1000 * float(server_cpu) / delivered if delivered else float("nan"),
         client_cpu_ms_per_frame=1000 * float(client_cpu) / delivered if delivered else float("nan"),
+        server_cores=float(server_cpu) / (window[1] - window[0]) if len(window) == 2 else float("nan"),
         points={label: n / total for label, n in chosen.most_common()},
     )
 
@@ -284,17 +286,18 @@ def table(results: list[Result], model: str) -> str:
         f"model: {model}",
         "policy | streams | admitted | fps/stream | TTFF s | g2g p50 ms | g2g p95 ms | dropped | chunk ms | "
         "aggregate fps | engine-only fps | ratio | server CPU ms/frame | client CPU ms/frame | "
-        "engine-only CPU ms/frame",
+        "engine-only CPU ms/frame | server cores",
         "------ | ------- | -------- | ---------- | ------ | ---------- | ---------- | ------- | -------- | "
         "------------- | --------------- | ----- | ------------------- | ------------------- | "
-        "------------------------",
+        "------------------------ | ------------",
     ]
     for r in results:
         lines.append(
             f"{r.policy:6s} | {r.streams:7d} | {r.admitted:8d} | {r.fps:10.1f} | {r.ttff_s:6.2f} | "
             f"{r.latency_p50_ms:10.0f} | {r.latency_p95_ms:10.0f} | {r.dropped_ratio:7.1%} | {r.server_chunk_ms:8.0f} | "
             f"{r.aggregate_fps:13.1f} | {r.engine_fps:15.1f} | {r.engine_ratio:5.0%} | "
-            f"{r.server_cpu_ms_per_frame:19.1f} | {r.client_cpu_ms_per_frame:19.1f} | {r.engine_cpu_ms_per_frame:24.1f}"
+            f"{r.server_cpu_ms_per_frame:19.1f} | {r.client_cpu_ms_per_frame:19.1f} | {r.engine_cpu_ms_per_frame:24.1f} | "
+            f"{r.server_cores:12.2f}"
         )
     lines.append("ladder points the policy chose (share of per-second samples):")
     for r in results:
