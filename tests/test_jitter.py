@@ -38,11 +38,14 @@ def test_reordered_packets_wait_for_the_gap_and_unmarked_frames_keep_aiortcs_rul
     assert frames_out(MarkerJitterBuffer(), stream) == [None, None, (101, b"xyz"), None, (104, b"p")]
 
 
-def test_video_receivers_of_a_real_peer_get_the_buffer() -> None:
+async def test_video_receivers_of_a_real_peer_get_the_buffer() -> None:
     pc = RTCPeerConnection()
-    pc.addTransceiver("video", direction="recvonly")
-    pc.addTransceiver("audio", direction="recvonly")
-    complete_video_frames_on_marker(pc)
-    video, audio = pc.getTransceivers()
-    assert isinstance(getattr(video.receiver, RECEIVER_ATTRIBUTE), MarkerJitterBuffer)
-    assert not isinstance(getattr(audio.receiver, RECEIVER_ATTRIBUTE), MarkerJitterBuffer)
+    try:
+        pc.addTransceiver("video", direction="recvonly")
+        pc.addTransceiver("audio", direction="recvonly")
+        complete_video_frames_on_marker(pc)
+        video, audio = pc.getTransceivers()
+        assert isinstance(getattr(video.receiver, RECEIVER_ATTRIBUTE), MarkerJitterBuffer)
+        assert not isinstance(getattr(audio.receiver, RECEIVER_ATTRIBUTE), MarkerJitterBuffer)
+    finally:
+        await pc.close()
