@@ -12,8 +12,8 @@ Throughput against the engine alone, in the same run: the aggregate delivered FP
 new frames per second at the clients) beside the engine-only FPS: the same engine code the live
 executor calls (engine.streaming.step_processor.run_step, every stream's chunk in one batched
 step) in a process of its own with the server's threads, at the ladder points the policy chose
-(sampled every second from the streams' stats, weighted by how often each was chosen), with no
-media, network or policy. The run takes it after the live rows, when the server has stopped.
+(from the stats each stream receives about once a second, weighted by how often each was chosen),
+with no media, network or policy. The run takes it after the live rows, when the server has stopped.
 
 CPU per delivered frame (robust on a shared machine, where wall-clock FPS is noisy): the server
 process's CPU seconds (all its threads: codecs, event loop, engine) and the clients' (this process:
@@ -156,18 +156,20 @@ async def run_streams(url: str, count: int, seconds: float, fps: float, policy: 
         logging.warning("%d of %d streams refused: %s", len(refusals), count, refusals[0])
     if not sessions:
         raise RuntimeError(f"every stream was refused: {refusals[0]}")
-    chosen: Counter[str] = Counter()
     window: list[float] = []  # [start, end] of the CPU window, after the warm-up
     cpu: list[tuple[float, float]] = []  # (server, clients) CPU seconds at its start and end
+    replies_before = [0] * len(sessions)
     for second in tqdm(range(int(seconds)), desc=f"{policy}: {count} stream(s)", unit="s", leave=False):
         if second == int(WARMUP_S) + 1 or second == int(seconds) - 1:
             window.append(time.monotonic())
             cpu.append((process_cpu_s(server_pid) if server_pid else float("nan"), time.process_time()))
+            if len(window) == 1:
+                replies_before = [len(s.replies) for s in sessions]
         await asyncio.sleep(1)
-        for session in sessions:  # the ladder point each stream runs at now
-            point = json.loads((await asyncio.to_thread(http, "GET", f"{url}/api/streams/{session.stream_id}"))[2])
-            if second > WARMUP_S and point.get("fidelity"):
-                chosen[point["fidelity"]] += 1
+    # The ladder point of each stream's last chunk, from the stats the server sends every stream about
+    # once a second on its data channel (polling the HTTP API would add work to the server measured).
+    chosen = Counter(reply["fidelity"] for session, before in zip(sessions, replies_before, strict=True)
+                     for reply in session.replies[before:] if reply.get("type") == "stats" and reply.get("fidelity"))
     stats = [json.loads((await asyncio.to_thread(http, "GET", f"{url}/api/streams/{s.stream_id}"))[2]) for s in sessions]
     await asyncio.gather(*(s.close() for s in sessions))
     await asyncio.sleep(1.0)  # let the server notice and free the slots
