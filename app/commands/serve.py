@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from app.server.config import add_lora_arguments
 
@@ -176,11 +175,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Before torch loads (libgomp reads it once): the engine's OpenMP threads sleep at a barrier instead
-    # of spinning. The server's media path (codec threads, the event loop) shares the cores with them, and
-    # a spinning thread waiting on a preempted one burnt 3-15x the engine's CPU per frame on 2 cores
-    # (docs/service.md, "Where the CPU goes").
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from app.server.app import serve
     from app.server.config import ServerConfig
     from app.server.osc import OscBindError
