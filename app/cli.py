@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -18,6 +19,21 @@ COMMAND_MODULES: tuple[str, ...] = (
     "app.commands.virtualcam",
     "app.commands.train",
 )
+
+# Environment a command needs before torch loads, which happens as the command modules are imported
+# (libgomp reads it once, at load). serve: the engine's OpenMP threads sleep at a barrier instead of
+# spinning; the server's media path (codec threads, the event loop) shares the cores with them, and
+# spinning cost the engine 3-15x its CPU per frame on 2 cores (docs/service.md, "Where the CPU and
+# the latency went"). The environment's own setting wins.
+EARLY_ENVIRONMENT: dict[str, dict[str, str]] = {"serve": {"OMP_WAIT_POLICY": "PASSIVE"}}
+
+
+def set_early_environment(argv: Sequence[str]) -> None:
+    """The chosen command's EARLY_ENVIRONMENT (its name is the first argument that is no option: the
+    global options take no values)."""
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    for key, value in EARLY_ENVIRONMENT.get(command or "", {}).items():
+        os.environ.setdefault(key, value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    set_early_environment(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

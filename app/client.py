@@ -23,8 +23,9 @@ import av
 import numpy as np
 from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
-from app.server.frame_path import video_frames
+from app.server.frame_path import frame_rgb, video_frames, yuv_frame
 from app.server.framecode import MAX_ID, draw_id, read_id
+from app.server.jitter import complete_video_frames_on_marker
 
 TIME_BASE = Fraction(1, 90_000)
 
@@ -76,7 +77,7 @@ class CodedCamera(MediaStreamTrack):
         image = pattern_frame(index, self.size, self.variant)
         draw_id(image, self.frame_id(index))
         self.sent[self.frame_id(index)] = time.monotonic()
-        frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+        frame = yuv_frame(image)
         frame.pts = int((due - self._start) * 90_000)
         frame.time_base = TIME_BASE
         return frame
@@ -97,7 +98,7 @@ class OutputProbe:
     async def consume(self, track: MediaStreamTrack) -> None:
         async for frame in video_frames(track):
             now = time.monotonic()
-            image = frame.to_ndarray(format="rgb24")
+            image = frame_rgb(frame)
             self.frames += 1
             self.last_image = image
             frame_id = read_id(image)
@@ -155,6 +156,7 @@ async def open_session(base_url: str, camera: CodedCamera, **options: Any) -> Pr
     replies: list[dict[str, Any]] = []
     tasks: list[asyncio.Task[None]] = []
     pc.addTrack(camera)
+    complete_video_frames_on_marker(pc)  # the stylized track comes back on this transceiver
     channel = pc.createDataChannel("control")
 
     @channel.on("message")

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from app.server.jitter import complete_video_frames_on_marker
 from engine.aspect import fit_frame
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ def whep_frames(server: str, stream_id: str, token: str | None = None, timeout_s
 
         pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         pc.addTransceiver("video", direction="recvonly")
+        complete_video_frames_on_marker(pc)
         track_ready: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
         @pc.on("track")

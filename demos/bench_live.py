@@ -1,4 +1,5 @@
-"""Live-service benchmark: 1, 2 and 4 concurrent streams through a real `diffcast serve` process.
+"""Live-service benchmark: 1, 2 and 4 concurrent streams through a real `diffcast serve` process,
+under each serving policy side by side (slack and fifo by default: one server process per policy).
 
 For each stream count it starts synthetic WebRTC clients (streams the server's admission control
 refuses are counted, the rest measured) (app.client: moving frames with
@@ -7,8 +8,21 @@ output FPS (new frames per second at the client), TTFF (offer sent -> first styl
 decoded), glass-to-glass latency p50/p95 (client capture -> client decode, via the server's trace
 stamp) and the dropped-frame ratio (frames the server skipped or discarded / frames it received).
 
+Throughput against the engine alone, in the same run: the aggregate delivered FPS (every stream's
+new frames per second at the clients) beside the engine-only FPS: the same engine code the live
+executor calls (engine.streaming.step_processor.run_step, every stream's chunk in one batched
+step) in a process of its own with the server's threads, at the ladder points the policy chose
+(from the stats each stream receives about once a second, weighted by how often each was chosen),
+with no media, network or policy. The run takes it after the live rows, when the server has stopped.
+
+CPU per delivered frame (robust on a shared machine, where wall-clock FPS is noisy): the server
+process's CPU seconds (all its threads: codecs, event loop, engine) and the clients' (this process:
+their VP8 encode and decode) over the measured window, divided by the frames delivered in it, beside
+the engine-only CPU per frame.
+
     .venv/bin/python demos/bench_live.py                    # default model (tiny-random until the embedded one exists)
     .venv/bin/python demos/bench_live.py --streams 1 --seconds 30 --json
+    .venv/bin/python demos/bench_live.py --streams 1 4 --policies slack   # one policy only
 """
 
 from __future__ import annotations
@@ -18,12 +32,14 @@ import asyncio
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,14 +49,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.client import CodedCamera, http, open_session  # noqa: E402
+from app.server.executors import bundled_live_profile  # noqa: E402
 from app.server.framecode import MAX_ID  # noqa: E402
 from app.server.ice import allow_loopback_candidates  # noqa: E402
 
 WARMUP_S = 3.0  # excluded from FPS and latency: the first chunk and the playout clock settling
+ENGINE_WARMUP_CHUNKS = 3  # engine-only: chunks run before the clock starts (first chunk, caches filling)
+ENGINE_CHUNKS = 8  # engine-only: chunks per stream measured at each ladder point
 
 
 @dataclass
 class Result:
+    policy: str
     streams: int
     admitted: int
     fps: float
@@ -49,6 +69,27 @@ class Result:
     latency_p95_ms: float
     dropped_ratio: float
     server_chunk_ms: float
+    aggregate_fps: float = float("nan")  # new frames per second at the clients, all streams together
+    server_cpu_ms_per_frame: float = float("nan")  # server process CPU / frames delivered
+    client_cpu_ms_per_frame: float = float("nan")  # the clients' CPU (this process) / frames delivered
+    server_cores: float = float("nan")  # server CPU seconds per second: the share of the machine it got
+    points: dict[str, float] = field(default_factory=dict)  # fidelity label -> share of the policy's choices
+    engine_fps: float = float("nan")  # the engine alone at those points, the admitted streams batched
+    engine_cpu_ms_per_frame: float = float("nan")
+
+    @property
+    def engine_ratio(self) -> float:
+        """Aggregate delivered FPS over the engine-only FPS at the same points (target >= 0.85)."""
+        return self.aggregate_fps / self.engine_fps if self.engine_fps > 0 else float("nan")
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) a process has used so far; NaN where /proc is missing."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def default_model() -> str:
@@ -60,6 +101,15 @@ def default_model() -> str:
 @contextmanager
 def server_process(model: str, port: int, threads: int, max_streams: int, device: str = "cpu",
                    profile: str | None = None) -> Iterator[str]:
+    """A running `diffcast serve`: its URL."""
+    with served(model, port, threads, max_streams, device, profile) as (url, _):
+        yield url
+
+
+@contextmanager
+def served(model: str, port: int, threads: int, max_streams: int, device: str = "cpu",
+           profile: str | None = None, policy: str | None = None) -> Iterator[tuple[str, int]]:
+    """A running `diffcast serve`: its URL and process id (for its CPU time)."""
     command = [
         sys.executable, "-m", "app.cli", "serve", "--model", model, "--port", str(port),
         "--allow-loopback-candidates", "--trace-stamp", "--max-streams", str(max_streams),
@@ -68,6 +118,8 @@ def server_process(model: str, port: int, threads: int, max_streams: int, device
     ]
     if profile is not None:
         command += ["--profile", profile]
+    if policy is not None:
+        command += ["--policy", policy]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -83,13 +135,14 @@ def server_process(model: str, port: int, threads: int, max_streams: int, device
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not come up within 180 s")
             time.sleep(0.5)
-        yield url
+        yield url, process.pid
     finally:
         process.terminate()
         process.wait(timeout=20)
 
 
-async def run_streams(url: str, count: int, seconds: float, fps: float) -> Result:
+async def run_streams(url: str, count: int, seconds: float, fps: float, policy: str = "slack",
+                      server_pid: int | None = None) -> Result:
     config = json.loads(http("GET", f"{url}/api/config")[2])
     size = (config["width"], config["height"])
     cameras = [CodedCamera(size, fps=fps, variant=i, id_offset=i * MAX_ID // count) for i in range(count)]
@@ -103,8 +156,20 @@ async def run_streams(url: str, count: int, seconds: float, fps: float) -> Resul
         logging.warning("%d of %d streams refused: %s", len(refusals), count, refusals[0])
     if not sessions:
         raise RuntimeError(f"every stream was refused: {refusals[0]}")
-    for _ in tqdm(range(int(seconds)), desc=f"{count} stream(s)", unit="s", leave=False):
+    window: list[float] = []  # [start, end] of the CPU window, after the warm-up
+    cpu: list[tuple[float, float]] = []  # (server, clients) CPU seconds at its start and end
+    replies_before = [0] * len(sessions)
+    for second in tqdm(range(int(seconds)), desc=f"{policy}: {count} stream(s)", unit="s", leave=False):
+        if second == int(WARMUP_S) + 1 or second == int(seconds) - 1:
+            window.append(time.monotonic())
+            cpu.append((process_cpu_s(server_pid) if server_pid else float("nan"), time.process_time()))
+            if len(window) == 1:
+                replies_before = [len(s.replies) for s in sessions]
         await asyncio.sleep(1)
+    # The ladder point of each stream's last chunk, from the stats the server sends every stream about
+    # once a second on its data channel (polling the HTTP API would add work to the server measured).
+    chosen = Counter(reply["fidelity"] for session, before in zip(sessions, replies_before, strict=True)
+                     for reply in session.replies[before:] if reply.get("type") == "stats" and reply.get("fidelity"))
     stats = [json.loads((await asyncio.to_thread(http, "GET", f"{url}/api/streams/{s.stream_id}"))[2]) for s in sessions]
     await asyncio.gather(*(s.close() for s in sessions))
     await asyncio.sleep(1.0)  # let the server notice and free the slots
@@ -123,7 +188,11 @@ async def run_streams(url: str, count: int, seconds: float, fps: float) -> Resul
     received = sum(s["frames_in"] for s in stats)
     dropped = sum(s["dropped_frames"] for s in stats)
     lat = np.array(latencies) * 1000
+    delivered = sum(1 for s in sessions for t, _, _ in s.probe.records if len(window) == 2 and window[0] <= t < window[1])
+    server_cpu, client_cpu = (np.subtract(cpu[1], cpu[0]) if len(cpu) == 2 else (float("nan"), float("nan")))
+    total = sum(chosen.values())
     return Result(
+        policy=policy,
         streams=count,
         admitted=len(sessions),
         fps=float(np.mean(fps_values)),
@@ -132,20 +201,110 @@ async def run_streams(url: str, count: int, seconds: float, fps: float) -> Resul
         latency_p95_ms=float(np.percentile(lat, 95)) if lat.size else float("nan"),
         dropped_ratio=dropped / received if received else float("nan"),
         server_chunk_ms=float(np.mean([s["chunk_ms"] for s in stats])),
+        aggregate_fps=float(np.sum(fps_values)),
+        server_cpu_ms_per_frame=1000 * float(server_cpu) / delivered if delivered else float("nan"),
+        client_cpu_ms_per_frame=1000 * float(client_cpu) / delivered if delivered else float("nan"),
+        server_cores=float(server_cpu) / (window[1] - window[0]) if len(window) == 2 else float("nan"),
+        points={label: n / total for label, n in chosen.most_common()},
     )
+
+
+def same_point(a: str, b: str) -> bool:
+    """Whether two fidelity labels name one ladder point, whatever their stream batch."""
+    return re.sub(r"/b\d+", "", a) == re.sub(r"/b\d+", "", b)
+
+
+def engine_only(model: str, profile: str | None, labels: list[str], streams: int, threads: int,
+                device: str) -> dict[str, tuple[float, float]]:
+    """In this process: ``streams`` streams of ``model``, every chunk of theirs in one `run_step`, at each
+    ladder point of ``labels``: {label: (frames per second, CPU ms per frame)}."""
+    import torch
+
+    from app.client import pattern_frame
+    from app.server.engine_bridge import InProcessFactory, StreamSettings
+    from engine.serving.fidelity import load_profile
+    from engine.streaming.step_processor import StepProcessor, StepRow, run_step
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    factory = InProcessFactory.load(None if model == "default" else model, device)
+    ladder = (load_profile(profile) if profile else bundled_live_profile(model, factory.size)).points
+    measured = {}
+    for label in labels:
+        # A policy's label names its cross-user batch (".../b4"); the engine runs the ladder point with
+        # the streams batched by run_step, as the live executor does.
+        config = next(p.config for p in ladder if same_point(p.config.label(), label))
+        processors = [p for _ in range(streams) if isinstance(p := factory.open(StreamSettings(steps=config.steps)),
+                                                                StepProcessor)]
+        index = 0
+
+        def chunks(frames: int, count: int) -> list[list[np.ndarray]]:
+            nonlocal index
+            out = [[np.stack([pattern_frame(index + t, factory.size, v) for t in range(frames)])
+                    for v in range(streams)] for _ in range(count)]
+            index += frames * count
+            return out
+
+        warm = chunks(1, 1) + chunks(processors[0].chunk_frames, ENGINE_WARMUP_CHUNKS)
+        timed = chunks(processors[0].chunk_frames, ENGINE_CHUNKS)
+        for step in warm:
+            run_step([StepRow(p, config, frames) for p, frames in zip(processors, step, strict=True)])
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        for step in timed:
+            run_step([StepRow(p, config, frames) for p, frames in zip(processors, step, strict=True)])
+        cpu1, wall1 = time.process_time(), time.perf_counter()
+        frames = streams * ENGINE_CHUNKS * processors[0].chunk_frames
+        measured[label] = (frames / (wall1 - wall0), 1000 * (cpu1 - cpu0) / frames)
+    return measured
+
+
+def with_engine_only(results: list[Result], model: str, profile: str | None, threads: int, device: str) -> None:
+    """Fill in each result's engine-only FPS and CPU per frame at the points its policy chose (a child
+    process with the server's threads and OpenMP setting, so the engine runs as it does in the server)."""
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}  # as `serve` sets it
+    for count in sorted({r.admitted for r in results}):
+        labels = sorted({label for r in results if r.admitted == count for label in r.points})
+        if not labels:
+            continue
+        command = [sys.executable, str(Path(__file__).resolve()), "--engine-only", *labels, "--model", model,
+                   "--threads", str(threads), "--device", device, "--streams", str(count)]
+        if profile is not None:
+            command += ["--profile", profile]
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            logging.warning("engine-only measurement of %d stream(s) failed: %s", count, done.stderr[-2000:])
+            continue
+        measured = json.loads(done.stdout.strip().splitlines()[-1])
+        for r in results:
+            if r.admitted != count or not r.points:
+                continue
+            # The chosen mix: each point's share of the frames at its own speed.
+            r.engine_fps = 1.0 / sum(share / measured[label][0] for label, share in r.points.items())
+            r.engine_cpu_ms_per_frame = sum(share * measured[label][1] for label, share in r.points.items())
 
 
 def table(results: list[Result], model: str) -> str:
     lines = [
         f"model: {model}",
-        "streams | admitted | fps/stream | TTFF s | g2g p50 ms | g2g p95 ms | dropped | chunk ms",
-        "------- | -------- | ---------- | ------ | ---------- | ---------- | ------- | --------",
+        "policy | streams | admitted | fps/stream | TTFF s | g2g p50 ms | g2g p95 ms | dropped | chunk ms | "
+        "aggregate fps | engine-only fps | ratio | server CPU ms/frame | client CPU ms/frame | "
+        "engine-only CPU ms/frame | server cores",
+        "------ | ------- | -------- | ---------- | ------ | ---------- | ---------- | ------- | -------- | "
+        "------------- | --------------- | ----- | ------------------- | ------------------- | "
+        "------------------------ | ------------",
     ]
     for r in results:
         lines.append(
-            f"{r.streams:7d} | {r.admitted:8d} | {r.fps:10.1f} | {r.ttff_s:6.2f} | {r.latency_p50_ms:10.0f} | "
-            f"{r.latency_p95_ms:10.0f} | {r.dropped_ratio:7.1%} | {r.server_chunk_ms:8.0f}"
+            f"{r.policy:6s} | {r.streams:7d} | {r.admitted:8d} | {r.fps:10.1f} | {r.ttff_s:6.2f} | "
+            f"{r.latency_p50_ms:10.0f} | {r.latency_p95_ms:10.0f} | {r.dropped_ratio:7.1%} | {r.server_chunk_ms:8.0f} | "
+            f"{r.aggregate_fps:13.1f} | {r.engine_fps:15.1f} | {r.engine_ratio:5.0%} | "
+            f"{r.server_cpu_ms_per_frame:19.1f} | {r.client_cpu_ms_per_frame:19.1f} | {r.engine_cpu_ms_per_frame:24.1f} | "
+            f"{r.server_cores:12.2f}"
         )
+    lines.append("ladder points the policy chose (share of per-second samples):")
+    for r in results:
+        chosen = ", ".join(f"{label} {share:.0%}" for label, share in r.points.items())
+        lines.append(f"  {r.policy} x{r.streams}: {chosen}")
     return "\n".join(lines)
 
 
@@ -159,18 +318,29 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--device", default="cpu", help="the server's torch device (default cpu)")
     parser.add_argument("--profile", default=None, help="fidelity profile for the server's policy (default: bundled)")
+    parser.add_argument("--policies", nargs="+", default=["slack", "fifo"],
+                        help="serving policies run side by side, one server each (default: slack fifo)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--engine-only", nargs="+", metavar="LABEL", default=None,
+                        help="(internal) measure the engine alone at these ladder points, print JSON")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     model = args.model or default_model()
-    allow_loopback_candidates()  # the clients run on the same machine as the server
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.engine_only is not None:
+        measured = engine_only(model, args.profile, args.engine_only, args.streams[0], args.threads, args.device)
+        print(json.dumps(measured))
+        return 0
+    allow_loopback_candidates()  # the clients run on the same machine as the server
     results = []
-    with server_process(model, args.port, args.threads, max(args.streams), args.device, args.profile) as url:
-        for count in args.streams:
-            results.append(asyncio.run(run_streams(url, count, args.seconds, args.fps)))
+    for policy in args.policies:
+        with served(model, args.port, args.threads, max(args.streams), args.device, args.profile, policy) as (url, pid):
+            for count in args.streams:
+                results.append(asyncio.run(run_streams(url, count, args.seconds, args.fps, policy, pid)))
+    with_engine_only(results, model, args.profile, args.threads, args.device)
     if args.json:
-        print(json.dumps({"model": model, "results": [asdict(r) for r in results]}, indent=2))
+        rows = [{**asdict(r), "engine_ratio": r.engine_ratio} for r in results]
+        print(json.dumps({"model": model, "results": rows}, indent=2))
     else:
         print(table(results, model))
     return 0

@@ -80,3 +80,34 @@ def test_rank_zero_runs_the_same_server(monkeypatch: pytest.MonkeyPatch, engine_
     assert single["limits"] == GuardedH11Protocol.limits  # the defaults: ServerConfig's timeouts
     assert isinstance(rank_app.state.manager.factory, RankFactory)
     assert rank_app.state.manager.factory.ring is ring
+
+
+_TORCH_SEES = """
+import os, sys
+seen = {}
+class Hook:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and "torch" not in seen:
+            seen["torch"] = os.environ.get("OMP_WAIT_POLICY")
+        return None
+sys.meta_path.insert(0, Hook())
+from app.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print(seen.get("torch", "torch not imported"))
+"""
+
+
+@pytest.mark.parametrize(("argv", "policy"), [(["-v", "serve", "--help"], "PASSIVE"), (["stylize", "--help"], "None")])
+def test_serve_sets_the_openmp_wait_policy_before_torch_loads(argv: list[str], policy: str) -> None:
+    """libgomp reads OMP_WAIT_POLICY once, when torch loads: what torch's import sees is what runs."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", _TORCH_SEES, *argv], capture_output=True, text=True, env=env,
+                         check=True).stdout
+    assert out.strip().splitlines()[-1] == policy

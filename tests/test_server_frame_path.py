@@ -6,12 +6,13 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import cv2
 import numpy as np
 import pytest
 
 from app.server.config import ServerConfig
 from app.server.executors import ServingLoop, build_serving_loop
-from app.server.frame_path import ChunkAssembler, Playout, StreamRunner, fit_frame
+from app.server.frame_path import ChunkAssembler, Playout, StreamRunner, fit_frame, frame_rgb, yuv_frame
 from app.server.framecode import MAX_ID, draw_id, read_id
 
 
@@ -81,6 +82,21 @@ def test_playout_clock_follows_production_rate() -> None:
         for _ in range(4):
             playout.tick()
     assert playout.interval == pytest.approx(0.1, rel=0.05)
+
+
+def test_reused_converters_match_a_frames_own_conversion_both_ways() -> None:
+    import av
+
+    rng = np.random.default_rng(0)
+    for size in ((64, 48), (160, 96), (64, 48)):  # a size change rebuilds the thread's converter
+        image = cv2.GaussianBlur(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), (15, 15), 0)
+        frame = yuv_frame(image)
+        assert frame.format.name == "yuv420p" and (frame.width, frame.height) == size
+        own = av.VideoFrame.from_ndarray(image, format="rgb24").reformat(format="yuv420p")
+        np.testing.assert_array_equal(frame.to_ndarray(), own.to_ndarray())
+        rgb = frame_rgb(frame)
+        np.testing.assert_array_equal(rgb, frame.to_ndarray(format="rgb24"))
+        assert np.abs(rgb.astype(int) - image).mean() < 6  # the picture survives (4:2:0 chroma, rounding)
 
 
 class Negate:

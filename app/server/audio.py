@@ -13,10 +13,10 @@ cursor advances exactly one frame per tick and is moved only when it is off by m
 ``RESYNC_S`` (a latency change, or the publisher's sample clock drifting against ours): forward
 skips audio, backward plays silence (audio already heard is never played twice).
 
-Capture times are estimated from arrival times, net of what aiortc's receivers add: its audio
-jitter buffer releases a packet only when ``AUDIO_PREFETCH`` newer ones have arrived, and its video
-jitter buffer releases a frame when the next frame's first packet arrives (one input frame period);
-and Opus's own delay (``CODEC_DELAY_S``) is taken off.
+Capture times are estimated from arrival times, net of what aiortc's audio receiver adds: its
+jitter buffer releases a packet only when ``AUDIO_PREFETCH`` newer ones have arrived; and Opus's own
+delay (``CODEC_DELAY_S``) is taken off. (The video receiver hands a frame on at its last packet,
+app/server/jitter.py, so video arrival needs no such correction.)
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -28,6 +29,7 @@ import cv2
 import numpy as np
 from aiortc import MediaStreamTrack
 from aiortc.mediastreams import MediaStreamError
+from av.video.reformatter import VideoReformatter
 
 from app.server.engine_bridge import StreamProcessor
 from app.server.framecode import copy_band
@@ -38,6 +40,32 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 FPS_WINDOW_S = 2.0
 LATENCY_WINDOW_S = 5.0
+
+_local = threading.local()
+
+
+def _reformatter(target: str) -> VideoReformatter:
+    """This thread's swscale converter to ``target``, reused frame after frame. A frame's own
+    ``reformat`` / ``to_ndarray(format=...)`` builds a converter (with its slice threads) and frees
+    it with the frame: 0.5 ms CPU per 256x256 frame, and the freeing ran on the event loop. One per
+    target format, so that a thread converting both ways does not rebuild it at every call. One slice
+    thread: a camera frame is too small to split, and the split waits on threads the engine competes for."""
+    converters: dict[str, VideoReformatter] = _local.__dict__.setdefault("reformatters", {})
+    if target not in converters:
+        converters[target] = VideoReformatter()
+    return converters[target]
+
+
+def frame_rgb(frame: av.VideoFrame) -> np.ndarray:
+    """A decoded video frame as uint8 [H, W, 3] RGB."""
+    return _reformatter("rgb24").reformat(frame, format="rgb24", threads=1).to_ndarray()
+
+
+def yuv_frame(image: np.ndarray) -> av.VideoFrame:
+    """uint8 [H, W, 3] RGB as a yuv420p frame, the format aiortc's VP8 and H264 encoders take as it
+    is (given RGB they convert it themselves, with a new converter per frame)."""
+    return _reformatter("yuv420p").reformat(av.VideoFrame.from_ndarray(image, format="rgb24"), format="yuv420p",
+                                            threads=1)
 
 
 async def video_frames(track: MediaStreamTrack) -> AsyncIterator[av.VideoFrame]:
@@ -70,7 +98,7 @@ class OutputFrame:
 
 
 def to_rgb(source: av.VideoFrame | np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    image = source if isinstance(source, np.ndarray) else source.to_ndarray(format="rgb24")
+    image = source if isinstance(source, np.ndarray) else frame_rgb(source)
     return fit_frame(image, size)
 
 
@@ -101,14 +129,9 @@ class ChunkAssembler:
         self.accepting = True
         self.received = 0
         self.dropped = 0
-        self._gaps: deque[float] = deque(maxlen=31)  # between the last input frames' arrivals
-        self._last_arrival: float | None = None
 
     def push(self, source: av.VideoFrame | np.ndarray) -> FrameMeta:
         meta = FrameMeta(self._seq, self._clock())
-        if self._last_arrival is not None:
-            self._gaps.append(meta.arrival - self._last_arrival)
-        self._last_arrival = meta.arrival
         self._seq += 1
         self.received += 1
         if not self.accepting:  # paused: nothing will be generated from this frame
@@ -119,12 +142,6 @@ class ChunkAssembler:
         self._frames.append(InputFrame(source, meta))
         self._changed.set()
         return meta
-
-    @property
-    def period_s(self) -> float:
-        """The camera's frame period: the median gap between recent arrivals (a frame the reader
-        skipped on a busy loop doubles one gap, which the median ignores); 0 before two frames."""
-        return float(np.median(self._gaps)) if self._gaps else 0.0
 
     def ready(self, n: int) -> bool:
         return len(self._frames) >= n

@@ -7,6 +7,7 @@ import logging
 from fractions import Fraction
 
 import av
+import numpy as np
 from aiortc import MediaStreamTrack, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
 from aiortc.contrib.media import MediaRelay
 from aiortc.exceptions import OperationError
@@ -15,8 +16,9 @@ from aiortc.mediastreams import MediaStreamError
 from app.server.audio import AudioPlayout, DelayedAudioTrack, offers_audio, wants_audio
 from app.server.config import ServerConfig
 from app.server.engine_bridge import StreamSettings
-from app.server.frame_path import ChunkAssembler, Playout, video_frames
+from app.server.frame_path import ChunkAssembler, OutputFrame, Playout, video_frames, yuv_frame
 from app.server.ice import rtc_configuration, strip_candidates
+from app.server.jitter import complete_video_frames_on_marker
 from app.server.logs import mint_secret
 from app.server.sdp import OfferError, check_offer
 from app.server.session import CapacityError, Session, SessionManager
@@ -36,10 +38,14 @@ class PlayoutTrack(MediaStreamTrack):
         super().__init__()
         self._playout = playout
         self._tick = 0
+        self._last: tuple[OutputFrame, np.ndarray] | None = None  # the last frame played, in yuv420p planes
 
     async def recv(self) -> av.VideoFrame:
         self._tick, out, seconds = await self._playout.next_frame(self._tick)
-        frame = av.VideoFrame.from_ndarray(out.image, format="rgb24")
+        if self._last is None or self._last[0] is not out:
+            self._last = out, yuv_frame(out.image).to_ndarray()
+        # A tick that repeats the last frame converts nothing (below the camera's rate, most ticks do).
+        frame = av.VideoFrame.from_ndarray(self._last[1], format="yuv420p")
         frame.pts = int(seconds * VIDEO_CLOCK)
         frame.time_base = VIDEO_TIME_BASE
         return frame
@@ -88,6 +94,7 @@ class Gateway:
     async def _answer(self, pc: RTCPeerConnection, offer_sdp: str) -> str:
         try:
             await pc.setRemoteDescription(self._incoming(offer_sdp))
+            complete_video_frames_on_marker(pc)  # its transceivers exist now; media flows after the answer
             answer = await pc.createAnswer()
         except OperationError as exc:  # no codec in common (e.g. an H264 profile aiortc lacks)
             raise OfferError("no codec in the offer can be negotiated: the server receives VP8 or H264 "

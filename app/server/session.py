@@ -88,12 +88,12 @@ class Session:
 
     def video_delay_s(self) -> tuple[float, float] | None:
         """Input capture -> output shown, as the audio must be delayed, and how much it varies: the
-        playout's latency (arrival -> shown) plus the one input frame period aiortc's video receiver
-        holds a frame."""
+        playout's latency (arrival -> shown); the video receiver hands a frame on at its last packet
+        (app/server/jitter.py), so arrival is capture plus the network."""
         recent, longer = self.playout.recent_latency_s(SYNC_WINDOW_S), self.playout.recent_latency_s(SPREAD_WINDOW_S)
         if recent is None or longer is None:
             return None
-        return recent[0] + self.assembler.period_s, longer[1]
+        return recent[0], longer[1]
 
     def check_recording(self) -> None:
         """RecordingError when a recording could not start now (not enabled, storage full)."""
