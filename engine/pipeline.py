@@ -39,6 +39,7 @@ from engine.models.lora import LoRA, LoRABank, check_strengths
 from engine.models.wan_dit import CONFIGS, CausalWanDiT, WanDiTConfig
 from engine.sampling import SELF_FORCING, STREAMDIFFUSION_V2, SamplerPreset
 from engine.streaming.config import RuntimeConfig
+from engine.streaming.deblock import DeblockConfig
 from engine.streaming.noise import NoiseControllerConfig
 from engine.streaming.prompts import BlendMode
 from engine.streaming.runtime import ChunkResult, PromptEncoder, StreamRuntime
@@ -465,7 +466,9 @@ def _runtime_from_json(data: dict[str, Any]) -> RuntimeConfig:
     data = dict(data)
     noise = NoiseControllerConfig(**data.pop("noise", {}))
     stabilizer = data.pop("stabilizer", None)
-    return RuntimeConfig(noise=noise, stabilizer=StabilizerConfig(**stabilizer) if stabilizer is not None else None, **data)
+    deblock = data.pop("deblock", None)
+    return RuntimeConfig(noise=noise, stabilizer=StabilizerConfig(**stabilizer) if stabilizer is not None else None,
+                         deblock=DeblockConfig(**deblock) if deblock is not None else None, **data)
 
 
 def stream_recipe(config: dict[str, Any], name: str) -> tuple[SamplerPreset, RuntimeConfig]:
@@ -482,7 +485,12 @@ def stream_recipe(config: dict[str, Any], name: str) -> tuple[SamplerPreset, Run
         default_steps = int(sampler.get("default_num_steps", min(preset.default_num_steps or len(steps), len(steps))))
         preset = SamplerPreset(name, float(sampler.get("shift", preset.shift)), steps, warp=False,
                                default_num_steps=default_steps)
-    return preset, _runtime_from_json(config.get("runtime", {}))
+    runtime = dict(config.get("runtime", {}))
+    # Every diffcast file decodes with the TinyVAE, which draws each latent cell as an 8x8 block: its
+    # streams are deblocked unless the config says otherwise ("deblock": null); files written before
+    # the stage existed do not name it.
+    runtime.setdefault("deblock", asdict(DeblockConfig()))
+    return preset, _runtime_from_json(runtime)
 
 
 def _load_diffcast_file(path: Path, device: str, dtype: torch.dtype) -> Pipeline:
