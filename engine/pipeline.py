@@ -33,6 +33,7 @@ import torch
 
 from engine.capabilities import ModelCapabilities
 from engine.capabilities import UnsupportedModeError as UnsupportedModeError  # part of this API
+from engine.embedded.block_texture import GRID_LOOKS
 from engine.fidelity import FidelityConfig
 from engine.frames import frames_to_tensor, tensor_to_frames
 from engine.models.lora import LoRA, LoRABank, check_strengths
@@ -468,7 +469,8 @@ def _runtime_from_json(data: dict[str, Any]) -> RuntimeConfig:
     stabilizer = data.pop("stabilizer", None)
     deblock = data.pop("deblock", None)
     return RuntimeConfig(noise=noise, stabilizer=StabilizerConfig(**stabilizer) if stabilizer is not None else None,
-                         deblock=DeblockConfig(**deblock) if deblock is not None else None, **data)
+                         deblock=DeblockConfig(**{**deblock, "spare": tuple(map(tuple, deblock.get("spare", ())))})
+                         if deblock is not None else None, **data)
 
 
 def stream_recipe(config: dict[str, Any], name: str) -> tuple[SamplerPreset, RuntimeConfig]:
@@ -487,9 +489,15 @@ def stream_recipe(config: dict[str, Any], name: str) -> tuple[SamplerPreset, Run
                                default_num_steps=default_steps)
     runtime = dict(config.get("runtime", {}))
     # Every diffcast file decodes with the TinyVAE, which draws each latent cell as an 8x8 block: its
-    # streams are deblocked unless the config says otherwise ("deblock": null); files written before
-    # the stage existed do not name it.
-    runtime.setdefault("deblock", asdict(DeblockConfig()))
+    # streams are deblocked unless the config says otherwise ("deblock": null), sparing the looks drawn
+    # on that grid. The spared looks are named in the file ("spare_looks") and reach the runtime as
+    # their prototypes, the embeddings a stream's conditioning is compared with.
+    deblock = runtime.get("deblock", {"spare_looks": list(GRID_LOOKS)})
+    if deblock is not None:
+        deblock = dict(deblock)
+        looks = config.get("prototypes", {})
+        deblock["spare"] = tuple(tuple(looks[name]) for name in deblock.pop("spare_looks", ()) if name in looks)
+    runtime["deblock"] = deblock
     return preset, _runtime_from_json(runtime)
 
 

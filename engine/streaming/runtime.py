@@ -393,20 +393,30 @@ class StreamRuntime:
         if not chunk.done:
             raise ValueError(f"chunk of stream {chunk.state.stream_id} has {chunk.steps_left} steps left")
         state = chunk.state
-        frames = self.decode_latents(chunk.x, state.vae_decoder, state.size)
+        frames = self.decode_latents(chunk.x, state.vae_decoder, state.size, self.deblock_strength(state))
         self.account(chunk)
         return ChunkResult(frames, chunk.noise_rate, chunk.timesteps[0], chunk.refreshed)
 
-    def decode_latents(self, x0: torch.Tensor, decoder: object, size: tuple[int, int]) -> torch.Tensor:
-        """x̂₀ [1, C, F, h, w] -> frames [3, T, H, W] in [-1, 1] at ``size`` (a pipeline's last rank
-        calls this with its own decoder caches)."""
+    def decode_latents(self, x0: torch.Tensor, decoder: object, size: tuple[int, int],
+                       deblock_strength: float = 0.0) -> torch.Tensor:
+        """x̂₀ [1, C, F, h, w] -> frames [3, T, H, W] in [-1, 1] at ``size``, deblocked at
+        ``deblock_strength`` (the stream's :meth:`deblock_strength`; a pipeline's last rank calls this
+        with its own decoder caches)."""
         frames = self.vae.decode_chunk(x0, decoder)[0].float().clamp(-1, 1)
-        if self.config.deblock is not None:
+        if self.config.deblock is not None and deblock_strength > 0:
             t = self.clock()
             # At the engine size, where the blocks sit on the grid (a resize would move them off it).
-            frames = deblock(frames, self.vae.spatial_compression, self.config.deblock).clamp(-1, 1)
+            frames = deblock(frames, self.vae.spatial_compression, deblock_strength, self.config.deblock.reach)
+            frames = frames.clamp(-1, 1)
             self._deblock_s += self.clock() - t
         return self._resize(frames, size)
+
+    def deblock_strength(self, state: StreamState) -> float:
+        """How strongly the stream's decoded frames are deblocked (0: not at all): the config's strength,
+        less for a stream whose prompt asks for a look drawn on the grid."""
+        if self.config.deblock is None:
+            return 0.0
+        return self.config.deblock.strength_for(state.embedding)
 
     @staticmethod
     def account(chunk: ChunkInFlight) -> None:
