@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.embedded.block_texture import grid_energy_ratio
+from engine.embedded.block_texture import GRID_LOOKS, grid_energy_ratio
 from engine.embedded.clips import HELDOUT_IMAGES, heldout_specs, render_clip
 from engine.embedded.evaluate import GRID_PX, stylize_stream
 from engine.embedded.model import DEFAULT_CONFIG, EmbeddedModel, EmbeddedStream
@@ -20,6 +20,7 @@ from engine.models.tiny_vae import TinyVAE
 from engine.models.wan_dit import CausalWanDiT
 from engine.pipeline import Pipeline, StreamParams
 from engine.sampling import FlowMatchSchedule, NoiseSource, v2v_input, x0_from_velocity
+from engine.streaming.deblock import deblock
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,18 @@ def test_no_block_texture_on_a_held_out_photograph(model: EmbeddedModel, pipe: P
     assert not blocky, f"16-px block texture: {blocky}"
 
 
+def test_every_phrasing_of_a_look_drawn_on_the_grid_is_spared_and_no_other(model: EmbeddedModel, pipe: Pipeline) -> None:
+    deblocking = pipe.runtime.config.deblock
+    assert deblocking is not None
+    wrong = []
+    for style, phrasings in model.spec.styles.items():
+        for phrasing in phrasings:
+            strength = pipe.runtime.deblock_strength(pipe.open_stream(StreamParams(prompt=phrasing)).state)
+            if strength != (0.0 if style in GRID_LOOKS else deblocking.strength):
+                wrong.append(f"{phrasing!r} ({style}): {strength:.2f}")
+    assert not wrong, wrong
+
+
 def test_prompt_resolution(model: EmbeddedModel) -> None:
     match = model.match("a charcoal pencil drawing")
     assert match.style == "pencil_sketch" and not match.too_far
@@ -125,8 +138,11 @@ def test_streaming_with_kv_cache_equals_one_masked_forward(model: EmbeddedModel,
     vae: TinyVAE = model.vae
     z = vae.encode_chunk(frames_to_tensor(frames)[None], vae.new_encoder_cache())
     x0 = _masked_reference(model, z, pooled_embeddings([prompt])[:, None, :], 5, run.noise_rates)
-    whole = vae.decode_chunk(x0, vae.new_decoder_cache())
-    reference = ((whole[0].permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5).round().byte().numpy()
+    whole = vae.decode_chunk(x0, vae.new_decoder_cache())[0].clamp(-1, 1)
+    deblocking = pipe.runtime.config.deblock
+    assert deblocking is not None and pipe.runtime.deblock_strength(pipe.open_stream(StreamParams(prompt=prompt)).state) > 0
+    whole = deblock(whole, vae.spatial_compression, deblocking.strength, deblocking.reach).clamp(-1, 1)
+    reference = ((whole.permute(1, 2, 3, 0) + 1) * 127.5).round().byte().numpy()
     assert np.abs(run.raw.astype(int) - reference).max() <= 1
 
 

@@ -16,7 +16,7 @@ boundary between two blocks (p3 p2 p1 p0 | q0 q1 q2 q3):
 
 so a step becomes a ramp over 2r + 1 pixel boundaries, and a smooth gradient (no excess) passes
 unchanged. Unlike the codec's filter it does not spare large steps: the DiT's seams are as large as
-real edges (a filter skipping steps above 60 grey levels still left 5x the energy on the grid).
+real edges (a filter skipping steps above 60 grey levels still left 2.4-6.5x the energy on the grid).
 What it spares instead is a look drawn on the grid (pixel art's cells), recognised by the stream's
 conditioning (``DeblockConfig.spare``). The defaults (the whole excess, 2 pixels each side) were
 chosen on the held-out photographs: a 4-pixel reach smoothed as well but cost up to 0.55 dB against
@@ -41,7 +41,7 @@ class DeblockConfig:
     reach: int = 2  # pixels on each side of a boundary that take a share of the step
     spare: tuple[tuple[float, ...], ...] = ()
     spare_from: float = 0.5
-    spare_full: float = 0.65
+    spare_full: float = 0.6
 
     def __post_init__(self) -> None:
         if not 0.0 < self.strength <= 1.0:
