@@ -38,12 +38,14 @@ import torch
 from engine.aspect import fit_size
 from engine.capabilities import ModelCapabilities
 from engine.capabilities import UnsupportedModeError as UnsupportedModeError  # part of this API
+from engine.embedded.block_texture import GRID_LOOKS
 from engine.fidelity import FidelityConfig
 from engine.frames import frames_to_tensor, tensor_to_frames
 from engine.models.lora import LoRA, LoRABank, check_strengths
 from engine.models.wan_dit import CONFIGS, CausalWanDiT, WanDiTConfig
 from engine.sampling import SELF_FORCING, STREAMDIFFUSION_V2, SamplerPreset
 from engine.streaming.config import RuntimeConfig
+from engine.streaming.deblock import DeblockConfig
 from engine.streaming.noise import NoiseControllerConfig
 from engine.streaming.prompts import BlendMode, LookAnchors
 from engine.streaming.runtime import ChunkResult, PromptEncoder, StreamRuntime
@@ -494,7 +496,10 @@ def _runtime_from_json(data: dict[str, Any]) -> RuntimeConfig:
     data = dict(data)
     noise = NoiseControllerConfig(**data.pop("noise", {}))
     stabilizer = data.pop("stabilizer", None)
-    return RuntimeConfig(noise=noise, stabilizer=StabilizerConfig(**stabilizer) if stabilizer is not None else None, **data)
+    deblock = data.pop("deblock", None)
+    return RuntimeConfig(noise=noise, stabilizer=StabilizerConfig(**stabilizer) if stabilizer is not None else None,
+                         deblock=DeblockConfig(**{**deblock, "spare": tuple(map(tuple, deblock.get("spare", ())))})
+                         if deblock is not None else None, **data)
 
 
 def stream_recipe(config: dict[str, Any], name: str) -> tuple[SamplerPreset, RuntimeConfig]:
@@ -511,7 +516,18 @@ def stream_recipe(config: dict[str, Any], name: str) -> tuple[SamplerPreset, Run
         default_steps = int(sampler.get("default_num_steps", min(preset.default_num_steps or len(steps), len(steps))))
         preset = SamplerPreset(name, float(sampler.get("shift", preset.shift)), steps, warp=False,
                                default_num_steps=default_steps)
-    return preset, _runtime_from_json(config.get("runtime", {}))
+    runtime = dict(config.get("runtime", {}))
+    # Every diffcast file decodes with the TinyVAE, which draws each latent cell as an 8x8 block: its
+    # streams are deblocked unless the config says otherwise ("deblock": null), sparing the looks drawn
+    # on that grid. The spared looks are named in the file ("spare_looks") and reach the runtime as
+    # their prototypes, the embeddings a stream's conditioning is compared with.
+    deblock = runtime.get("deblock", {"spare_looks": list(GRID_LOOKS)})
+    if deblock is not None:
+        deblock = dict(deblock)
+        looks = config.get("prototypes", {})
+        deblock["spare"] = tuple(tuple(looks[name]) for name in deblock.pop("spare_looks", ()) if name in looks)
+    runtime["deblock"] = deblock
+    return preset, _runtime_from_json(runtime)
 
 
 def look_anchors(config: dict[str, Any]) -> LookAnchors | None:

@@ -54,6 +54,21 @@ def test_temporal_error_ignores_errors_that_stay_put() -> None:
     assert train.temporal_error(flicker, target, dim=1).abs().mean() > 0.5
 
 
+def test_grid_step_error_counts_seams_the_target_lacks_and_nothing_else() -> None:
+    target = torch.randn(2, 3, 4, 32, 32)
+    seams = torch.zeros(32)
+    seams[16:] = 0.5  # one step across the column boundary at x = 16
+    assert float(train.grid_step_error(target, target)) == 0.0
+    assert float(train.grid_step_error(target + seams, target)) == pytest.approx(0.5 * 0.5 / 3)  # 1 of 3 column boundaries
+    # The same step between columns 12 and 13 is inside a block: not a seam.
+    inside = torch.zeros(32)
+    inside[13:] = 0.5
+    assert float(train.grid_step_error(target + inside, target)) == pytest.approx(0.0, abs=1e-6)
+    # A target that has the step itself (pixel art's cells) costs nothing for drawing it.
+    assert float(train.grid_step_error(target + seams, target + seams)) == pytest.approx(0.0, abs=1e-6)
+    assert float(train.grid_step_error(target, target + seams)) > 0.0
+
+
 def test_batches_are_a_pure_function_of_seed_and_step(tmp_path: Path) -> None:
     cfg = train.TrainConfig(workdir=tmp_path, dit_batch=3)
     lat = torch.randn(4, 3, 8, 3, 16, 16).half()

@@ -158,6 +158,7 @@ def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks:
         row["encode_ms"] = _ms(statistics.median(s.encode_s for s in stages))
         row["dit_ms"] = _ms(statistics.median(s.dit_s for s in stages))
         row["decode_ms"] = _ms(statistics.median(s.decode_s for s in stages))
+        row["deblock_ms"] = _ms(statistics.median(s.deblock_s for s in stages))
         row["stabilize_ms"] = _ms(statistics.median(s.stabilize_s for s in stages))
         # Time to the first frame of fresh streams (one input frame in, one out), everything warm.
         fresh = unpack(unstarted, rt.device)
@@ -247,10 +248,10 @@ def _run_engine(args: argparse.Namespace) -> int:
     table = Table(title=f"diffcast engine bench: {pipe.name} ({report['dtype']}, {report['attention']}) on "
                         f"{report['device_name']} ({report['threads']} threads)")
     for col in ("size", "steps", "streams", "window", "sparsity", "mode", "chunk ms", "p90 ms", "first ms",
-                "FPS/stream", "FPS total", "enc/DiT/dec/stab ms"):
+                "FPS/stream", "FPS total", "enc/DiT/dec/deblock/stab ms"):
         table.add_column(col)
     for r in rows:
-        stage = "/".join(str(r.get(k, "-")) for k in ("encode_ms", "dit_ms", "decode_ms", "stabilize_ms"))
+        stage = "/".join(str(r.get(k, "-")) for k in ("encode_ms", "dit_ms", "decode_ms", "deblock_ms", "stabilize_ms"))
         table.add_row(f"{r['size'][0]}x{r['size'][1]}", str(r["steps"]), str(r["streams"]), str(r["kv_window"]),
                       f"{r['sparsity']:g}", r["mode"], str(r["chunk_ms"]), str(r["chunk_ms_p90"]),
                       str(r.get("first_chunk_ms", "-")), str(r["fps_per_stream"]), str(r["fps_total"]), stage)

@@ -5,6 +5,9 @@
 * fidelity: PSNR / SSIM of the model's output against the teacher's, per style;
 * temporal stability: warp error: output frame t−1 warped to t with DIS optical flow
   estimated on the *input* frames, mean absolute error in [0, 1] units; model vs teacher ratio;
+* block texture: gradient energy across the 16-px grid (the DiT's 2x2-latent patches x the VAE's 8x)
+  over the energy elsewhere (``engine.embedded.block_texture``), on the held-out clips of real
+  photographs (``clips.HELDOUT_IMAGES``), beside the input's and the teacher's own;
 * speed: per-chunk encode / DiT / decode / stabilizer times of one 256x256 stream (4 pixel frames per chunk).
 
 Every clip streams through the product: ``engine.pipeline.Pipeline`` loaded from the checkpoint, chunked
@@ -33,12 +36,16 @@ import torch
 from skimage.metrics import structural_similarity
 from tqdm import tqdm
 
-from engine.embedded.clips import ClipSpec, heldout_specs, render_clip
+from engine.embedded.block_texture import grid_energies
+from engine.embedded.clips import HELDOUT_IMAGES, ClipSpec, heldout_specs, render_clip
 from engine.embedded.model import DEFAULT_CONFIG, EmbeddedSpec
 from engine.embedded.teachers import stylize_clip
 from engine.fidelity import FidelityConfig
 from engine.frames import frames_to_tensor, tensor_to_frames
 from engine.pipeline import Pipeline, StreamParams
+
+# The block-texture measure's grid: one DiT token is 2x2 latent cells, one latent cell 8x8 pixels.
+GRID_PX = 16
 
 # A look whose output stays under this PSNR against its teacher on held-out clips is not shipped; the
 # same bar is the lowest quality the live policy routes a stream of this model to (profiles measured
@@ -137,15 +144,23 @@ def evaluate(pipe: Pipeline, prompts: dict[str, str], clips: int | None = None, 
     styles = list(prompts)
     keys = ("psnr", "ssim", "warp_model", "warp_teacher", "psnr_raw", "warp_raw")
     per: dict[str, dict[str, list[float]]] = {s: {k: [] for k in keys} for s in styles}
+    # (on-grid, off-grid) energies per photograph clip, pooled over clips before the ratio is taken.
+    grid: dict[str, list[tuple[float, float]]] = {}
     all_timings: list[Timings] = []
     grid_rows = []
     for ci, spec in enumerate(tqdm(specs, desc="eval clips")):
         frames = render_clip(spec)
         flows = input_flows(frames)
+        photograph = spec.source in HELDOUT_IMAGES
+        if photograph:
+            grid.setdefault("input", []).append(grid_energies(frames, GRID_PX))
         for style in styles:
             teacher = stylize_clip(frames, style)
             run = stylize_stream(pipe, frames, prompts[style], seed=ci, steps=steps, noise_scale=noise_scale)
             out = run.shipped
+            if photograph:
+                for kind, video in (("", out), ("_raw", run.raw), ("_teacher", teacher)):
+                    grid.setdefault(style + kind, []).append(grid_energies(video, GRID_PX))
             all_timings += run.timings[1:]  # steady-state chunks (the first is the 1-frame warm-up)
             per[style]["psnr"].append(psnr(out, teacher))
             per[style]["ssim"].append(ssim(out, teacher))
@@ -164,6 +179,12 @@ def evaluate(pipe: Pipeline, prompts: dict[str, str], clips: int | None = None, 
             "warp_model": wm, "warp_teacher": wt, "warp_ratio": wm / wt,
             "psnr_raw": float(np.mean(m["psnr_raw"])), "warp_raw": wr, "warp_ratio_raw": wr / wt,
         }
+        if style in grid:
+            result["styles"][style].update({f"grid_ratio{kind}": _pooled_ratio(grid[style + kind])
+                                            for kind in ("", "_raw", "_teacher")})
+    if "input" in grid:
+        result["grid_ratio_input"] = _pooled_ratio(grid["input"])
+        result["grid_px"] = GRID_PX
     wt_all = float(np.mean([v["warp_teacher"] for v in result["styles"].values()]))
     for key, suffix in (("warp_model", ""), ("warp_raw", "_raw")):
         result[f"warp_ratio_overall{suffix}"] = float(np.mean([v[key] for v in result["styles"].values()])) / wt_all
@@ -209,6 +230,12 @@ def style_prompts(config_path: Path) -> dict[str, str]:
     """The shipped looks of an embedded model's config and the prompt each is asked for by (the first
     phrasing it was trained on)."""
     return {style: phrasings[0] for style, phrasings in EmbeddedSpec.from_json(config_path.read_text()).styles.items()}
+
+
+def _pooled_ratio(energies: list[tuple[float, float]]) -> float:
+    """The grid-energy ratio of several equally sized clips taken together."""
+    on, off = np.mean(energies, axis=0)
+    return float(on / max(off, 1e-12))
 
 
 def _timing_summary(timings: list[Timings]) -> dict[str, float]:
@@ -269,14 +296,17 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "metrics.json").write_text(json.dumps(result, indent=1))
     # Markdown, so the model card can quote the run verbatim.
-    print("| style | PSNR (dB) | SSIM | warp error model | warp error teacher | ratio | raw PSNR | raw ratio |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| style | PSNR (dB) | SSIM | warp error model | warp error teacher | ratio | raw PSNR | raw ratio "
+          f"| {GRID_PX}-px grid (raw, teacher) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for style, m in result["styles"].items():
+        grid = f"{m['grid_ratio']:.2f} ({m['grid_ratio_raw']:.2f}, {m['grid_ratio_teacher']:.2f})" if "grid_ratio" in m else "-"
         print(f"| {style} | {m['psnr']:.2f} | {m['ssim']:.3f} | {m['warp_model']:.4f} | {m['warp_teacher']:.4f} "
-              f"| {m['warp_ratio']:.2f} | {m['psnr_raw']:.2f} | {m['warp_ratio_raw']:.2f} |")
+              f"| {m['warp_ratio']:.2f} | {m['psnr_raw']:.2f} | {m['warp_ratio_raw']:.2f} | {grid} |")
     styles = result["styles"].values()
+    grid_input = f"input {result['grid_ratio_input']:.2f}" if "grid_ratio_input" in result else ""
     print(f"| **mean** | {np.mean([m['psnr'] for m in styles]):.2f} | | | | overall {result['warp_ratio_overall']:.2f} "
-          f"| {np.mean([m['psnr_raw'] for m in styles]):.2f} | overall {result['warp_ratio_overall_raw']:.2f} |")
+          f"| {np.mean([m['psnr_raw'] for m in styles]):.2f} | overall {result['warp_ratio_overall_raw']:.2f} | {grid_input} |")
     print()
     print("| threads | encode | DiT | decode | stabilizer | total | FPS |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -30,6 +30,7 @@ from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
 from engine.models.wan_dit import CausalWanDiT, WanDiTConfig
 from engine.pipeline import look_anchors, stream_recipe
 from engine.sampling import noise_scale_to_timestep
+from engine.streaming.deblock import DeblockConfig
 from engine.streaming.runtime import PromptEncoder, StreamRuntime
 from engine.streaming.stabilizer import StabilizerConfig
 from engine.text import load_text_encoder
@@ -71,6 +72,7 @@ class EmbeddedSpec:
     sampler: SamplerSpec = field(default_factory=SamplerSpec)
     stream: StreamSpec = field(default_factory=StreamSpec)
     stabilizer: StabilizerConfig = field(default_factory=StabilizerConfig)
+    deblock: DeblockConfig | None = field(default_factory=DeblockConfig)  # None: the decoded frames as they are
     metrics: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -90,6 +92,7 @@ class EmbeddedSpec:
             # the trained range (s >= 0.15).
             "noise": {"noise_scale": sp.noise_scale, "motion_range": 0.05},
             "stabilizer": data["stabilizer"],
+            "deblock": data["deblock"],
         }
         data["size"] = [256, 256]
         return json.dumps(data, indent=1)
@@ -106,8 +109,10 @@ class EmbeddedSpec:
         data.pop("runtime", None)
         data.pop("size", None)
         stabilizer = StabilizerConfig(**data.pop("stabilizer", {}))
+        deblock = data.pop("deblock", {})  # absent: written before the stage existed, so the default
         return cls(
             stabilizer=stabilizer,
+            deblock=DeblockConfig(**deblock) if deblock is not None else None,
             vae=TinyVAEConfig.from_dict(data.pop("vae")),
             dit=WanDiTConfig(**dit),
             styles={k: tuple(v) for k, v in data.pop("styles").items()},

@@ -370,7 +370,8 @@ class RingRuntime:
             last = s.step + 1 == len(s.timesteps)
             row = {"key": key, "sid": st.stream_id, "step": s.step, "last": last, "t": s.timesteps[s.step],
                    "t_next": None if last else s.timesteps[s.step + 1], "frame": s.frame, "rope": s.rope,
-                   "ver": slot.version, "geom": geom, "tau": s.tau, "size": st.size, "loras": s.loras}
+                   "ver": slot.version, "geom": geom, "tau": s.tau, "size": st.size, "loras": s.loras,
+                   "deblock": self.rt.deblock_strength(st)}
             cache = self.stage.cache_for(row)
             fill = (cache.local_end, s.frame - cache.global_end[0], geom, st.fidelity.precision,
                     st.fidelity.attention_sparsity)

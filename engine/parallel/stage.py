@@ -211,7 +211,7 @@ class Stage:
                 ret["continue"].append(key)
             else:
                 decoder = self.decoders.setdefault(r["sid"], rt.vae.new_decoder_cache())
-                out[f"frames.{key}"] = rt.decode_latents(x0[i : i + 1], decoder, tuple(r["size"]))
+                out[f"frames.{key}"] = rt.decode_latents(x0[i : i + 1], decoder, tuple(r["size"]), r["deblock"])
                 ret["finished"].append(key)
             if key in sink:
                 decision = _sink_decision(sink[key], r["tau"])

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.models.wan_dit import SPARSE_BLOCK_TOKENS
+from engine.streaming.deblock import DeblockConfig
 from engine.streaming.noise import NoiseControllerConfig
 from engine.streaming.stabilizer import StabilizerConfig
 
@@ -39,6 +40,9 @@ class RuntimeConfig:
     # Motion-compensated filter on the decoded frames (engine/streaming/stabilizer.py); None = off.
     # Off by default: the reference recipe is StreamDiffusionV2's; a model config turns it on.
     stabilizer: StabilizerConfig | None = None
+    # Ramps over the steps on the VAE's block grid of the decoded frames (engine/streaming/deblock.py),
+    # before the stabilizer; None = off. A model whose decoder draws blocks (the embedded one) turns it on.
+    deblock: DeblockConfig | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_latent_frames < 1:

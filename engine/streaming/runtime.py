@@ -33,6 +33,7 @@ from engine.models.lora import LoRABank, check_strengths
 from engine.models.wan_dit import CausalWanDiT, KVCache, PromptCache
 from engine.sampling import NoiseSource, SamplerPreset, renoise, v2v_input, x0_from_velocity
 from engine.streaming.config import RuntimeConfig
+from engine.streaming.deblock import deblock
 from engine.streaming.noise import MotionAwareNoiseController, NoiseControllerConfig
 from engine.streaming.prompts import BlendMode, LookAnchors, PromptTransition, blend
 from engine.streaming.rescale import rescale_state
@@ -90,10 +91,11 @@ class StageTimings:
     dit_s: float = 0.0
     decode_s: float = 0.0
     stabilize_s: float = 0.0
+    deblock_s: float = 0.0  # part of decoding, timed apart (not in decode_s)
 
     @property
     def total_s(self) -> float:
-        return self.encode_s + self.dit_s + self.decode_s + self.stabilize_s
+        return self.encode_s + self.dit_s + self.decode_s + self.deblock_s + self.stabilize_s
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,7 @@ class StreamRuntime:
         self.device = dit.device
         self.stabilizer = TemporalStabilizer(config.stabilizer) if config.stabilizer is not None else None
         self.last_timings = StageTimings()
+        self._deblock_s = 0.0  # deblocking time of the chunks decoded since step_batch last reset it
 
     # -- stream lifecycle ---------------------------------------------------------------------------
 
@@ -426,15 +429,30 @@ class StreamRuntime:
         if not chunk.done:
             raise ValueError(f"chunk of stream {chunk.state.stream_id} has {chunk.steps_left} steps left")
         state = chunk.state
-        frames = self.decode_latents(chunk.x, state.vae_decoder, state.size)
+        frames = self.decode_latents(chunk.x, state.vae_decoder, state.size, self.deblock_strength(state))
         self.account(chunk)
         return ChunkResult(frames, chunk.noise_rate, chunk.timesteps[0], chunk.refreshed)
 
-    def decode_latents(self, x0: torch.Tensor, decoder: object, size: tuple[int, int]) -> torch.Tensor:
-        """x̂₀ [1, C, F, h, w] -> frames [3, T, H, W] in [-1, 1] at ``size`` (a pipeline's last rank
-        calls this with its own decoder caches)."""
+    def decode_latents(self, x0: torch.Tensor, decoder: object, size: tuple[int, int],
+                       deblock_strength: float = 0.0) -> torch.Tensor:
+        """x̂₀ [1, C, F, h, w] -> frames [3, T, H, W] in [-1, 1] at ``size``, deblocked at
+        ``deblock_strength`` (the stream's :meth:`deblock_strength`; a pipeline's last rank calls this
+        with its own decoder caches)."""
         frames = self.vae.decode_chunk(x0, decoder)[0].float().clamp(-1, 1)
+        if self.config.deblock is not None and deblock_strength > 0:
+            t = self.clock()
+            # At the engine size, where the blocks sit on the grid (a resize would move them off it).
+            frames = deblock(frames, self.vae.spatial_compression, deblock_strength, self.config.deblock.reach)
+            frames = frames.clamp(-1, 1)
+            self._deblock_s += self.clock() - t
         return fit_frames(frames, size)
+
+    def deblock_strength(self, state: StreamState) -> float:
+        """How strongly the stream's decoded frames are deblocked (0: not at all): the config's strength,
+        less for a stream whose prompt asks for a look drawn on the grid."""
+        if self.config.deblock is None:
+            return 0.0
+        return self.config.deblock.strength_for(state.embedding)
 
     @staticmethod
     def account(chunk: ChunkInFlight) -> None:
@@ -472,12 +490,13 @@ class StreamRuntime:
         t1 = self.clock()
         self.run_to_end(chunks)
         t2 = self.clock()
+        self._deblock_s = 0.0
         results = [self.decode_chunk(c) for c in chunks]
         t3 = self.clock()
         results = [self.stabilize(c.state, c.inputs, r, c.restart) if c.inputs is not None else r
                    for c, r in zip(chunks, results, strict=True)]
-        self.last_timings = StageTimings(encode_s=t1 - t0, dit_s=t2 - t1, decode_s=t3 - t2,
-                                         stabilize_s=self.clock() - t3)
+        self.last_timings = StageTimings(encode_s=t1 - t0, dit_s=t2 - t1, decode_s=t3 - t2 - self._deblock_s,
+                                         deblock_s=self._deblock_s, stabilize_s=self.clock() - t3)
         return results
 
     def clock(self) -> float:
