@@ -104,7 +104,7 @@ def test_every_phrasing_of_a_look_drawn_on_the_grid_is_spared_and_no_other(model
 
 def test_prompt_resolution(model: EmbeddedModel) -> None:
     match = model.match("a charcoal pencil drawing")
-    assert match.style == "pencil_sketch" and not match.too_far
+    assert {name for name, _ in match.nearest[:2]} == {"charcoal", "pencil_sketch"} and not match.too_far
     far = model.match("quarterly tax report spreadsheet")
     assert far.too_far
     assert "nearest" in far.message() and "pencil sketch" in far.message() and "neon" not in far.message()
@@ -187,3 +187,20 @@ def test_explicit_prompt_weights_blend_two_looks_between_them(pipe: Pipeline) ->
     leaning_a = _look_video(pipe, frames, [a, b], (0.8, 0.2))
     leaning_b = _look_video(pipe, frames, [a, b], (0.2, 0.8))
     assert _dist(leaning_a, look_a) < to_a < _dist(leaning_b, look_a)
+
+
+def test_a_prompt_near_two_looks_is_served_between_them(pipe: Pipeline) -> None:
+    """Anchored, a prompt about as near two looks as "a charcoal pencil drawing" is served as their
+    interpolation: its output lies between the two looks' own outputs, not at either end."""
+    anchors = pipe.runtime.prompts.anchors
+    assert anchors is not None, "the shipped model anchors prompts to its looks"
+    prompt = "a charcoal pencil drawing"
+    weights = dict(anchors.weights(pipe.runtime.prompts.pooled([prompt])[0]))
+    assert set(weights) == {"charcoal", "pencil_sketch"} and min(weights.values()) > 0.2
+    frames = render_clip(heldout_specs()[1])[:5]
+    charcoal, pencil = _look_video(pipe, frames, "charcoal drawing"), _look_video(pipe, frames, "pencil sketch")
+    apart = _dist(charcoal, pencil)
+    both = _look_video(pipe, frames, prompt)
+    to_charcoal, to_pencil = _dist(both, charcoal), _dist(both, pencil)
+    assert 0.05 * apart < to_charcoal < apart and 0.05 * apart < to_pencil < apart
+    assert to_charcoal + to_pencil < 1.25 * apart

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from engine.embedded.block_texture import GRID_LOOKS
 from engine.embedded.styles import FAR_BELOW, StyleMatch, match_style, pooled_embeddings
 from engine.fidelity import FidelityConfig
 from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
@@ -78,6 +79,11 @@ class EmbeddedSpec:
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         data["format"] = FORMAT
+        if self.deblock is not None:
+            # The spared looks by name (the loader turns them into the prototypes the runtime compares a
+            # stream's conditioning with), so a look left out or added on export is spared or not with it.
+            data["deblock"].pop("spare")
+            data["deblock"]["spare_looks"] = [name for name in GRID_LOOKS if name in self.prototypes]
         # Derived views for engine/pipeline.py's loader (StreamDiffusionV2 preset steps, RuntimeConfig
         # fields, stream size); from_json ignores them, the fields above are the source of truth.
         sp = self.sampler
@@ -110,6 +116,8 @@ class EmbeddedSpec:
         data.pop("size", None)
         stabilizer = StabilizerConfig(**data.pop("stabilizer", {}))
         deblock = data.pop("deblock", {})  # absent: written before the stage existed, so the default
+        if deblock is not None:
+            deblock = {k: v for k, v in deblock.items() if k not in ("spare", "spare_looks")}  # named, see to_json
         return cls(
             stabilizer=stabilizer,
             deblock=DeblockConfig(**deblock) if deblock is not None else None,
