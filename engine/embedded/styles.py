@@ -53,11 +53,11 @@ STYLE_PROMPTS: dict[str, tuple[str, ...]] = {
 NOT_SHIPPED: frozenset[str] = frozenset({"neon", "comic_ink", "blueprint", "chalkboard", "x_ray"})
 
 # A prompt is far from every look when its best cosine similarity to a look's prototype is below
-# this. Chosen on the two lists in engine/embedded/prompt_lists/ (tests/test_prompt_lists.py holds
+# this. Chosen on the two lists in engine/embedded/prompt_lists/ (tests/test_embedded_styles.py holds
 # it to them): every shipped phrasing and paraphrase but one ("sepia tone", 0.51) is at 0.60 or
-# above, and of the 60 unrelated prompts only "charcoal drawing" (0.71) and "a chalkboard drawing"
-# (0.67), both honestly near the pencil sketch, are above 0.52. 0.55 sits in that gap; the old 0.35
-# let "underwater scene" (0.45) and a third of the unrelated prompts through without a word.
+# above, and of the 62 unrelated prompts only "a chalkboard drawing" (0.67, near the pencil sketch)
+# and "sunset over the mountains" (0.58, near golden hour) are above 0.52. 0.55 sits in that gap; the
+# old 0.35 let "underwater scene" (0.45) and a third of the unrelated prompts through without a word.
 FAR_BELOW = 0.55
 # Look anchoring (engine/streaming/prompts.py ``LookAnchors``): a prompt is served as its two nearest looks'
 # prototypes mixed by a softmax of its similarities at this temperature. A trained phrasing is 0.1-0.3
