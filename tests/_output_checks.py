@@ -20,10 +20,11 @@ import numpy as np
 
 # Calibrated on the embedded default model, its 9 looks on 5 held-out clips and the moving test
 # pattern at 256 and 128 px (tests/test_output_checks.py holds the checks to it):
-#   real output: structure 0.40-0.95, motion 0.51-0.98, change 7.4-118, contrast >= 9.5, looks >= 13 apart;
+#   real output: structure 0.40-0.95 (0.30 for the 16-look model's woodblock on held-out clip 4, whose
+#   own teacher scores 0.12 there: posterised layers keep few of the input's edges), motion 0.51-0.98, change 7.4-118, contrast >= 9.5, looks >= 13 apart;
 #   noise (random weights): structure and motion |x| <= 0.05; black: contrast 0; the input: change 0;
 #   a frozen frame: motion 0.00.
-MIN_STRUCTURE = 0.3
+MIN_STRUCTURE = 0.2
 MIN_CHANGE = 4.0  # mean |output - input| over 0..255: a look changes the picture
 MIN_CONTRAST = 4.0  # per-frame standard deviation: not black, not a flat colour
 MIN_MOTION = 0.3

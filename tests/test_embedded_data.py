@@ -62,7 +62,7 @@ def test_registry_matches_teachers() -> None:
 
 
 def test_stylize_rejects_bad_input() -> None:
-    with pytest.raises(ValueError, match="unknown style 'vaporwave'"):
-        stylize_clip(np.zeros((1, 8, 8, 3), np.uint8), "vaporwave")
+    with pytest.raises(ValueError, match="unknown style 'glitter'"):
+        stylize_clip(np.zeros((1, 8, 8, 3), np.uint8), "glitter")
     with pytest.raises(ValueError, match="expected uint8 frames"):
         stylize_clip(np.zeros((8, 8, 3), np.uint8), "thermal")

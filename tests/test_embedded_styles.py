@@ -47,3 +47,10 @@ def test_shipped_phrasings_and_paraphrases_get_no_notice(pipe: Pipeline) -> None
 def test_a_blend_with_one_near_prompt_gets_no_notice(pipe: Pipeline) -> None:
     assert pipe.prompt_notice(("underwater scene", "watercolor")) is None
     assert pipe.prompt_notice(("underwater scene", "a cat sitting on a windowsill")) is not None
+
+
+def test_every_look_asked_for_by_its_own_name_gets_no_notice(pipe: Pipeline) -> None:
+    """The notice lists the looks by name, so typing a listed name must never be called far."""
+    assert pipe.styles is not None
+    flagged = [n for n in pipe.capabilities.looks if pipe.prompt_notice((n,)) is not None]
+    assert not flagged, flagged

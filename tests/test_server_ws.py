@@ -31,7 +31,7 @@ async def test_websocket_stream_and_errors(live_server: Callable[..., AbstractCo
 
             await ws.send(b"not a jpeg")
             await ws.send(json.dumps({"type": "update", "steps": 9}))
-            await ws.send(json.dumps({"type": "update", "prompt": "charcoal", "noise_scale": 0.5}))
+            await ws.send(json.dumps({"type": "update", "prompt": "underwater scene", "noise_scale": 0.5}))
             replies: list[dict[str, object]] = []
             ids: set[int] = set()
             sent: set[int] = set()
@@ -56,7 +56,7 @@ async def test_websocket_stream_and_errors(live_server: Callable[..., AbstractCo
                 except TimeoutError:
                     pass
             deadline = time.monotonic() + 10
-            while not any(r.get("prompt") == "charcoal" for r in replies) and time.monotonic() < deadline:
+            while not any(r.get("prompt") == "underwater scene" for r in replies) and time.monotonic() < deadline:
                 message = await asyncio.wait_for(ws.recv(), 10)
                 if isinstance(message, str):
                     replies.append(json.loads(message))
@@ -66,6 +66,6 @@ async def test_websocket_stream_and_errors(live_server: Callable[..., AbstractCo
     acks = [r for r in replies if r["type"] == "ack" and r["applied"] == "update"]
     assert acks and "far from every look" in acks[-1]["notice"], replies  # the embedded model has looks
     stats = [r for r in replies if r["type"] == "stats"]
-    assert stats and stats[-1]["prompt"] == "charcoal" and stats[-1]["kind"] == "ws"
+    assert stats and stats[-1]["prompt"] == "underwater scene" and stats[-1]["kind"] == "ws"
     assert len(ids) >= 8, ids
     assert ids <= sent, ids - sent  # output frames made from this client's own frames
