@@ -98,8 +98,11 @@ async def test_slack_policy_downshifts_instead_of_stalling(live_server: Callable
                   + ", ".join(f"{k}={v.stats.get(k)}" for k in keys))
     for v in slack:
         assert v.stats["policy"] == "slackserve" and v.stats["tier"] in ("urgent", "normal", "relaxed")
-        # Downshifted (per stats): chunks ran below the best config; the current config may already be back up.
-        assert v.stats["degraded_chunks"] > 0 and v.stats["fidelity_steps"] is not None
+        assert v.stats["fidelity_steps"] is not None
+    # Downshifted (per stats): chunks ran below the best config (the current config may already be back
+    # up). The policy may keep one stream at full fidelity while the other gives way, so the pair is
+    # asserted, not each stream.
+    assert sum(v.stats["degraded_chunks"] for v in slack) > 0
     for v in fifo:
         # FIFO turns: each stream at its own fixed fidelity (its 4 steps), never downshifted.
         assert v.stats["policy"] == "fifo" and v.stats["degraded_chunks"] == 0 and v.stats["chunk_steps"] == 4
