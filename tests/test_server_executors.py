@@ -404,3 +404,38 @@ async def test_a_stream_short_on_slack_downshifts_resolution_before_it_stalls(
     assert state.engine_size == loop.executor.streams[a.sid].runner.processor._stream.runtime.engine_size(
         state.size, chosen)  # the engine really ran the smaller size
     assert loop.stats(a.sid)["reduced_resolution_chunks"] == 1
+
+
+async def test_two_lanes_run_two_streams_side_by_side_with_undisturbed_results() -> None:
+    """Each lane is a worker of the core: the two streams are homed on different lanes, both lanes'
+    steps are dispatched at once, and every chunk equals a fresh stream's run of the same chunks (to
+    float rounding: a lane's step runs on its share of the threads, which orders the sums differently)."""
+    from app.server.engine_bridge import InProcessFactory
+    from engine.streaming.lanes import EngineLanes
+
+    single = InProcessFactory.load("tiny-random")
+    factory = InProcessFactory(single.pipeline, EngineLanes(2, 2))
+    clock = FakeClock()
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        loop = make_loop(factory, pool, clock, policy="fifo")
+        assert [w.worker_id for w in loop.executor.worker_views()] == [0, 1]
+        a = Stream(loop, factory, clock, pool, steps=1, seed=5)
+        b = Stream(loop, factory, clock, pool, steps=1, seed=6)
+        homes = {loop.core.ledger.entries[s.sid].worker for s in (a, b)}
+        assert homes == {0, 1}
+        for k in range(4):
+            for s in (a, b):
+                s.push(1 if k == 0 else 4)
+            clock.now += 1.0
+            loop.run_once()
+            assert sorted(loop.core.jobs) == [0, 1]  # one step on each lane, at once
+            await settle(loop)
+        assert len(a.outputs) == len(b.outputs) == 4
+        for s in (a, b):
+            for got, want in zip(s.outputs, s.twin_outputs(single), strict=True):
+                diff = np.abs(got.astype(int) - want.astype(int))
+                assert diff.max() <= 1 and (diff > 0).mean() < 1e-3
+        assert np.abs(a.outputs[-1].astype(int) - b.outputs[-1].astype(int)).mean() > 5
+    finally:
+        pool.shutdown(wait=True)

@@ -143,6 +143,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads for the engine (0 = torch default)")
     parser.add_argument(
+        "--lanes", type=int, default=0,
+        help="engine lanes: steps of different streams run side by side, each lane on its share of the "
+             "threads (0 = auto: one per thread on a CPU, up to 2; one on a GPU)",
+    )
+    parser.add_argument(
         "--ray", action="store_true",
         help="run the engine as Ray worker actors on a local Ray cluster started here (needs the cluster extra)",
     )

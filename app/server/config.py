@@ -71,6 +71,10 @@ class ServerConfig:
     # LoRAs loaded with the model (--lora); streams set their strengths (docs/lora.md).
     loras: tuple[LoRASpec, ...] = ()
     device: str = "cpu"
+    # Engine lanes of the in-process engine: steps of different streams side by side, each lane a
+    # worker of the serving policy (engine/streaming/lanes.py). 0 = auto: one per thread on a CPU, up
+    # to 2; one on an accelerator.
+    lanes: int = 0
     max_streams: int = 4
     # WHEP viewers per stream: each one costs a video encoder on the server.
     max_viewers: int = 8
@@ -224,6 +228,7 @@ class ServerConfig:
             worker_delay_ms=parse_delays(getattr(args, "worker_delay_ms", None)),
             min_workers=getattr(args, "min_workers", 1),
             max_workers=getattr(args, "max_workers", 0),
+            lanes=getattr(args, "lanes", 0),
             scale_in_cooldown_s=getattr(args, "scale_in_cooldown_s", 60.0),
             policy=args.policy,
             state_slots=args.state_slots,
@@ -263,6 +268,8 @@ class ServerConfig:
             raise ValueError(f"--scale-in-cooldown-s must be >= 0, got {self.scale_in_cooldown_s}")
         if self.min_workers < 1:
             raise ValueError(f"--min-workers must be at least 1, got {self.min_workers}")
+        if not 0 <= self.lanes <= 64:
+            raise ValueError(f"--lanes must be between 0 (auto) and 64, got {self.lanes}")
         if self.max_workers and self.max_workers < self.min_workers:
             raise ValueError(f"--max-workers ({self.max_workers}) must be at least --min-workers ({self.min_workers})")
 

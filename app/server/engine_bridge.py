@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 from engine.serving.fidelity import FidelityConfig
+from engine.streaming.lanes import EngineLanes, auto_lanes
 
 # The step-wise stream lives in engine/ (Ray worker actors run it too); the server's name for it stays.
 from engine.streaming.step_processor import InProcessProcessor as InProcessProcessor
@@ -86,8 +87,8 @@ class ProcessorFactory(Protocol):
 def parallel_chunks(factory: ProcessorFactory) -> int:
     """How many chunks (of different streams) the factory's engine can run at once.
 
-    A factory may declare ``parallel_chunks``; one in-process pipeline is not thread-safe, so the
-    default is 1. Engines behind a thread-safe router (Ray workers) can say how many they run.
+    A factory may declare ``parallel_chunks`` (the in-process engine: its lanes; Ray workers: how
+    many their router runs at once); the default is 1.
     """
     return max(1, int(getattr(factory, "parallel_chunks", 1)))
 
@@ -100,23 +101,38 @@ def per_chunk_fidelity(factory: ProcessorFactory) -> bool:
 
 
 class InProcessFactory:
-    """Opens streams on one loaded `engine.pipeline.Pipeline`."""
+    """Opens streams on one loaded `engine.pipeline.Pipeline`, whose steps run in ``lanes``
+    (engine/streaming/lanes.py): each lane a worker of the engine core with streams of its own, the
+    lanes' steps side by side on the one model."""
 
     per_chunk_fidelity = True  # its processors are StepProcessors
 
-    def __init__(self, pipeline: Any) -> None:
+    def __init__(self, pipeline: Any, lanes: EngineLanes | None = None) -> None:
         self._pipe = pipeline
+        self.lanes = lanes if lanes is not None else EngineLanes()
+
+    @property
+    def parallel_chunks(self) -> int:
+        """Steps run at once: one per lane."""
+        return self.lanes.lanes
 
     @classmethod
-    def load(cls, model: str | None, device: str = "cpu", loras: Sequence[LoRASpec] = ()) -> InProcessFactory:
+    def load(cls, model: str | None, device: str = "cpu", loras: Sequence[LoRASpec] = (),
+             lanes: int = 1) -> InProcessFactory:
+        """``lanes`` 0: `auto_lanes` for the device and torch's thread count."""
+        import torch
+
         from engine.pipeline import Pipeline
 
         t0 = time.perf_counter()
         pipe = Pipeline.load(model=model, device=device)
         for lora in loras:
             pipe.load_lora(lora.name, lora.path, lora.strength)
-        log.info("loaded model %s on %s in %.1f s", model or "(embedded default)", device, time.perf_counter() - t0)
-        return cls(pipe)
+        threads = torch.get_num_threads()
+        count = lanes or auto_lanes(device, threads)
+        log.info("loaded model %s on %s in %.1f s; %d engine lane(s), %d thread(s)", model or "(embedded default)",
+                 device, time.perf_counter() - t0, count, threads)
+        return cls(pipe, EngineLanes(count, threads))
 
     @property
     def loras(self) -> list[dict[str, Any]]:

@@ -3,8 +3,9 @@
 The core decides; an executor carries the decision out on a real engine and tells the core when the
 step is over. Here:
 
-* ``StepExecutor`` — the in-process engine (`InProcessFactory`, one worker): every ``Work`` is ONE
-  denoising step of one or more streams' chunks on the engine thread. A new chunk takes its input
+* ``StepExecutor`` — the in-process engine (`InProcessFactory`): one worker per engine lane
+  (engine/streaming/lanes.py), every ``Work`` ONE denoising step of one or more streams' chunks on
+  that lane's engine thread; a re-home between lanes moves nothing (one process, one model). A new chunk takes its input
   from the stream's assembler and enters (encode, noise) first; the last step decodes and
   stabilises. Streams whose steps the policy groups share one forward (split by cache fill level);
   a stream the policy preempts keeps its half-done chunk parked in its processor; evicted streams'
@@ -30,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor as ThreadExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -59,6 +61,7 @@ from engine.serving.policy import Ordering, PolicyConfig, SlackPolicy, resolve_p
 from engine.serving.scaler import Scaler
 from engine.serving.snapshot import Rehome, WorkerView
 from engine.sim.runner import advisory_autoscale
+from engine.streaming.lanes import EngineLanes
 from engine.streaming.step_processor import StepRow, run_step
 
 log = logging.getLogger(__name__)
@@ -219,9 +222,18 @@ class _LiveExecutor:
 
 
 class StepExecutor(_LiveExecutor):
-    """One denoising step per ``Work`` on a worker's engine: here the in-process engine on the engine
-    thread; `RayExecutor` (app/server/cluster_executor.py) overrides only ``_engine_step``, the call
-    that runs the step on worker ``w``'s actor."""
+    """One denoising step per ``Work`` on a worker's engine: here the in-process engine's lanes, each
+    worker a lane; `RayExecutor` (app/server/cluster_executor.py) overrides only ``_engine_step``, the
+    call that runs the step on worker ``w``'s actor."""
+
+    lanes: EngineLanes | None = None  # the in-process engine's lanes (threads per step); None on Ray
+
+    def rehome(self, move: Rehome) -> float:
+        """Lanes share one process and one model: the stream's state stays where it is in memory."""
+        if move.stream_id in self.streams:
+            self.rehomes += 1
+            self.note("rehome", move.stream_id, move.dst, src=move.src)
+        return 0.0
 
     def execute(self, work: Work) -> float:
         self._take_inputs(work)
@@ -275,8 +287,9 @@ class StepExecutor(_LiveExecutor):
             _step_processor(stream).drop_chunks()
         rows = [StepRow(_step_processor(stream), order.point.config if inputs is not None else None, inputs)
                 for stream, order, inputs in active]
-        finished, forwards = run_step(rows, [_step_processor(s) for s in evict], [_step_processor(s) for s in restore],
-                                      self.delay_s, self.step_delay_s)
+        with self.lanes.step() if self.lanes is not None else nullcontext():
+            finished, forwards = run_step(rows, [_step_processor(s) for s in evict],
+                                          [_step_processor(s) for s in restore], self.delay_s, self.step_delay_s)
         self.forwards += forwards
         return finished
 
@@ -589,7 +602,8 @@ def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads:
     profile = replace(with_emulated_delay(profile, config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0),
                       fps=config.max_fps)
     controller = getattr(factory, "controller", None)  # Ray worker actors (RayFactory)
-    workers = len(controller.worker_ids) if controller is not None else 1
+    # Ray: its worker actors; in process: the engine's lanes (each a worker with streams of its own).
+    workers = len(controller.worker_ids) if controller is not None else parallel_chunks(factory) if step_wise else 1
     most = max(workers, config.max_workers if controller is not None else 1)
     policy = SlackPolicy(profile, live_policy_config(config.policy, config.max_batch, step_wise, batches is not None,
                                                      workers=most))
@@ -612,7 +626,8 @@ def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads:
             scaler = Scaler(scale, executor, cooldown_s=config.scale_in_cooldown_s,
                             capacity=lambda p: advisory_autoscale(p).streams_per_worker)
     elif step_wise:
-        executor = StepExecutor(1, threads, clock, slots, config.max_fps, *delays)
+        executor = StepExecutor(workers, threads, clock, slots, config.max_fps, *delays)
+        executor.lanes = getattr(factory, "lanes", None)
     elif batches is not None:
         executor = RankExecutor(batches, threads, clock, config.max_fps, *delays)
     else:

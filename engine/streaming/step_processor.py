@@ -8,8 +8,10 @@ batches, eviction to host memory and step preemption behave alike on both.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Hashable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -24,7 +26,10 @@ class StepProcessor(Protocol):
     is set per chunk, its chunk runs one denoising step at a time (so a more urgent stream can run
     between two steps), steps of several streams share one forward, with ``step_batch`` the steps of
     its successive chunks share one forward too, and its state can be parked in host memory and
-    brought back bit-identically. Every call happens on the engine thread."""
+    brought back bit-identically. Calls come from the engine's threads (one per lane): ``lock`` is held
+    around each, so a control change never lands in the middle of the stream's step."""
+
+    lock: threading.RLock
 
     @property
     def first_chunk_frames(self) -> int: ...
@@ -88,6 +93,7 @@ class InProcessProcessor:
         self._queue: list[Any] = []  # the runtime's ChunkInFlight objects, oldest first
         self._drained: list[np.ndarray] = []  # frames of chunks finished while making room
         self._parked: bytes | None = None  # state and chunks in flight while offloaded to host memory
+        self.lock = threading.RLock()  # run_step holds it over a whole step; control calls take it too
 
     @property
     def first_chunk_frames(self) -> int:
@@ -98,22 +104,25 @@ class InProcessProcessor:
         return self._chunk
 
     def process(self, frames: np.ndarray) -> np.ndarray:
-        self._resident()
-        self._queue, self._drained = [], []
-        return np.asarray(self._stream.process(frames), dtype=np.uint8)
+        with self.lock:
+            self._resident()
+            self._queue, self._drained = [], []
+            return np.asarray(self._stream.process(frames), dtype=np.uint8)
 
     def update(self, **changes: Any) -> None:
-        # A control change while offloaded: bring the state back, change it, park it again.
-        parked = self.offloaded
-        self._resident()
-        self._stream.update(**changes)
-        if parked:
-            self.offload()
+        with self.lock:
+            # A control change while offloaded: bring the state back, change it, park it again.
+            parked = self.offloaded
+            self._resident()
+            self._stream.update(**changes)
+            if parked:
+                self.offload()
 
     def reset(self) -> None:
-        self._parked = None
-        self._queue, self._drained = [], []
-        self._stream.reset()
+        with self.lock:
+            self._parked = None
+            self._queue, self._drained = [], []
+            self._stream.reset()
 
     def fidelity(self) -> FidelityConfig:
         self._resident()
@@ -234,7 +243,17 @@ def run_step(rows: Sequence[StepRow], evict: Sequence[StepProcessor] = (), resto
     """Park, unpark, enter new chunks, one forward per batch group, take finished chunks.
 
     Returns every row's finished chunks (uint8 [T, H, W, 3] each, oldest first) and the forwards run.
-    ``delay_s`` per new chunk and ``step_delay_s`` per forward emulate a slower engine (test knobs)."""
+    ``delay_s`` per new chunk and ``step_delay_s`` per forward emulate a slower engine (test knobs).
+    Every processor's lock is held for the whole step (in one order, so two lanes never deadlock)."""
+    involved = {id(p): p for p in (*evict, *restore, *(row.processor for row in rows))}
+    with ExitStack() as held:
+        for key in sorted(involved):
+            held.enter_context(involved[key].lock)
+        return _run_step(rows, evict, restore, delay_s, step_delay_s)
+
+
+def _run_step(rows: Sequence[StepRow], evict: Sequence[StepProcessor], restore: Sequence[StepProcessor],
+              delay_s: float, step_delay_s: float) -> tuple[list[list[np.ndarray]], int]:
     for processor in evict:
         processor.offload()
     for processor in restore:
