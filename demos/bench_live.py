@@ -10,8 +10,9 @@ stamp) and the dropped-frame ratio (frames the server skipped or discarded / fra
 
 Throughput against the engine alone, in the same run: the aggregate delivered FPS (every stream's
 new frames per second at the clients) beside the engine-only FPS: the same engine code the live
-executor calls (engine.streaming.step_processor.run_step, every stream's chunk in one batched
-step) in a process of its own with the server's threads, at the ladder points the policy chose
+executor calls (engine.streaming.step_processor.run_step on the server's engine lanes, the streams
+spread over them, each lane's streams in one batched step) in a process of its own with the
+server's threads, at the ladder points the policy chose
 (from the stats each stream receives about once a second, weighted by how often each was chosen),
 with no media, network or policy. The run takes it after the live rows, when the server has stopped.
 
@@ -41,6 +42,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -216,46 +218,69 @@ def same_point(a: str, b: str) -> bool:
 
 def engine_only(model: str, profile: str | None, labels: list[str], streams: int, threads: int,
                 device: str) -> dict[str, tuple[float, float]]:
-    """In this process: ``streams`` streams of ``model``, every chunk of theirs in one `run_step`, at each
-    ladder point of ``labels``: {label: (frames per second, CPU ms per frame)}."""
+    """In this process: ``streams`` streams of ``model`` on the server's engine lanes, as the live
+    executor runs them (the streams spread over the lanes, each lane's streams in one `run_step` per
+    chunk, the lanes side by side), at each ladder point of ``labels``: {label: (frames per second,
+    CPU ms per frame)}."""
+    import threading
+
     import torch
 
-    from app.client import pattern_frame
     from app.server.engine_bridge import InProcessFactory, StreamSettings
     from engine.serving.fidelity import load_profile
-    from engine.streaming.step_processor import StepProcessor, StepRow, run_step
+    from engine.streaming.step_processor import StepProcessor
 
     if threads > 0:
         torch.set_num_threads(threads)
-    factory = InProcessFactory.load(None if model == "default" else model, device)
+    factory = InProcessFactory.load(None if model == "default" else model, device, lanes=0)  # as serve
+    lanes = factory.lanes
     ladder = (load_profile(profile) if profile else bundled_live_profile(model, factory.size)).points
     measured = {}
     for label in labels:
         # A policy's label names its cross-user batch (".../b4"); the engine runs the ladder point with
-        # the streams batched by run_step, as the live executor does.
+        # each lane's streams batched by run_step, as the live executor does.
         config = next(p.config for p in ladder if same_point(p.config.label(), label))
         processors = [p for _ in range(streams) if isinstance(p := factory.open(StreamSettings(steps=config.steps)),
                                                                 StepProcessor)]
-        index = 0
-
-        def chunks(frames: int, count: int) -> list[list[np.ndarray]]:
-            nonlocal index
-            out = [[np.stack([pattern_frame(index + t, factory.size, v) for t in range(frames)])
-                    for v in range(streams)] for _ in range(count)]
-            index += frames * count
-            return out
-
-        warm = chunks(1, 1) + chunks(processors[0].chunk_frames, ENGINE_WARMUP_CHUNKS)
-        timed = chunks(processors[0].chunk_frames, ENGINE_CHUNKS)
-        for step in warm:
-            run_step([StepRow(p, config, frames) for p, frames in zip(processors, step, strict=True)])
+        homes = [h for h in (processors[k::lanes.lanes] for k in range(lanes.lanes)) if h]  # spread evenly
+        start = threading.Barrier(len(homes) + 1)
+        workers = [threading.Thread(target=engine_lane, args=(factory, config, group, k, len(homes), start))
+                   for k, group in enumerate(homes)]
+        for worker in workers:
+            worker.start()
+        start.wait()  # every lane warmed up: the clock starts
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        for step in timed:
-            run_step([StepRow(p, config, frames) for p, frames in zip(processors, step, strict=True)])
+        for worker in workers:
+            worker.join()
         cpu1, wall1 = time.process_time(), time.perf_counter()
         frames = streams * ENGINE_CHUNKS * processors[0].chunk_frames
         measured[label] = (frames / (wall1 - wall0), 1000 * (cpu1 - cpu0) / frames)
     return measured
+
+
+def engine_lane(factory: Any, config: Any, group: list[Any], lane: int, lanes: int, start: Any) -> None:
+    """One lane of `engine_only`: its streams' first chunk and warm-up chunks, then (once every lane is
+    warm) the timed chunks, each chunk of all its streams in one `run_step`."""
+    from app.client import pattern_frame
+    from engine.streaming.step_processor import StepRow, run_step
+
+    chunk_frames = group[0].chunk_frames
+
+    def chunk(index: int, frames: int) -> list[np.ndarray]:
+        return [np.stack([pattern_frame(index + t, factory.size, lane + v * lanes) for t in range(frames)])
+                for v in range(len(group))]
+
+    def step(chunks: list[np.ndarray]) -> None:
+        with factory.lanes.step():
+            run_step([StepRow(p, config, frames) for p, frames in zip(group, chunks, strict=True)])
+
+    step(chunk(0, 1))
+    for i in range(ENGINE_WARMUP_CHUNKS):
+        step(chunk(1 + i * chunk_frames, chunk_frames))
+    timed = [chunk(1 + (ENGINE_WARMUP_CHUNKS + i) * chunk_frames, chunk_frames) for i in range(ENGINE_CHUNKS)]
+    start.wait()
+    for chunks in timed:
+        step(chunks)
 
 
 def with_engine_only(results: list[Result], model: str, profile: str | None, threads: int, device: str) -> None:

@@ -128,3 +128,54 @@ def test_tick_produces_consistent_plan(profile: FidelityProfile) -> None:
             ws = [s for s in ws if s.stream_id != pick]
         assert tuple(order) == plan.queues[w]
     assert plan.worker_tiers[2] is None
+
+
+def live_policy() -> SlackPolicy:
+    from engine.serving.fidelity import BUNDLED_PROFILES, load_profile
+
+    # The embedded model's measured ladder: five rungs from x1 (best) to x0.5 (fastest), 20 dB floor.
+    return SlackPolicy(load_profile(BUNDLED_PROFILES / "default_cpu_256.json"), replace(PolicyConfig(), live_load=0.85))
+
+
+def best_within(pol: SlackPolicy, seconds: float) -> float:
+    """Independently of the router: the best quality among the profile's single-stream points that take
+    at most ``seconds``, else the fastest point's."""
+    points = pol.profile.per_stream()
+    fitting = [p.quality for p in points if p.latency_s <= seconds]
+    return max(fitting) if fitting else min(points, key=lambda p: p.latency_s).quality
+
+
+@pytest.mark.parametrize("sharing", [1, 4, 6, 8, 12])
+def test_live_streams_get_the_best_point_in_their_share_of_the_worker(sharing: int) -> None:
+    pol = live_policy()
+    share = 0.85 * pol.profile.chunk_duration_s / sharing
+    slack = 0.4 * pol.profile.chunk_duration_s  # a short live playout buffer: the slack budget alone is small
+    streams = [sv(i, slack) for i in range(sharing)]
+    d = pol.dispatch(0.0, W, streams)
+    assert d.point is not None and d.point.quality == best_within(pol, share)
+    assert pol.next_point(slack, 0.0, sharing=sharing).quality == best_within(pol, share)
+    # Without live_load the same slack holds the stream at BMPR's slack budget, a lower rung.
+    slack_only = SlackPolicy(pol.profile, PolicyConfig())
+    assert slack_only.next_point(slack, 0.0).quality == best_within(pol, slack / 3)
+    assert best_within(pol, slack / 3) < best_within(pol, 0.85 * pol.profile.chunk_duration_s)
+
+
+def test_a_live_stream_keeps_its_point_whatever_its_short_playout_buffer() -> None:
+    pol = live_policy()
+    top = pol.top_point()
+    # Live playout keeps slack near a chunk or less; a stream alone on its worker gets the best point.
+    for slack in (0.02, 0.1, 0.3, 2.0):
+        assert pol.next_point(slack, 0.0, sharing=1) is top
+    # Counted nowhere (sharing 0, the admission's newcomer): BMPR's slack budget, as in the simulator.
+    assert pol.next_point(0.02, 0.0).latency_s < top.latency_s
+
+
+def test_paused_live_streams_take_no_share_and_tick_agrees_with_dispatch() -> None:
+    pol = live_policy()
+    slack = 0.4 * pol.profile.chunk_duration_s
+    streams = [replace(sv(i, slack), paused=i >= 2, runnable=i < 2) for i in range(8)]
+    d = pol.dispatch(0.0, W, streams)
+    assert d.point is not None and d.point.quality == best_within(pol, 0.85 * pol.profile.chunk_duration_s / 2)
+    plan = pol.tick(Snapshot(0.0, streams, [W]))
+    for sid, point in zip(plan.stream_ids.tolist(), plan.fidelity, strict=True):
+        assert point is pol.next_point(slack, 0.0, sharing=2), sid

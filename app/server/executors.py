@@ -74,6 +74,9 @@ LEDGER_LOG_ROWS = 1000  # per-stream tracker log kept: a live stream may run for
 UNLIMITED_SLOTS = 1 << 20
 LOAD_WINDOW_S = 5.0  # a worker's load: the share of the last seconds its engine was busy
 ACTIONS_KEPT = 50  # the policy's recent actions, for the dashboard
+# Share of each worker's time the policy plans live streams' chunks into (PolicyConfig.live_load): the
+# rest absorbs a step that runs long and the media threads' bursts on a CPU.
+LIVE_LOAD = 0.85
 
 
 class AdmissionError(CapacityError):
@@ -552,8 +555,10 @@ def with_emulated_delay(profile: FidelityProfile, delay_s: float, step_delay_s: 
 def live_policy_config(name: str, max_batch: int, step_wise: bool, chunk_batches: bool = False,
                        workers: int = 1) -> PolicyConfig:
     """A preset as it runs live. Each worker (the in-process engine, a Ray worker actor, the ranks) is
-    one device, so a preset's ``gpus_per_worker`` (a simulated worker's GPU count) does not apply; the
-    preset re-homes streams between ``workers`` where there are several. ``--max-batch`` bounds the
+    one device (or one lane of the in-process engine), so a preset's ``gpus_per_worker`` (a simulated
+    worker's GPU count) does not apply; the preset re-homes streams between ``workers`` where there are
+    several. Presets that route fidelity plan each live stream's chunk into its share of its worker's
+    time (``LIVE_LOAD``, `PolicyConfig.live_load`). ``--max-batch`` bounds the
     cross-user batch of presets that route fidelity (BMPR) and FIFO's stream batch. Engines that run
     whole chunks behind ``process`` (Ray) keep each stream's own fidelity, unbatched, with no step
     preemption: those need the step-wise executor. Engines that run batches of whole chunks at
@@ -566,7 +571,8 @@ def live_policy_config(name: str, max_batch: int, step_wise: bool, chunk_batches
         batch = min(preset.max_batch, max_batch)  # StreamDiffusionV2's stream batching
     else:
         batch = preset.max_batch
-    live = replace(preset, gpus_per_worker=1, max_batch=batch, rehoming=preset.rehoming and workers > 1)
+    live = replace(preset, gpus_per_worker=1, max_batch=batch, rehoming=preset.rehoming and workers > 1,
+                   live_load=LIVE_LOAD if preset.bmpr else None)
     if chunk_batches:
         live = replace(live, step_preemption=False)
     elif not step_wise:

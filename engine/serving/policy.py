@@ -58,6 +58,14 @@ class PolicyConfig:
     max_batch: int = 1
     gpus_per_worker: int = 1
     initial_slack_mult: float = 4.0
+    # Live camera streams (the server; None in the simulator's traces): a camera delivers one chunk
+    # per chunk duration and the playout buffer is kept short for latency (its clock follows the
+    # production rate), so the slack never builds up and its budget would hold every stream at the
+    # fastest point. Instead each stream's chunk gets its share of its worker's time, ``live_load`` x
+    # chunk duration / the live streams on the worker, and BMPR's best point within it (its fastest
+    # floor point when none fits); the live calibration keeps the latencies honest. The slack still
+    # orders, preempts and evicts through the tiers.
+    live_load: float | None = None
     thresholds: TierThresholds = field(default_factory=TierThresholds)
     rehome: RehomingConfig = field(default_factory=RehomingConfig)
 
@@ -66,6 +74,8 @@ class PolicyConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.gpus_per_worker < 1:
             raise ValueError(f"gpus_per_worker must be >= 1, got {self.gpus_per_worker}")
+        if self.live_load is not None and not 0.0 < self.live_load <= 1.0:
+            raise ValueError(f"live_load must be in (0, 1], got {self.live_load}")
 
 
 def policy_presets() -> dict[str, PolicyConfig]:
@@ -109,6 +119,11 @@ class _Scored:
     credit: float
     tier: Tier
     key: tuple[float, ...]
+
+
+def live_streams(streams: Sequence[StreamView]) -> int:
+    """Streams of a worker that take engine time (a paused camera sends nothing)."""
+    return sum(1 for v in streams if not v.paused)
 
 
 class SlackPolicy:
@@ -177,18 +192,29 @@ class SlackPolicy:
         """The highest-quality point a stream with this ceiling may run (ties: fastest)."""
         return max(self._router(max_steps).candidates, key=lambda p: (p.quality, -p.latency_s))
 
-    def next_point(self, slack_s: float, inflight_remaining_s: float, max_steps: int | None = None) -> ProfilePoint:
+    def next_point(self, slack_s: float, inflight_remaining_s: float, max_steps: int | None = None,
+                   sharing: int = 0) -> ProfilePoint:
+        """BMPR's point for a stream's next chunk; ``sharing``: the live streams on its worker (0: none
+        counted, the slack budget alone)."""
         if not self.config.bmpr:
             return self.static_point if max_steps is None else self.top_point(max_steps)
         router = self._router(max_steps)
+        if self.config.live_load is not None and sharing > 0:
+            return router.route(self.live_share_s(sharing)).point
         budget = router.budget(slack_s, inflight_remaining_s, self.config.thresholds.urgent_mult)
         return router.route(budget).point
 
-    def _score(self, v: StreamView) -> _Scored:
-        point = v.inflight_point if v.inflight_point is not None else self.next_point(v.slack_s, 0.0, v.max_steps)
+    def live_share_s(self, sharing: int) -> float:
+        """A live stream's share of its worker's time per chunk, with ``sharing`` streams on the worker."""
+        assert self.config.live_load is not None
+        return self.config.live_load * self.profile.chunk_duration_s / max(1, sharing)
+
+    def _score(self, v: StreamView, sharing: int = 0) -> _Scored:
+        point = (v.inflight_point if v.inflight_point is not None
+                 else self.next_point(v.slack_s, 0.0, v.max_steps, sharing))
         if v.inflight_point is not None:
             # Credit looks one chunk past the one in flight: that next chunk gets BMPR's choice.
-            t_next = self.next_point(v.slack_s, v.inflight_remaining_s, v.max_steps).latency_s
+            t_next = self.next_point(v.slack_s, v.inflight_remaining_s, v.max_steps, sharing).latency_s
             credit = v.slack_s - (v.inflight_remaining_s + t_next)
         else:
             t_next = point.first_chunk_latency_s if v.first_chunk else point.latency_s
@@ -227,7 +253,7 @@ class SlackPolicy:
         def wait(w: WorkerView) -> float:
             ahead = 0.0
             for v in by_worker[w.worker_id]:
-                sc = self._score(v)
+                sc = self._score(v, live_streams(by_worker[w.worker_id]) + 1)
                 if v.running or (v.runnable and sc.key < new_scored.key):
                     ahead += v.inflight_remaining_s if v.inflight_point is not None else sc.point.latency_s
             return ahead
@@ -249,7 +275,8 @@ class SlackPolicy:
     ) -> Dispatch:
         """``streams``: every stream homed on ``worker``. ``step_boundary``: a chunk is mid-flight
         (the stream with ``running=True``) and has steps left; otherwise this is a chunk boundary."""
-        scored = [self._score(v) for v in streams if v.runnable]
+        sharing = live_streams(streams)
+        scored = [self._score(v, sharing) for v in streams if v.runnable]
         if not scored:
             return Dispatch(worker.worker_id, (), None)
         scored.sort(key=lambda s: s.key)
@@ -324,6 +351,11 @@ class SlackPolicy:
         rem = np.fromiter((v.inflight_remaining_s for v in streams), np.float64, n)
         first = np.fromiter((v.first_chunk for v in streams), np.bool_, n)
         wids = np.fromiter((v.worker_id for v in streams), np.int64, n)
+        active = np.fromiter((not v.paused for v in streams), np.bool_, n)
+        sharing = np.zeros(n, dtype=np.int64)  # live streams on each stream's worker
+        if n:
+            _, inverse = np.unique(wids, return_inverse=True)
+            sharing = np.bincount(inverse, weights=active)[inverse].astype(np.int64)
         lat = np.zeros(n, dtype=np.float64)
         fidelity: list[ProfilePoint] = [self.static_point] * n
         ceilings = [v.max_steps for v in streams]
@@ -333,6 +365,9 @@ class SlackPolicy:
                 router = self._router(ceiling)
                 budgets = (slack[rows] - rem[rows]) / (1.0 + self.config.thresholds.urgent_mult)
                 idx = router.route_many(budgets)
+                if self.config.live_load is not None:  # as next_point: the stream's share of its worker
+                    idx = router.route_many(self.config.live_load * self.profile.chunk_duration_s
+                                            / np.maximum(1, sharing[rows]))
                 lat[rows] = np.where(first[rows], router.first_latencies[idx], router.latencies[idx])
                 for row, i in zip(rows.tolist(), idx.tolist(), strict=True):
                     fidelity[row] = router.frontier[i]
