@@ -234,11 +234,13 @@ class _FakeClock:
 class PolicyScenario:
     """`diffcast serve --gpus N`'s engine core on rank 0: `build_serving_loop` over a `RankFactory`
     (slackserve, --max-batch 2) with two streams fed the same frames, one with the stabilizer off.
-    A hand-driven clock first leaves plenty of slack, then makes both streams urgent. Records every
-    `run_chunks` call the executor makes: which streams, their inputs, the fidelity, the outputs."""
+    The engine first keeps up with the best point easily; from chunk ``slow_from`` the live
+    calibration finds chunks taking so long that the best point no longer fits the streams' share of
+    the worker, and for the last chunk it is fast again. Records every `run_chunks` call the executor
+    makes: which streams, their inputs, the fidelity, the outputs."""
 
     chunks: int = 6
-    urgent_from: int = 3
+    slow_from: int = 3
 
     def __call__(self, ring: RingRuntime) -> dict[str, object]:
         return asyncio.run(self._serve(ring))
@@ -276,11 +278,11 @@ class PolicyScenario:
 
         factory.run_chunks = recording  # type: ignore[method-assign]
         for c, chunk in enumerate(uint8_clip(self.chunks)):
-            if c == self.urgent_from:
-                # Less than two chunk times of playout left for both streams: URGENT, not yet stalled.
-                top = loop.policy.top_point(4)
-                clock.now = max(e.tracker.generated_s + e.tracker.initial_slack_s
-                                for e in loop.core.ledger.entries.values()) - 1.5 * top.latency_s
+            if c == self.slow_from:
+                # Measured twice as slow as the best point's share allows: it takes 2x the share.
+                loop.core.recalibrate(2 * loop.policy.live_share_s(2) / loop.policy.top_point(4).latency_s)
+            if c == self.chunks - 1:
+                loop.core.recalibrate(1.0)
             for frame in chunk:  # a moving picture: the stabilizer follows its motion
                 for assembler in assemblers:
                     assembler.push(frame)

@@ -161,7 +161,8 @@ def test_batched_chunks_at_per_chunk_fidelity_match_each_stream_alone() -> None:
 
 def test_the_serving_policy_drives_two_ranks() -> None:
     """The engine core on 2 gloo ranks (RankExecutor): the policy's fidelity per chunk reaches the ring
-    (it downshifts when the streams turn urgent), two streams share cross-user batches, and each
+    (it downshifts when the engine is measured too slow for the best point), two streams share
+    cross-user batches, and each
     stream's frames equal it alone on the single-process engine at the points the policy chose, with
     its stabilizer switch honoured."""
     factory = TinyFactory(layers=4, sink_refresh=True, stabilize=True)
@@ -174,8 +175,8 @@ def test_the_serving_policy_drives_two_ranks() -> None:
     calls = got["calls"]
     assert any(len(call) == 2 for call in calls)  # a cross-user batch went into the ring together
     steps = [{config.steps for _, _, config, _ in call} for call in calls]
-    # Full quality with slack; when urgent fewer steps at a lower resolution (every rank refits and
-    # rescales the streams' caches); back up after.
+    # Full quality while the engine keeps up; too slow, fewer steps at a lower resolution (every rank
+    # refits and rescales the streams' caches); back up after.
     assert steps[0] == {4} and min(min(s) for s in steps) < 4 and steps[-1] == {4}, steps
     assert any(config.resolution_scale < 1.0 for call in calls for _, _, config, _ in call)
     settings = [StreamSettings(steps=4, seed=5, stabilize=True), StreamSettings(steps=4, seed=5, stabilize=False)]

@@ -253,7 +253,7 @@ class SlackPolicy:
         def wait(w: WorkerView) -> float:
             ahead = 0.0
             for v in by_worker[w.worker_id]:
-                sc = self._score(v, live_streams(by_worker[w.worker_id]) + 1)
+                sc = self._score(v)  # BMPR's slack point: the admission's wait stays SlackServe's estimate
                 if v.running or (v.runnable and sc.key < new_scored.key):
                     ahead += v.inflight_remaining_s if v.inflight_point is not None else sc.point.latency_s
             return ahead
