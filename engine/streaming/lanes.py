@@ -1,7 +1,7 @@
 """Engine lanes: steps of different streams run side by side on one loaded model.
 
 On a CPU the embedded model's operations are too small for OpenMP to split well: on the 2-core box a
-4-stream step at the x0.5 rung ran only 1.1x faster on 2 threads than on 1, and a split step waits at
+2-stream step at the x0.5 rung ran only 1.1x faster on 2 threads than on 1, and a split step waits at
 every barrier for the thread a media thread (codecs, the event loop) has just taken its core from
 (live, a 4-stream step took 168 ms against 107 ms alone, 43 ms of it queued for a core). Two lanes of
 one thread each, every lane a worker of the engine core with streams of its own, ran the same
