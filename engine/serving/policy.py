@@ -363,11 +363,11 @@ class SlackPolicy:
             rows = np.array([i for i, c in enumerate(ceilings) if c == ceiling], dtype=np.int64)
             if self.config.bmpr:
                 router = self._router(ceiling)
-                budgets = (slack[rows] - rem[rows]) / (1.0 + self.config.thresholds.urgent_mult)
-                idx = router.route_many(budgets)
                 if self.config.live_load is not None:  # as next_point: the stream's share of its worker
-                    idx = router.route_many(self.config.live_load * self.profile.chunk_duration_s
-                                            / np.maximum(1, sharing[rows]))
+                    budgets = self.config.live_load * self.profile.chunk_duration_s / np.maximum(1, sharing[rows])
+                else:
+                    budgets = (slack[rows] - rem[rows]) / (1.0 + self.config.thresholds.urgent_mult)
+                idx = router.route_many(budgets)
                 lat[rows] = np.where(first[rows], router.first_latencies[idx], router.latencies[idx])
                 for row, i in zip(rows.tolist(), idx.tolist(), strict=True):
                     fidelity[row] = router.frontier[i]
