@@ -33,7 +33,10 @@ def test_repeatable_flags_become_tuples() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [(["--max-streams", "0"], "--max-streams must be at least 1, got 0"),
-     (["--state-slots", "-1"], "state_slots must be >= 0, got -1")],
+     (["--state-slots", "-1"], "state_slots must be >= 0, got -1"),
+     (["--lanes", "-1"], "--lanes must be between 0 \\(auto\\) and 64, got -1"),
+     (["--lanes", "2", "--ray"], "--lanes is for the in-process engine"),
+     (["--lanes", "2", "--gpus", "2"], "--lanes is for the in-process engine")],
 )
 def test_bad_values_exit_with_a_plain_message(argv: list[str], message: str) -> None:
     args = build_parser().parse_args(["serve", *argv])

@@ -199,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
     ray = bool(args.ray or args.ray_address)
     if ray and args.workers < 1:
         raise SystemExit(f"--workers must be at least 1, got {args.workers}")
+    if args.lanes and (ray or args.gpus != 1):
+        raise SystemExit("--lanes is for the in-process engine: Ray workers (--ray) and pipeline ranks (--gpus) "
+                         "each run their own steps; leave it out")
     if not ray and (args.max_workers or args.worker_delay_ms):
         raise SystemExit("--max-workers, --min-workers and --worker-delay-ms are for Ray workers: add --ray")
     if args.max_workers and not args.min_workers <= args.workers <= args.max_workers:
