@@ -84,6 +84,35 @@ def test_playout_clock_follows_production_rate() -> None:
     assert playout.interval == pytest.approx(0.1, rel=0.05)
 
 
+async def test_a_chunk_landing_in_an_empty_buffer_is_shown_without_waiting_for_the_clock() -> None:
+    # The playout's own clock is fake: a tick "due" in 100 fake seconds is a real 100 s wait, so only
+    # a chunk landing can end the wait in time, and the tick times returned are the fake clock's.
+    clock = FakeClock()
+    playout = Playout((4, 4), chunk_frames=4, max_fps=10, min_fps=10, clock=clock)  # interval 0.1 s
+    chunk = np.zeros((4, 4, 4, 3), np.uint8)
+    metas = [ChunkAssembler(4, clock).push(chunk[0]) for _ in range(4)]
+
+    async def lands_at(when: float, due: float) -> float:
+        waiting = asyncio.ensure_future(playout._next_tick(0.0, due))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # an empty buffer and nothing landed: the clock's tick is awaited
+        clock.now = when
+        playout.push_chunk(chunk, metas)
+        tick_at = await asyncio.wait_for(waiting, 10.0)
+        for _ in range(4):
+            playout.tick()
+        return tick_at
+
+    assert await lands_at(0.07, due=100.0) == pytest.approx(0.07)  # at once: the last frame was up 0.07 s
+    clock.now = 0.0
+    assert await lands_at(0.02, due=100.0) == pytest.approx(0.05)  # the frame before stays up half an interval
+    # A buffer that still holds frames keeps the clock's phase: the tick is the one that was due.
+    playout.push_chunk(chunk, metas)
+    clock.now = 0.0
+    assert await asyncio.wait_for(playout._next_tick(0.0, 0.05), 10.0) == 0.05
+    assert playout.early_tick(shown=1.0, due=1.1, landed=1.2) == 1.1  # never later than the clock
+
+
 def test_reused_converters_match_a_frames_own_conversion_both_ways() -> None:
     import av
 

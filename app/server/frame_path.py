@@ -172,9 +172,15 @@ class Playout:
 
     The clock ticks at the rate the model produces frames (measured between chunks, clamped to
     [min_fps, max_fps]) and a little faster while more than one chunk is buffered, so slack stays
-    small. A tick with nothing new repeats the last frame. Every consumer (WebRTC tracks, WHEP
-    viewers, the WebSocket sender) sees every tick; none of them holds a queue of its own.
+    small. A tick with nothing new repeats the last frame. A chunk that lands in an empty buffer
+    does not wait for the next tick of a clock that runs on its own phase: it is shown as soon as the
+    frame before it has been up for ``MIN_SHOW`` of an interval, and the clock follows from there
+    (just-in-time playout: a stream whose engine keeps up saves up to a frame period of latency).
+    Every consumer (WebRTC tracks, WHEP viewers, the WebSocket sender) sees every tick; none of them
+    holds a queue of its own.
     """
+
+    MIN_SHOW = 0.5  # of a frame interval: the shortest a frame stays up when a chunk lands early
 
     def __init__(
         self,
@@ -196,6 +202,7 @@ class Playout:
         self._current = OutputFrame(np.zeros((height, width, 3), np.uint8), None)
         self._tick = 0
         self._tick_event = asyncio.Event()
+        self._landed = asyncio.Event()
         self._start = clock()
         self._shown: deque[float] = deque()
         self._latencies: deque[tuple[float, float]] = deque()
@@ -232,6 +239,7 @@ class Playout:
         while len(self._buffer) > self._max_buffer:
             self._buffer.popleft()
             self.dropped += 1
+        self._landed.set()
 
     def fit_placeholder(self, size: tuple[int, int]) -> None:
         """The stream's size is known (its camera's aspect): the black frame shown until its first chunk
@@ -283,10 +291,28 @@ class Playout:
         due = self._clock()
         while True:
             self.tick()
-            interval = self.interval
             now = self._clock()
-            due = max(due + interval, now)  # after a stall, restart the clock instead of bursting
-            await asyncio.sleep(due - now)
+            due = max(due + self.interval, now)  # after a stall, restart the clock instead of bursting
+            due = await self._next_tick(now, due)
+
+    async def _next_tick(self, shown: float, due: float) -> float:
+        """Wait for the tick after the one at ``shown``: at ``due``, or earlier when a chunk lands in the
+        empty buffer (not before ``MIN_SHOW`` of an interval after ``shown``). Returns the tick's time."""
+        self._landed.clear()
+        if not self._buffer:
+            try:
+                await asyncio.wait_for(self._landed.wait(), max(0.0, due - self._clock()))
+            except TimeoutError:
+                return due
+            due = self.early_tick(shown, due, self._clock())
+        await asyncio.sleep(max(0.0, due - self._clock()))
+        return due
+
+    def early_tick(self, shown: float, due: float, landed: float) -> float:
+        """When to show a chunk that landed at ``landed`` in the buffer the tick at ``shown`` emptied,
+        the clock's own next tick being ``due``: at once, but not before the frame shown at ``shown``
+        has been up for ``MIN_SHOW`` of an interval, and never later than the clock would have."""
+        return min(due, max(landed, shown + self.MIN_SHOW * self.interval))
 
     async def next_frame(self, after: int) -> tuple[int, OutputFrame, float]:
         """The frame of the first tick after tick number ``after``: (tick, frame, seconds since start)."""
