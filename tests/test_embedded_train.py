@@ -54,6 +54,47 @@ def test_temporal_error_ignores_errors_that_stay_put() -> None:
     assert train.temporal_error(flicker, target, dim=1).abs().mean() > 0.5
 
 
+def test_warped_temporal_error_counts_errors_that_shimmer_in_place_not_ones_moving_with_the_content() -> None:
+    g = torch.Generator().manual_seed(0)
+    dx, dy, frames = 2, 1, 5  # the content moves 2 px right and 1 px down per frame
+
+    def moving(image: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.roll(image, (t * dy, t * dx), dims=(3, 4)) for t in range(frames)], dim=2)
+
+    target = moving(torch.rand(1, 3, 1, 32, 32, generator=g))
+    error = 0.1 * torch.randn(1, 3, 1, 32, 32, generator=g)
+    flow = torch.zeros(1, frames - 1, 32, 32, 2)
+    flow[..., 0], flow[..., 1] = -dx, -dy  # pixel p of frame t was at p - (dx, dy) in frame t - 1
+    assert float(train.warped_temporal_error(target + moving(error), target, flow)) < 1e-6
+    # An error fixed to the frame: at each pixel whose source stays inside, |e(p) - e(p - d)|.
+    e = error[0].numpy()
+    expected = np.abs(e[:, 0, dy:, dx:] - e[:, 0, :-dy, :-dx]).mean(axis=0).mean()
+    fixed = float(train.warped_temporal_error(target + error, target, flow))
+    assert fixed == pytest.approx(float(expected), rel=1e-5)
+    # The unwarped term has it the other way round: the moving error is what it counts.
+    assert train.temporal_error(target + error, target, dim=2).abs().max() < 1e-6
+    assert train.temporal_error(target + moving(error), target, dim=2).abs().mean() > 0.05
+
+
+def test_vae_batches_carry_the_flow_of_their_own_crop_flipped_and_in_the_stream_layout(tmp_path: Path) -> None:
+    """The flow a VAE batch carries must warp each frame of that batch onto the next: check it on the
+    raw clip variant, whose own motion the flow was measured on, through crops, flips and layouts."""
+    spec = train.clipdata.ClipSpec("procedural:3", 0, train.CLIP_FRAMES)  # motion 0: a pan
+    clip = train.clipdata.render_clip(spec)
+    frames = np.stack([clip, clip])[None]  # [1 clip, 2 variants, T, H, W, 3]
+    flows = train.build_flows(tmp_path, frames)
+    cfg = train.TrainConfig(workdir=tmp_path, vae_batch=8)
+    warped, still = [], []
+    for step in range(4):
+        x, flow = train._vae_batch(frames, cfg, step, flows)
+        assert flow is not None and flow.shape == (8, 7, cfg.vae_crop, cfg.vae_crop, 2)
+        for b in range(8):
+            warped.append(float(train.warped_temporal_error(x[b : b + 1], torch.zeros_like(x[b : b + 1]), flow[b : b + 1])))
+            still.append(float(x[b].diff(dim=1).abs().mean()))
+    # Following the flow leaves a small residual; a flow flipped or shifted by one frame would not.
+    assert np.mean(warped) < 0.35 * np.mean(still)
+
+
 def test_grid_step_error_counts_seams_the_target_lacks_and_nothing_else() -> None:
     target = torch.randn(2, 3, 4, 32, 32)
     seams = torch.zeros(32)
@@ -111,7 +152,7 @@ def test_decoder_batches_pair_each_latent_window_with_its_own_teacher_pixels(tmp
     vae.init_linear_from_pca(train.to_unit(frames[:, :, 1:5]).flatten(0, 1).transpose(1, 2).flatten(0, 1))
     cfg = train.TrainConfig(workdir=tmp_path, vae_batch=4)
     lat, vae = train.encode_latents(cfg, frames, vae)
-    z, x = train._decoder_batch(cfg, 3, frames, lat, lat[:, 1:])
+    z, x, _ = train._decoder_batch(cfg, 3, frames, lat, lat[:, 1:], None)
     with torch.no_grad():
         y, _ = vae.decode_groups(vae.denormalize(z), None)
     assert x.shape == (4, 3, 12, 64, 64)
@@ -168,6 +209,31 @@ def test_decoder_batches_leave_out_looks_that_are_not_shipped(tmp_path: Path) ->
     cfg = train.TrainConfig(workdir=tmp_path, vae_batch=64)
     drawn = set()
     for step in range(4):
-        z, _ = train._decoder_batch(cfg, step, frames, lat, pred)
+        z, _, _ = train._decoder_batch(cfg, step, frames, lat, pred, None)
         drawn |= set(z.flatten(1).max(dim=1).values.tolist())
     assert drawn and not drawn & {float(k) for k in left_out}
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "1e9"])
+def test_train_default_refuses_a_bad_warp_weight_in_plain_words(tmp_path: Path, value: str) -> None:
+    from app.cli import build_parser
+
+    args = build_parser().parse_args(["train-default", "--workdir", str(tmp_path), "--warp-weight", value])
+    with pytest.raises(SystemExit, match="--warp-weight must be a number from 0 to 100"):
+        args._run(args)
+
+
+def test_train_default_passes_the_warp_weight_to_the_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.cli import build_parser
+
+    seen: list[train.TrainConfig] = []
+
+    def recipe(cfg: train.TrainConfig, out: Path) -> Path:
+        seen.append(cfg)
+        return out / "default.json"
+
+    monkeypatch.setattr(train, "train_default", recipe)
+    args = build_parser().parse_args(["train-default", "--workdir", str(tmp_path), "--out", str(tmp_path),
+                                      "--warp-weight", "2"])
+    assert args._run(args) == 0
+    assert seen[0].warp_weight == 2.0

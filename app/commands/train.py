@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="DiT tune rounds after the main phase (each draws styles in proportion to their loss)")
     parser.add_argument("--decoder-steps", type=_positive, default=None,
                         help="steps of the decoder fine-tune on the DiT's outputs")
+    parser.add_argument("--warp-weight", type=float, default=0.0,
+                        help="weight of the motion-compensated temporal loss (along the clips' optical flow) "
+                             "in the VAE and decoder stages; 0 = off (docs/default-model.md, 'Flicker')")
     parser.add_argument("--threads", type=_positive, default=1,
                         help="torch threads (1 on a shared machine: more threads contend badly)")
     parser.add_argument("--seed", type=int, default=0)
@@ -66,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(exc)) from None
     if args.looks_steps is not None and args.finetune_from is None:
         raise SystemExit("--looks-steps only applies with --finetune-from")
-    cfg = TrainConfig(workdir=args.workdir, threads=args.threads, seed=args.seed)
+    if not 0.0 <= args.warp_weight <= 100.0:  # NaN fails both comparisons
+        raise SystemExit(f"--warp-weight must be a number from 0 to 100, got {args.warp_weight}")
+    cfg = TrainConfig(workdir=args.workdir, threads=args.threads, seed=args.seed, warp_weight=args.warp_weight)
     if args.vae_steps is not None:
         cfg.vae_steps = args.vae_steps
     if args.dit_steps is not None:

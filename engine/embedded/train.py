@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import cv2
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -84,6 +85,9 @@ class TrainConfig:
     looks_lr: float = 3e-4
     new_look_share: float = 0.6
     grid_weight: float = 0.0  # weight of the block-seam term in the decoder fine-tune (grid_step_error)
+    # Weight of the motion-compensated temporal term in the decoder fine-tune (``warped_temporal_error``,
+    # along the input clip's optical flow): what the evaluation's warp error measures, as a loss.
+    warp_weight: float = 0.0
     threads: int = 2
     seed: int = 0
     checkpoint_every: int = 100
@@ -125,6 +129,24 @@ def build_frames(workdir: Path) -> np.ndarray:
     return np.load(path, mmap_mode="r")
 
 
+def build_flows(workdir: Path, frames: np.ndarray) -> np.ndarray:
+    """Optical flow of every training clip from frame t to frame t−1, float16 [clips, 8, 256, 256, 2]
+    (pixels; DIS, medium preset, on the raw clip: the flow the evaluation's warp error follows)."""
+    path, done = workdir / "flows.npy", workdir / "flows.done"
+    shape = (frames.shape[0], CLIP_FRAMES - 1, clipdata.SIZE, clipdata.SIZE, 2)
+    if done.exists():
+        return np.load(path, mmap_mode="r")
+    arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=shape)
+    dis = cv2.DISOpticalFlow_create(cv2.DISOPTICAL_FLOW_PRESET_MEDIUM)  # type: ignore[attr-defined]
+    for i in tqdm(range(frames.shape[0]), desc="data: optical flow"):
+        gray = [cv2.cvtColor(np.ascontiguousarray(f), cv2.COLOR_RGB2GRAY) for f in frames[i, 0]]
+        for t in range(1, CLIP_FRAMES):
+            arr[i, t - 1] = dis.calc(gray[t], gray[t - 1], None)
+    arr.flush()
+    done.write_text(json.dumps({"clips": frames.shape[0]}))
+    return np.load(path, mmap_mode="r")
+
+
 # -- shared training utilities ----------------------------------------------------------------------
 
 
@@ -158,22 +180,32 @@ def _resume(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> i
 # -- stage 2: VAE -------------------------------------------------------------------------------------
 
 
-def _vae_batch(frames: np.ndarray, cfg: TrainConfig, step: int) -> torch.Tensor:
-    """[B, 3, 8, crop, crop]: two groups, either (frame 0 as a static group, frames 1-4) or (1-4, 5-8)."""
+def _vae_batch(frames: np.ndarray, cfg: TrainConfig, step: int,
+               flows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, 3, 8, crop, crop]: two groups, either (frame 0 as a static group, frames 1-4) or (1-4, 5-8);
+    with ``flows`` also the clip's flow between consecutive frames of that layout [B, 7, crop, crop, 2]."""
     rng = np.random.default_rng([cfg.seed, 1, step])
     n_clips, n_variants = frames.shape[:2]
     crop = cfg.vae_crop
-    out = []
+    out, out_flows = [], []
     for _ in range(cfg.vae_batch):
         i = int(rng.integers(n_clips))
         j = 0 if rng.random() < 0.3 else int(rng.integers(1, n_variants))
         y, x = (int(v) for v in rng.integers(0, clipdata.SIZE - crop + 1, 2))
         clip = frames[i, j, :, y : y + crop, x : x + crop]
-        if rng.random() < 0.5:
+        flip = rng.random() < 0.5
+        if flip:
             clip = clip[:, :, ::-1]
         pixels = to_unit(clip)[None]
-        out.append(stream_groups(pixels[:, :, :5]) if rng.random() < 0.4 else pixels[:, :, 1:])
-    return torch.cat(out)
+        first = rng.random() < 0.4
+        out.append(stream_groups(pixels[:, :, :5]) if first else pixels[:, :, 1:])
+        if flows is not None:
+            flow = np.array(flows[i, :, y : y + crop, x : x + crop], dtype=np.float32)
+            if flip:
+                flow = flow[:, :, ::-1] * np.array([-1.0, 1.0], np.float32)
+            moving = torch.from_numpy(np.ascontiguousarray(flow))
+            out_flows.append(torch.cat([moving.new_zeros(3, crop, crop, 2), moving[:4]]) if first else moving[1:])
+    return torch.cat(out), torch.stack(out_flows) if out_flows else None
 
 
 def _reconstruction_loss(y: torch.Tensor, x: torch.Tensor, temporal_weight: float) -> torch.Tensor:
@@ -212,6 +244,27 @@ def temporal_error(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
     return a.diff(dim=dim) - b.diff(dim=dim)
 
 
+def warped_temporal_error(y: torch.Tensor, x: torch.Tensor, flow: torch.Tensor) -> torch.Tensor:
+    """Mean |(y_t − W y_{t−1}) − (x_t − W x_{t−1})| over pixels whose flow stays inside the frame.
+
+    Pixels [B, 3, T, H, W]; ``flow`` [B, T−1, H, W, 2] in pixels, from frame t to frame t−1 (W warps frame
+    t−1 onto t along it, bilinear). The motion-compensated twin of ``temporal_error``: an error that
+    moves with the content costs nothing, one that shimmers in place does, which is what the warp
+    error of the evaluation counts.
+    """
+    b, c, t, h, w = y.shape
+    gy, gx = torch.meshgrid(torch.arange(h, dtype=flow.dtype), torch.arange(w, dtype=flow.dtype), indexing="ij")
+    px, py = gx + flow[..., 0], gy + flow[..., 1]
+    valid = ((px >= 0) & (px <= w - 1) & (py >= 0) & (py <= h - 1)).flatten(0, 1)
+    grid = torch.stack([2 * px / (w - 1) - 1, 2 * py / (h - 1) - 1], dim=-1).flatten(0, 1)
+    prev = torch.cat([y[:, :, :-1], x[:, :, :-1]], dim=1).movedim(2, 1).flatten(0, 1)
+    warped = F.grid_sample(prev, grid, mode="bilinear", padding_mode="border", align_corners=True)
+    wy, wx = warped[:, :c], warped[:, c:]
+    ny, nx = y[:, :, 1:].movedim(2, 1).flatten(0, 1), x[:, :, 1:].movedim(2, 1).flatten(0, 1)
+    err = ((ny - wy) - (nx - wx)).abs().mean(dim=1)
+    return err[valid].mean()
+
+
 def train_vae(cfg: TrainConfig, frames: np.ndarray, vae_config: TinyVAEConfig) -> TinyVAE:
     """Train the autoencoder (latent statistics are set later, by ``encode_latents``)."""
     ckpt_path, trained_path = cfg.workdir / "vae_ckpt.pt", cfg.workdir / "vae_trained.pt"
@@ -222,20 +275,23 @@ def train_vae(cfg: TrainConfig, frames: np.ndarray, vae_config: TinyVAEConfig) -
         return vae.eval()
     torch.manual_seed(cfg.seed)
     vae = TinyVAE(vae_config)
-    vae.init_linear_from_pca(torch.cat([_vae_batch(frames, cfg, 10**9 + i)[:, :, 4:].transpose(1, 2).flatten(0, 1)
+    vae.init_linear_from_pca(torch.cat([_vae_batch(frames, cfg, 10**9 + i)[0][:, :, 4:].transpose(1, 2).flatten(0, 1)
                                         for i in range(16)]))
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
     start = _resume(ckpt_path, vae, opt)
+    flows = build_flows(cfg.workdir, frames) if cfg.warp_weight else None
     bar = tqdm(range(start, cfg.vae_steps), desc="vae", initial=start, total=cfg.vae_steps)
     ema = None
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = _lr(step, cfg.vae_steps, cfg.vae_lr)
-        x = _vae_batch(frames, cfg, step)
+        x, flow = _vae_batch(frames, cfg, step, flows)
         z, _ = vae.encode_groups(x, None)
         y, _ = vae.decode_groups(z, None)
         l1 = (y - x).abs().mean()
         loss = _reconstruction_loss(y, x, cfg.temporal_weight) + 1e-4 * z.pow(2).mean()
+        if flow is not None:
+            loss = loss + cfg.warp_weight * warped_temporal_error(y, x, flow)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -502,13 +558,15 @@ def dit_predictions(cfg: TrainConfig, lat: torch.Tensor, model: EmbeddedModel) -
     return out
 
 
-def _decoder_batch(cfg: TrainConfig, step: int, frames: np.ndarray, lat: torch.Tensor,
-                   pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normalised latents [B, C, 3, w, w], teacher pixels [B, 3, 12, 8w, 8w]) in the stream layout."""
+def _decoder_batch(cfg: TrainConfig, step: int, frames: np.ndarray, lat: torch.Tensor, pred: torch.Tensor,
+                   flows: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(normalised latents [B, C, 3, w, w], teacher pixels [B, 3, 12, 8w, 8w]) in the stream layout, and
+    with ``flows`` the input's flow between consecutive frames of that layout [B, 11, 8w, 8w, 2] (zero
+    within the first group, four copies of frame 0)."""
     rng = np.random.default_rng([cfg.seed, 4, step])
     n_clips, styles = pred.shape[:2]
     w = 8  # latent window: 64x64 pixels, like the VAE's crops
-    zs, xs = [], []
+    zs, xs, fs = [], [], []
     shipped = [k for k in range(styles) if STYLE_NAMES[k] not in NOT_SHIPPED]
     for _ in range(cfg.vae_batch):
         # A look left out is not served, and its stylised latents (anchored to the shipped looks' prompts)
@@ -520,7 +578,10 @@ def _decoder_batch(cfg: TrainConfig, step: int, frames: np.ndarray, lat: torch.T
         oy, ox = _latent_crop_origin(cfg, i)
         y, x = oy + 8 * ly, ox + 8 * lx
         xs.append(stream_groups(to_unit(frames[i, 1 + j, :, y : y + 8 * w, x : x + 8 * w])[None])[0])
-    return torch.stack(zs), torch.stack(xs)
+        if flows is not None:
+            moving = torch.from_numpy(np.array(flows[i, :, y : y + 8 * w, x : x + 8 * w], dtype=np.float32))
+            fs.append(torch.cat([moving.new_zeros(3, *moving.shape[1:]), moving]))
+    return torch.stack(zs), torch.stack(xs), torch.stack(fs) if fs else None
 
 
 def finetune_decoder(cfg: TrainConfig, frames: np.ndarray, lat: torch.Tensor, model: EmbeddedModel) -> TinyVAE:
@@ -532,6 +593,7 @@ def finetune_decoder(cfg: TrainConfig, frames: np.ndarray, lat: torch.Tensor, mo
         vae.load_state_dict(final["model"])
         return vae.eval()
     pred = dit_predictions(cfg, lat, model)
+    flows = build_flows(cfg.workdir, frames) if cfg.warp_weight else None
     decoder = [vae.dec_in, vae.dec_memory, vae.dec_body, vae.dec_lin]
     params = [p for m in decoder for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.decoder_lr, weight_decay=0.0)
@@ -542,11 +604,13 @@ def finetune_decoder(cfg: TrainConfig, frames: np.ndarray, lat: torch.Tensor, mo
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = _lr(step, cfg.decoder_steps, cfg.decoder_lr)
-        z, x = _decoder_batch(cfg, step, frames, lat, pred)
+        z, x, flow = _decoder_batch(cfg, step, frames, lat, pred, flows)
         y, _ = vae.decode_groups(vae.denormalize(z), None)
         loss = _reconstruction_loss(y, x, cfg.temporal_weight)
         if cfg.grid_weight:
             loss = loss + cfg.grid_weight * grid_step_error(y, x)
+        if flow is not None:
+            loss = loss + cfg.warp_weight * warped_temporal_error(y, x, flow)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
