@@ -159,6 +159,59 @@ def test_decoder_batches_pair_each_latent_window_with_its_own_teacher_pixels(tmp
     torch.testing.assert_close(y, x, rtol=0, atol=2e-3)
 
 
+def test_dit_windows_pair_each_latent_window_with_its_own_teacher_pixels_and_flow(tmp_path: Path) -> None:
+    """The DiT's warp term decodes a window's x̂₀ against teacher pixels cropped separately: decoding the
+    window's target latent must land on those pixels, and the flow must carry each frame onto the next."""
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, (2, 3, train.CLIP_FRAMES, 32, 32, 3), dtype=np.uint8)
+    frames = blocks.repeat(8, axis=3).repeat(8, axis=4)  # 8x8-block-constant: a lossless linear VAE
+    vae = TinyVAE(TinyVAEConfig(latent_channels=16, enc_channels=8, dec_channels=8))
+    vae.init_linear_from_pca(train.to_unit(frames[:, :, 1:5]).flatten(0, 1).transpose(1, 2).flatten(0, 1))
+    cfg = train.TrainConfig(workdir=tmp_path, dit_batch=6)
+    lat, vae = train.encode_latents(cfg, frames, vae)
+    emb = torch.nn.functional.normalize(torch.randn(2, 4, 384), dim=-1)
+    windows: list[train.DitWindow] = []
+    target = train._dit_batch(cfg, 3, lat, emb, SamplerSpec(), FlowMatchSchedule(8.0), None, windows)[3]
+    assert len(windows) == 6 and {w.flip for w in windows} == {False, True}
+    pixels, flow = train.window_pixels(cfg, windows, frames, np.zeros((2, 8, 256, 256, 2), np.float16))
+    with torch.no_grad():
+        decoded, _ = vae.decode_groups(vae.denormalize(target), None)
+    assert pixels.shape == (6, 3, 8, 128, 128) and flow.shape == (6, 7, 128, 128, 2)
+    torch.testing.assert_close(decoded, pixels, rtol=0, atol=2e-3)
+    # On a panning clip (both variants the raw clip), following the flow leaves a small residual.
+    clip = train.clipdata.render_clip(train.clipdata.ClipSpec("procedural:3", 0, train.CLIP_FRAMES))
+    frames = np.stack([clip, clip])[None]
+    flows = train.build_flows(tmp_path / "pan", frames)
+    windows = []
+    for step in range(3):
+        train._dit_batch(cfg, step, torch.zeros(1, 2, 64, 3, 24, 24).half(), emb[:1], SamplerSpec(),
+                         FlowMatchSchedule(8.0), None, windows)
+    pixels, flow = train.window_pixels(cfg, windows, frames, flows)
+    residual = float(train.warped_temporal_error(pixels, torch.zeros_like(pixels), flow))
+    assert residual < 0.35 * float(pixels.diff(dim=2).abs().mean())
+
+
+def test_dit_loss_warp_term_decodes_x0_against_the_teacher_pixels() -> None:
+    dit = _dit()
+    vae = TinyVAE(TinyVAEConfig(latent_channels=8, enc_channels=8, dec_channels=8)).requires_grad_(False)
+    x, target = torch.randn(2, 8, 2, 4, 4), torch.randn(2, 8, 2, 4, 4)
+    t, sigma = torch.full((2, 2), 300.0), torch.full((2, 2), 0.7)
+    with torch.no_grad():
+        teacher, _ = vae.decode_groups(vae.denormalize(target[:1]), None)
+    flow = torch.zeros(1, teacher.shape[2] - 1, 32, 32, 2)
+    context = torch.randn(2, 1, 384)
+    plain = train.dit_loss(dit, vae, x, t, sigma, target, context, 1.0)
+    warped = train.dit_loss(dit, vae, x, t, sigma, target, context, 1.0, (teacher, flow), warp_weight=3.0)
+    warped.backward()
+    assert warped.item() > plain.item()
+    assert all(p.grad is not None for p in dit.parameters())
+    # x̂₀ = x − σ·v on target (σ = 0, x = target): the decoded frames are the teacher's, no warp term.
+    with torch.no_grad():
+        x0_is_target = train.dit_loss(dit, vae, target, t, torch.zeros_like(sigma), target, context, 1.0,
+                                      (teacher, flow), 3.0)
+    assert float(x0_is_target) == pytest.approx(0.0, abs=1e-6)
+
+
 def test_style_probabilities_steer_which_styles_a_batch_holds(tmp_path: Path) -> None:
     cfg = train.TrainConfig(workdir=tmp_path, dit_batch=8)
     lat = torch.arange(4.0).view(1, 4, 1, 1, 1, 1).expand(3, 4, 8, 3, 16, 16).half()  # variant v holds v

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps of the decoder fine-tune on the DiT's outputs")
     parser.add_argument("--warp-weight", type=float, default=0.0,
                         help="weight of the motion-compensated temporal loss (along the clips' optical flow) "
-                             "in the VAE and decoder stages; 0 = off (docs/default-model.md, 'Flicker')")
+                             "in the VAE, DiT and decoder stages; 0 = off (docs/default-model.md, 'Flicker')")
     parser.add_argument("--threads", type=_positive, default=1,
                         help="torch threads (1 on a shared machine: more threads contend badly)")
     parser.add_argument("--seed", type=int, default=0)

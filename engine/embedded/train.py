@@ -85,8 +85,9 @@ class TrainConfig:
     looks_lr: float = 3e-4
     new_look_share: float = 0.6
     grid_weight: float = 0.0  # weight of the block-seam term in the decoder fine-tune (grid_step_error)
-    # Weight of the motion-compensated temporal term in the decoder fine-tune (``warped_temporal_error``,
-    # along the input clip's optical flow): what the evaluation's warp error measures, as a loss.
+    # Weight of the motion-compensated temporal term (``warped_temporal_error``, along the input clip's
+    # optical flow) in the VAE, DiT (decoded, ``dit_loss``) and decoder stages: the evaluation's warp
+    # error as a loss.
     warp_weight: float = 0.0
     threads: int = 2
     seed: int = 0
@@ -136,6 +137,7 @@ def build_flows(workdir: Path, frames: np.ndarray) -> np.ndarray:
     shape = (frames.shape[0], CLIP_FRAMES - 1, clipdata.SIZE, clipdata.SIZE, 2)
     if done.exists():
         return np.load(path, mmap_mode="r")
+    workdir.mkdir(parents=True, exist_ok=True)
     arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=shape)
     dis = cv2.DISOpticalFlow_create(cv2.DISOPTICAL_FLOW_PRESET_MEDIUM)  # type: ignore[attr-defined]
     for i in tqdm(range(frames.shape[0]), desc="data: optical flow"):
@@ -378,14 +380,30 @@ REFINE_PROBABILITY = 0.15  # share of frames trained as a refinement step (stand
 # Latent crops for DiT training (16x16 latents = 128x128 pixels, 64 tokens a frame): 4x cheaper than
 # full frames; attention is over relative (RoPE) positions, so the model runs on full 32x32 latents.
 DIT_CROP = 16
+WARP_SAMPLES = 4  # samples of a DiT batch decoded for the warp term (a regulariser: all pay the latent losses)
+
+
+@dataclass(frozen=True)
+class DitWindow:
+    """Where one DiT sample came from: clip, style variant, first latent frame, latent row and column,
+    mirrored."""
+
+    clip: int
+    variant: int
+    frame: int
+    y: int
+    x: int
+    flip: bool
 
 
 def _dit_batch(cfg: TrainConfig, step: int, lat: torch.Tensor, emb: torch.Tensor, sampler: SamplerSpec,
                schedule: FlowMatchSchedule, style_probs: np.ndarray | None = None,
+               windows: list[DitWindow] | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x [B,C,2,h,w], timesteps [B,2], σ [B,2], target z_style [B,C,2,h,w], context [B,1,384]).
 
-    Styles are drawn uniformly, or with ``style_probs`` (one probability per style) when given.
+    Styles are drawn uniformly, or with ``style_probs`` (one probability per style) when given. Each
+    sample's window is appended to ``windows`` when given (``window_pixels`` gives their pixels and flows).
     """
     rng = np.random.default_rng([cfg.seed, 2, step])
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 62)))
@@ -399,8 +417,11 @@ def _dit_batch(cfg: TrainConfig, step: int, lat: torch.Tensor, emb: torch.Tensor
         y, x = (int(v) for v in rng.integers(0, lat.shape[-1] - crop + 1, 2))
         window = (slice(None), slice(f0, f0 + 2), slice(y, y + crop), slice(x, x + crop))
         z_in, z_sty = lat[i, 0][window].float(), lat[i, j][window].float()
-        if rng.random() < 0.5:
+        flip = rng.random() < 0.5
+        if flip:
             z_in, z_sty = z_in.flip(-1), z_sty.flip(-1)
+        if windows is not None:
+            windows.append(DitWindow(i, j, f0, y, x, flip))
         s = float(rng.uniform(*NOISE_SCALE_RANGE))
         noise = torch.randn(z_in.shape, generator=gen)
         frames_x, frames_t = [], []
@@ -423,6 +444,28 @@ def _dit_batch(cfg: TrainConfig, step: int, lat: torch.Tensor, emb: torch.Tensor
     return torch.stack(xs), torch.stack(ts), torch.stack(sig), torch.stack(tgt), torch.stack(ctx)
 
 
+def window_pixels(cfg: TrainConfig, windows: list[DitWindow], frames: np.ndarray,
+                  flows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's pixels under each DiT window [B, 3, 8, 8·crop, 8·crop] and the clip's flow between
+    consecutive ones [B, 7, 8·crop, 8·crop, 2]: latent frame 0 of a clip's latents is frame 0 four times
+    (zero flow between them), 1 is frames 1-4, 2 is frames 5-8."""
+    size = DIT_CROP * TinyVAE.spatial_compression
+    pixels, out = [], []
+    for w in windows:
+        oy, ox = _latent_crop_origin(cfg, w.clip)
+        py, px = oy + TinyVAE.spatial_compression * w.y, ox + TinyVAE.spatial_compression * w.x
+        clip = frames[w.clip, w.variant, :, py : py + size, px : px + size]
+        flow = np.array(flows[w.clip, :, py : py + size, px : px + size], dtype=np.float32)
+        if w.flip:
+            clip = clip[:, :, ::-1]
+            flow = flow[:, :, ::-1] * np.array([-1.0, 1.0], np.float32)
+        unit = stream_groups(to_unit(clip)[None])[0]  # [3, 12, size, size]: frame 0 four times, then 1-8
+        pixels.append(unit[:, 4 * w.frame : 4 * w.frame + 8])
+        moving = torch.from_numpy(np.ascontiguousarray(flow))
+        out.append(torch.cat([moving.new_zeros(3, size, size, 2), moving[:4]]) if w.frame == 0 else moving[1:])
+    return torch.stack(pixels), torch.stack(out)
+
+
 def prompt_cache_with_grad(dit: CausalWanDiT, context: torch.Tensor) -> PromptCache:
     """``dit.encode_prompt`` (an inference API, under no_grad) recomputed with gradients for training.
 
@@ -437,45 +480,55 @@ def prompt_cache_with_grad(dit: CausalWanDiT, context: torch.Tensor) -> PromptCa
 
 
 def dit_loss(dit: CausalWanDiT, vae: TinyVAE, x: torch.Tensor, t: torch.Tensor, sigma: torch.Tensor,
-             target: torch.Tensor, context: torch.Tensor, temporal_weight: float) -> torch.Tensor:
+             target: torch.Tensor, context: torch.Tensor, temporal_weight: float,
+             pixels: tuple[torch.Tensor, torch.Tensor] | None = None, warp_weight: float = 0.0) -> torch.Tensor:
     """MSE of x̂₀ = x − σ·v against the style latent, under the block-causal mask (1 latent frame/chunk),
     plus ``temporal_weight`` x the MSE of its frame-to-frame changes (per pixel frame, across chunks too).
 
     Channels are weighted by their raw variance (normalised to mean 1), so the loss is the MSE of the
     unnormalised latents, which the linear decoder path maps to pixels isometrically.
+
+    With ``pixels`` (the first samples' teacher pixels and flows, ``window_pixels``), those samples' x̂₀
+    are decoded by the (frozen) decoder and ``warp_weight`` x ``warped_temporal_error`` against the
+    teacher's pixels is added: flicker as the evaluation measures it, through the decoder that shows it.
     """
     # forward_masked is the DiT's reference path and runs under no_grad; its undecorated function is
     # the same code with gradients.
     masked = getattr(CausalWanDiT.forward_masked, "__wrapped__", CausalWanDiT.forward_masked)
     v = masked(dit, x, t, prompt_cache_with_grad(dit, context), chunk_frames=1)
     x0 = x - sigma[:, None, :, None, None] * v
+    warp = x0.new_zeros(())
+    if pixels is not None and warp_weight:
+        ref, flow = pixels
+        y, _ = vae.decode_groups(vae.denormalize(x0[: ref.shape[0]]), None)
+        warp = warp_weight * warped_temporal_error(y, ref, flow)
     scale = (vae.latent_std / vae.latent_std.pow(2).mean().sqrt()).view(1, -1, 1, 1, 1)
     x0, target = x0 * scale, target * scale
     temporal = temporal_error(vae.unpack(x0), vae.unpack(target), dim=1).pow(2).mean()
-    return F.mse_loss(x0, target) + temporal_weight * temporal
+    return F.mse_loss(x0, target) + temporal_weight * temporal + warp
 
 
 def train_dit(cfg: TrainConfig, vae: TinyVAE, lat: torch.Tensor, emb: torch.Tensor, dit_config: WanDiTConfig,
-              sampler: SamplerSpec) -> CausalWanDiT:
+              sampler: SamplerSpec, clips: tuple[np.ndarray, np.ndarray] | None = None) -> CausalWanDiT:
     """Phase 1: every style equally often. Then ``dit_tune_rounds`` tune rounds (``dit_tune_steps`` each,
     lower LR), each drawing the shipped styles in proportion to their loss at the start of the round,
-    so the steps go where the fidelity is lowest."""
+    so the steps go where the fidelity is lowest. ``clips`` (frames, flows): the warp term (``_dit_phase``)."""
     torch.manual_seed(cfg.seed + 1)
     dit = CausalWanDiT(dit_config)
-    _dit_phase(cfg, dit, vae, lat, emb, sampler, "dit", cfg.dit_steps, cfg.dit_lr, None, 0)
-    _tune_rounds(cfg, dit, vae, lat, emb, sampler, "dit_tune", cfg.dit_steps)
+    _dit_phase(cfg, dit, vae, lat, emb, sampler, "dit", cfg.dit_steps, cfg.dit_lr, None, 0, clips)
+    _tune_rounds(cfg, dit, vae, lat, emb, sampler, "dit_tune", cfg.dit_steps, clips)
     return dit.eval()
 
 
 def _tune_rounds(cfg: TrainConfig, dit: CausalWanDiT, vae: TinyVAE, lat: torch.Tensor, emb: torch.Tensor,
-                 sampler: SamplerSpec, name: str, offset: int) -> None:
+                 sampler: SamplerSpec, name: str, offset: int, clips: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """``dit_tune_rounds`` rounds of ``dit_tune_steps``, each drawing the shipped styles in proportion
     to their loss at the start of the round (phases ``name``, ``name2``, ...)."""
     for r in range(cfg.dit_tune_rounds):
         probs = _hard_style_probs(cfg, dit, vae, lat, emb, sampler)
         log.info("tune round %d style probabilities: %s", r + 1, dict(zip(STYLE_NAMES, probs.round(3).tolist(), strict=True)))
         _dit_phase(cfg, dit, vae, lat, emb, sampler, name if r == 0 else f"{name}{r + 1}", cfg.dit_tune_steps,
-                   cfg.dit_tune_lr, probs, offset + r * cfg.dit_tune_steps)
+                   cfg.dit_tune_lr, probs, offset + r * cfg.dit_tune_steps, clips)
 
 
 @torch.no_grad()
@@ -496,9 +549,11 @@ def _hard_style_probs(cfg: TrainConfig, dit: CausalWanDiT, vae: TinyVAE, lat: to
 
 def _dit_phase(cfg: TrainConfig, dit: CausalWanDiT, vae: TinyVAE, lat: torch.Tensor, emb: torch.Tensor,
                sampler: SamplerSpec, name: str, steps: int, peak_lr: float, style_probs: np.ndarray | None,
-               offset: int) -> None:
+               offset: int, clips: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """One resumable DiT training phase (checkpoints ``<name>_ckpt.pt``, result ``<name>_final.pt``);
-    its batches are the sample order's steps ``offset ..``, so no phase redraws another's batches."""
+    its batches are the sample order's steps ``offset ..``, so no phase redraws another's batches.
+    With ``clips`` (frames, flows) and ``cfg.warp_weight``, the first ``WARP_SAMPLES`` of each batch
+    also pay the decoded warp term (``dit_loss``)."""
     ckpt_path, final_path = cfg.workdir / f"{name}_ckpt.pt", cfg.workdir / f"{name}_final.pt"
     final = _load(final_path)
     if final is not None:
@@ -508,13 +563,18 @@ def _dit_phase(cfg: TrainConfig, dit: CausalWanDiT, vae: TinyVAE, lat: torch.Ten
     opt = torch.optim.AdamW(dit.parameters(), lr=peak_lr, weight_decay=0.01)
     start = _resume(ckpt_path, dit, opt)
     dit.train()
+    vae.requires_grad_(False)  # the warp term decodes through it; only the DiT learns here
     bar = tqdm(range(start, steps), desc=name, initial=start, total=steps)
     ema = None
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = _lr(step, steps, peak_lr)
-        batch = _dit_batch(cfg, offset + step, lat, emb, sampler, schedule, style_probs)
-        loss = dit_loss(dit, vae, *batch, cfg.temporal_weight)
+        windows: list[DitWindow] = []
+        batch = _dit_batch(cfg, offset + step, lat, emb, sampler, schedule, style_probs, windows)
+        pixels = None
+        if clips is not None and cfg.warp_weight:
+            pixels = window_pixels(cfg, windows[:WARP_SAMPLES], *clips)
+        loss = dit_loss(dit, vae, *batch, cfg.temporal_weight, pixels, cfg.warp_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
@@ -525,6 +585,7 @@ def _dit_phase(cfg: TrainConfig, dit: CausalWanDiT, vae: TinyVAE, lat: torch.Ten
             _save(ckpt_path, model=dit.state_dict(), opt=opt.state_dict(), step=step + 1)
     _save(final_path, model=dit.state_dict())
     dit.eval()
+    vae.requires_grad_(True)
 
 
 # -- stage 5: decoder fine-tune ------------------------------------------------------------------------
@@ -690,12 +751,14 @@ def finetune_looks(cfg: TrainConfig, base_config: Path, out_dir: Path) -> Path:
     # prototypes themselves must give the look.
     trained = torch.cat([emb, prototypes(emb.flatten(0, 1), names, emb.shape[1])[:, None]], dim=1)
     sampler, stream = base.spec.sampler, base.spec.stream
+    clips = (frames, build_flows(cfg.workdir, frames)) if cfg.warp_weight else None
     dit = base.dit.float()
     probs = np.array([0.0 if n in NOT_SHIPPED else cfg.new_look_share / len(new) if n in new
                       else (1 - cfg.new_look_share) / (len(STYLE_NAMES) - len(new) - len(NOT_SHIPPED))
                       for n in STYLE_NAMES])
-    _dit_phase(cfg, dit, vae, lat, trained, sampler, "looks", cfg.looks_steps, cfg.looks_lr, probs / probs.sum(), 0)
-    _tune_rounds(cfg, dit, vae, lat, trained, sampler, "looks_tune", cfg.looks_steps)
+    _dit_phase(cfg, dit, vae, lat, trained, sampler, "looks", cfg.looks_steps, cfg.looks_lr, probs / probs.sum(), 0,
+               clips)
+    _tune_rounds(cfg, dit, vae, lat, trained, sampler, "looks_tune", cfg.looks_steps, clips)
     vae = finetune_decoder(cfg, frames, lat, EmbeddedModel(build_spec(vae, dit, sampler, stream, emb), vae, dit))
     elapsed = time.time() - started
     log.info("fine-tuned in %.1f min (this run; resumed stages not counted)", elapsed / 60)
@@ -715,7 +778,8 @@ def train_default(cfg: TrainConfig, out_dir: Path) -> Path:
         raise ValueError(f"style registry {names} and teachers {STYLE_NAMES} disagree")
     emb = pooled_embeddings(phrasings).reshape(len(names), -1, 384)
     sampler, stream = SamplerSpec(), StreamSpec()
-    dit = train_dit(cfg, vae, lat, emb, tiny_dit_config(vae.latent_channels), sampler)
+    clips = (frames, build_flows(cfg.workdir, frames)) if cfg.warp_weight else None
+    dit = train_dit(cfg, vae, lat, emb, tiny_dit_config(vae.latent_channels), sampler, clips)
     vae = finetune_decoder(cfg, frames, lat, EmbeddedModel(build_spec(vae, dit, sampler, stream, emb), vae, dit))
     elapsed = time.time() - started
     log.info("trained in %.1f min (this run; resumed stages not counted)", elapsed / 60)
