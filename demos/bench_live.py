@@ -36,6 +36,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -128,13 +129,17 @@ def served(model: str, port: int, threads: int, max_streams: int, device: str = 
         command += ["--profile", profile]
     if policy is not None:
         command += ["--policy", policy]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # The server's log goes to a file, not a pipe: a pipe nobody reads fills up on a long run and then
+    # blocks the server's every log call, which the benchmark would measure as a slow server.
+    log_file = tempfile.TemporaryFile(mode="w+")
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log_file, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"server exited: {process.stderr.read() if process.stderr else ''}")
+                log_file.seek(0)
+                raise RuntimeError(f"server exited: {log_file.read()[-4000:]}")
             try:
                 if http("GET", f"{url}/healthz")[0] == 200:
                     break
@@ -147,6 +152,7 @@ def served(model: str, port: int, threads: int, max_streams: int, device: str = 
     finally:
         process.terminate()
         process.wait(timeout=20)
+        log_file.close()
 
 
 async def run_streams(url: str, count: int, seconds: float, fps: float, policy: str = "slack",
@@ -182,7 +188,9 @@ async def run_streams(url: str, count: int, seconds: float, fps: float, policy: 
     await asyncio.gather(*(s.close() for s in sessions))
     await asyncio.sleep(1.0)  # let the server notice and free the slots
 
-    fps_values, ttffs, latencies = [], [], []
+    fps_values: list[float] = []
+    ttffs: list[float] = []
+    latencies: list[float] = []
     for session in sessions:
         probe = session.probe
         if probe.first_frame_at is None:
