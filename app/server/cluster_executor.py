@@ -94,16 +94,19 @@ class RayExecutor(StepExecutor):
         try:
             outcome = self.controller.run_step(worker_id, call)
         except RayTaskError:
-            if self._moved_away(worker_id, streams):  # moved between the check and the call
+            # Moved between the check and the call, or being moved: the source refuses a frozen state
+            # while the move is still in flight, so wait for it to settle before asking where it went.
+            if self._moved_away(worker_id, streams, settle=True):
                 raise StreamMovedError(f"streams moved away from worker {worker_id}") from None
             raise
         self.forwards += outcome.forwards
         return [outcome.finished.get(order.stream_id, []) for order in orders]
 
-    def _moved_away(self, worker_id: int, streams: Sequence[LiveStream]) -> bool:
+    def _moved_away(self, worker_id: int, streams: Sequence[LiveStream], settle: bool = False) -> bool:
+        home = self.controller.settled_home if settle else self.controller.home
         for stream in streams:
             try:
-                if self.controller.home(_ray_id(stream)) != worker_id:
+                if home(_ray_id(stream)) != worker_id:
                     return True
             except ClusterError:
                 continue  # closed: its session is ending

@@ -298,6 +298,12 @@ class ClusterController:
     def home(self, stream_id: int) -> int:
         return self._entry(stream_id).home
 
+    def settled_home(self, stream_id: int) -> int:
+        """The stream's home once a move of it in flight has finished (or failed): its step that met the
+        move half-way (the source had frozen the state) learns where the stream lives now."""
+        with self._held(stream_id) as entry:
+            return entry.home
+
     def remove_worker(self, worker_id: int) -> None:
         """Stop a worker that hosts no stream (scale-in, after the policy moved its streams away)."""
         with self._table:
