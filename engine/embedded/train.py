@@ -149,6 +149,17 @@ def build_flows(workdir: Path, frames: np.ndarray) -> np.ndarray:
     return np.load(path, mmap_mode="r")
 
 
+def stream_flow(flows: np.ndarray, clip: int, y: int, x: int, size: int, flip: bool) -> torch.Tensor:
+    """The clip's flow between consecutive frames of the stream layout (``stream_groups``: frame 0 four
+    times, then frames 1-8), cropped at (y, x) and mirrored like the pixels: [11, size, size, 2], zero
+    between the copies of frame 0. Latent group g's frames and the next group's are ``[4g : 4g + 7]``."""
+    flow = np.array(flows[clip, :, y : y + size, x : x + size], dtype=np.float32)
+    if flip:
+        flow = flow[:, :, ::-1] * np.array([-1.0, 1.0], np.float32)
+    moving = torch.from_numpy(np.ascontiguousarray(flow))
+    return torch.cat([moving.new_zeros(3, size, size, 2), moving])
+
+
 # -- shared training utilities ----------------------------------------------------------------------
 
 
@@ -202,11 +213,8 @@ def _vae_batch(frames: np.ndarray, cfg: TrainConfig, step: int,
         first = rng.random() < 0.4
         out.append(stream_groups(pixels[:, :, :5]) if first else pixels[:, :, 1:])
         if flows is not None:
-            flow = np.array(flows[i, :, y : y + crop, x : x + crop], dtype=np.float32)
-            if flip:
-                flow = flow[:, :, ::-1] * np.array([-1.0, 1.0], np.float32)
-            moving = torch.from_numpy(np.ascontiguousarray(flow))
-            out_flows.append(torch.cat([moving.new_zeros(3, crop, crop, 2), moving[:4]]) if first else moving[1:])
+            group = 0 if first else 1
+            out_flows.append(stream_flow(flows, i, y, x, crop, flip)[4 * group : 4 * group + 7])
     return torch.cat(out), torch.stack(out_flows) if out_flows else None
 
 
@@ -455,14 +463,11 @@ def window_pixels(cfg: TrainConfig, windows: list[DitWindow], frames: np.ndarray
         oy, ox = _latent_crop_origin(cfg, w.clip)
         py, px = oy + TinyVAE.spatial_compression * w.y, ox + TinyVAE.spatial_compression * w.x
         clip = frames[w.clip, w.variant, :, py : py + size, px : px + size]
-        flow = np.array(flows[w.clip, :, py : py + size, px : px + size], dtype=np.float32)
         if w.flip:
             clip = clip[:, :, ::-1]
-            flow = flow[:, :, ::-1] * np.array([-1.0, 1.0], np.float32)
         unit = stream_groups(to_unit(clip)[None])[0]  # [3, 12, size, size]: frame 0 four times, then 1-8
         pixels.append(unit[:, 4 * w.frame : 4 * w.frame + 8])
-        moving = torch.from_numpy(np.ascontiguousarray(flow))
-        out.append(torch.cat([moving.new_zeros(3, size, size, 2), moving[:4]]) if w.frame == 0 else moving[1:])
+        out.append(stream_flow(flows, w.clip, py, px, size, w.flip)[4 * w.frame : 4 * w.frame + 7])
     return torch.stack(pixels), torch.stack(out)
 
 
@@ -640,8 +645,7 @@ def _decoder_batch(cfg: TrainConfig, step: int, frames: np.ndarray, lat: torch.T
         y, x = oy + 8 * ly, ox + 8 * lx
         xs.append(stream_groups(to_unit(frames[i, 1 + j, :, y : y + 8 * w, x : x + 8 * w])[None])[0])
         if flows is not None:
-            moving = torch.from_numpy(np.array(flows[i, :, y : y + 8 * w, x : x + 8 * w], dtype=np.float32))
-            fs.append(torch.cat([moving.new_zeros(3, *moving.shape[1:]), moving]))
+            fs.append(stream_flow(flows, i, y, x, 8 * w, flip=False))
     return torch.stack(zs), torch.stack(xs), torch.stack(fs) if fs else None
 
 
