@@ -5,6 +5,8 @@
 * fidelity: PSNR / SSIM of the model's output against the teacher's, per style;
 * temporal stability: warp error: output frame t−1 warped to t with DIS optical flow
   estimated on the *input* frames, mean absolute error in [0, 1] units; model vs teacher ratio;
+* the codec's share of the flicker: the teachers' frames through the stream VAE alone (no DiT), the
+  same warp ratio;
 * block texture: gradient energy across the 16-px grid (the DiT's 2x2-latent patches x the VAE's 8x)
   over the energy elsewhere (``engine.embedded.block_texture``), on the held-out clips of real
   photographs (``clips.HELDOUT_IMAGES``), beside the input's and the teacher's own;
@@ -107,6 +109,22 @@ def stylize_stream(pipe: Pipeline, frames: np.ndarray, prompt: str, seed: int = 
     return StreamedClip(np.concatenate(shipped), np.concatenate(raw), timings, rates)
 
 
+@torch.no_grad()
+def codec_round_trip(pipe: Pipeline, frames: np.ndarray) -> np.ndarray:
+    """A clip (uint8 [T, H, W, 3]) encoded and decoded by the model's stream VAE, chunked as a live
+    stream is (``pipe.first_chunk_frames``, then ``pipe.chunk_frames`` at a time): the codec's share of
+    the model's flicker, with no DiT in between."""
+    vae = pipe.runtime.vae
+    encoder, decoder = vae.new_encoder_cache(), vae.new_decoder_cache()
+    param = next(pipe.runtime.dit.parameters())
+    bounds = [0, *range(pipe.first_chunk_frames, frames.shape[0] + 1, pipe.chunk_frames)]
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        pixels = frames_to_tensor(frames[a:b])[None].to(param.device, param.dtype)
+        out.append(tensor_to_frames(vae.decode_chunk(vae.encode_chunk(pixels, encoder), decoder)[0].float().clamp(-1, 1)))
+    return np.concatenate(out)
+
+
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
     return 10.0 * np.log10(255.0**2 / max(mse, 1e-10))
@@ -142,7 +160,7 @@ def evaluate(pipe: Pipeline, prompts: dict[str, str], clips: int | None = None, 
     """Score every style (``prompts``: style name -> the prompt that asks for it) on the held-out clips."""
     specs = heldout_specs()[:clips]
     styles = list(prompts)
-    keys = ("psnr", "ssim", "warp_model", "warp_teacher", "psnr_raw", "warp_raw")
+    keys = ("psnr", "ssim", "warp_model", "warp_teacher", "psnr_raw", "warp_raw", "psnr_codec", "warp_codec")
     per: dict[str, dict[str, list[float]]] = {s: {k: [] for k in keys} for s in styles}
     # (on-grid, off-grid) energies per photograph clip, pooled over clips before the ratio is taken.
     grid: dict[str, list[tuple[float, float]]] = {}
@@ -168,16 +186,20 @@ def evaluate(pipe: Pipeline, prompts: dict[str, str], clips: int | None = None, 
             per[style]["warp_teacher"].append(warp_error(teacher, flows))
             per[style]["psnr_raw"].append(psnr(run.raw, teacher))
             per[style]["warp_raw"].append(warp_error(run.raw, flows))
+            codec = codec_round_trip(pipe, teacher)
+            per[style]["psnr_codec"].append(psnr(codec, teacher))
+            per[style]["warp_codec"].append(warp_error(codec, flows))
             if ci == 0 and grid_path is not None:
                 k = len(frames) // 2
                 grid_rows.append(np.concatenate([frames[k], teacher[k], out[k]], axis=1))
     result: dict[str, Any] = {"clips": len(specs), "frames_per_clip": int(specs[0].frames), "styles": {}}
     for style, m in per.items():
-        wm, wt, wr = (float(np.mean(m[k])) for k in ("warp_model", "warp_teacher", "warp_raw"))
+        wm, wt, wr, wc = (float(np.mean(m[k])) for k in ("warp_model", "warp_teacher", "warp_raw", "warp_codec"))
         result["styles"][style] = {
             "psnr": float(np.mean(m["psnr"])), "ssim": float(np.mean(m["ssim"])),
             "warp_model": wm, "warp_teacher": wt, "warp_ratio": wm / wt,
             "psnr_raw": float(np.mean(m["psnr_raw"])), "warp_raw": wr, "warp_ratio_raw": wr / wt,
+            "psnr_codec": float(np.mean(m["psnr_codec"])), "warp_codec": wc, "warp_ratio_codec": wc / wt,
         }
         if style in grid:
             result["styles"][style].update({f"grid_ratio{kind}": _pooled_ratio(grid[style + kind])
@@ -186,7 +208,7 @@ def evaluate(pipe: Pipeline, prompts: dict[str, str], clips: int | None = None, 
         result["grid_ratio_input"] = _pooled_ratio(grid["input"])
         result["grid_px"] = GRID_PX
     wt_all = float(np.mean([v["warp_teacher"] for v in result["styles"].values()]))
-    for key, suffix in (("warp_model", ""), ("warp_raw", "_raw")):
+    for key, suffix in (("warp_model", ""), ("warp_raw", "_raw"), ("warp_codec", "_codec")):
         result[f"warp_ratio_overall{suffix}"] = float(np.mean([v[key] for v in result["styles"].values()])) / wt_all
     result["timing_ms_eval_threads"] = _timing_summary(all_timings)
     if grid_path is not None:
@@ -307,6 +329,9 @@ def main() -> None:
     grid_input = f"input {result['grid_ratio_input']:.2f}" if "grid_ratio_input" in result else ""
     print(f"| **mean** | {np.mean([m['psnr'] for m in styles]):.2f} | | | | overall {result['warp_ratio_overall']:.2f} "
           f"| {np.mean([m['psnr_raw'] for m in styles]):.2f} | overall {result['warp_ratio_overall_raw']:.2f} | {grid_input} |")
+    print(f"\ncodec alone (the teachers' frames through the stream VAE, no DiT): warp ratio overall "
+          f"{result['warp_ratio_overall_codec']:.2f}, mean {np.mean([m['psnr_codec'] for m in styles]):.2f} dB; "
+          + ", ".join(f"{style} {m['warp_ratio_codec']:.2f}" for style, m in result["styles"].items()))
     print()
     print("| threads | encode | DiT | decode | stabilizer | total | FPS |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
