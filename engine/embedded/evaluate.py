@@ -70,6 +70,15 @@ class StreamedClip:
     noise_rates: list[float]  # per chunk: the motion-aware controller's V2V noise rate
 
 
+def chunk_spans(pipe: Pipeline, frames: int) -> list[tuple[int, int]]:
+    """A clip's chunks as a live stream has them: ``pipe.first_chunk_frames`` (1) first, then
+    ``pipe.chunk_frames`` (4) at a time; a trailing partial chunk is an error."""
+    if (frames - pipe.first_chunk_frames) % pipe.chunk_frames:
+        raise ValueError(f"clip needs {pipe.first_chunk_frames} + {pipe.chunk_frames}k frames, got {frames}")
+    bounds = [0, *range(pipe.first_chunk_frames, frames + 1, pipe.chunk_frames)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
 def stylize_stream(pipe: Pipeline, frames: np.ndarray, prompt: str, seed: int = 0, steps: int | None = None,
                    noise_scale: float | None = None, fidelity: FidelityConfig | None = None) -> StreamedClip:
     """Stream a clip (uint8 [T, H, W, 3]) chunk by chunk as the product does: ``pipe.first_chunk_frames``
@@ -81,8 +90,7 @@ def stylize_stream(pipe: Pipeline, frames: np.ndarray, prompt: str, seed: int = 
     ``StreamRuntime.step``, called one by one so that the decoded frames can be kept before the
     stabilizer and each stage timed.
     """
-    if (frames.shape[0] - pipe.first_chunk_frames) % pipe.chunk_frames:
-        raise ValueError(f"clip needs {pipe.first_chunk_frames} + {pipe.chunk_frames}k frames, got {frames.shape[0]}")
+    spans = chunk_spans(pipe, frames.shape[0])
     params = StreamParams(prompt=prompt, seed=seed, steps=steps, noise_scale=noise_scale)
     if fidelity is not None:
         params = params.with_(steps=fidelity.steps, kv_window_frames=fidelity.kv_window_frames,
@@ -90,9 +98,8 @@ def stylize_stream(pipe: Pipeline, frames: np.ndarray, prompt: str, seed: int = 
                               attention_sparsity=fidelity.attention_sparsity)
     stream = pipe.open_stream(params)
     runtime, state = stream.runtime, stream.state
-    bounds = [0, *range(pipe.first_chunk_frames, frames.shape[0] + 1, pipe.chunk_frames)]
     shipped, raw, timings, rates = [], [], [], []
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+    for a, b in spans:
         pixels = frames_to_tensor(frames[a:b], stream.expected_frames)
         t0 = time.perf_counter()
         chunk = runtime.enter_chunk(state, pixels)
@@ -114,13 +121,12 @@ def codec_round_trip(pipe: Pipeline, frames: np.ndarray) -> np.ndarray:
     """A clip (uint8 [T, H, W, 3]) encoded and decoded by the model's stream VAE, chunked as a live
     stream is (``pipe.first_chunk_frames``, then ``pipe.chunk_frames`` at a time): the codec's share of
     the model's flicker, with no DiT in between."""
-    vae = pipe.runtime.vae
+    runtime = pipe.runtime
+    vae = runtime.vae
     encoder, decoder = vae.new_encoder_cache(), vae.new_decoder_cache()
-    param = next(pipe.runtime.dit.parameters())
-    bounds = [0, *range(pipe.first_chunk_frames, frames.shape[0] + 1, pipe.chunk_frames)]
     out = []
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        pixels = frames_to_tensor(frames[a:b])[None].to(param.device, param.dtype)
+    for a, b in chunk_spans(pipe, frames.shape[0]):
+        pixels = frames_to_tensor(frames[a:b])[None].to(runtime.device, runtime.dit.dtype)
         out.append(tensor_to_frames(vae.decode_chunk(vae.encode_chunk(pixels, encoder), decoder)[0].float().clamp(-1, 1)))
     return np.concatenate(out)
 
