@@ -364,7 +364,7 @@ class SlackPolicy:
             if self.config.bmpr:
                 router = self._router(ceiling)
                 if self.config.live_load is not None:  # as next_point: the stream's share of its worker
-                    budgets = self.config.live_load * self.profile.chunk_duration_s / np.maximum(1, sharing[rows])
+                    budgets = self.live_share_s(1) / np.maximum(1, sharing[rows])
                 else:
                     budgets = (slack[rows] - rem[rows]) / (1.0 + self.config.thresholds.urgent_mult)
                 idx = router.route_many(budgets)
