@@ -138,11 +138,12 @@ class StyleRegistry:
     too_far_below: float
 
     def notice(self, prompts: PromptEncoder, prompt: str) -> str | None:
-        """A message naming the nearest styles when ``prompt`` is far from every trained style."""
+        """A message naming the nearest styles when ``prompt`` is far from every trained style (a prompt
+        naming two looks is near both, however far its whole embedding lands)."""
         from engine.embedded.styles import match_style
 
         match = match_style(prompt, prompts.pooled([prompt])[0], list(self.names), self.prototypes, self.too_far_below)
-        return match.message() if match.too_far else None
+        return match.message() if match.too_far and prompts.named_looks(prompt) is None else None
 
 
 class Pipeline:

@@ -219,6 +219,23 @@ def test_a_prompt_near_two_looks_is_served_between_them(pipe: Pipeline) -> None:
     assert _detour(both, charcoal, pencil) < 1.35
 
 
+def test_a_prompt_naming_two_looks_is_served_as_both(pipe: Pipeline) -> None:
+    """"pencil sketch and watercolor" (whose whole embedding leans 95/5 to the pencil sketch) comes out
+    as the 50/50 slerp blend of the two looks' own prompts: between them, far from each end."""
+    frames = render_clip(heldout_specs()[1])[:5]
+    pencil, watercolor = _look_video(pipe, frames, "pencil sketch"), _look_video(pipe, frames, "watercolor")
+    apart = _dist(pencil, watercolor)
+    both = _look_video(pipe, frames, "pencil sketch and watercolor")
+    assert 0.25 * apart < _dist(both, pencil) < 0.75 * apart
+    assert 0.25 * apart < _dist(both, watercolor) < 0.75 * apart
+    assert _detour(both, pencil, watercolor) < 1.35
+    # The slerp midpoint of the two looks, as an explicit 50/50 slerp blend of their own prompts gives it.
+    stream = pipe.open_stream(StreamParams(prompt=["pencil sketch", "watercolor"], prompt_weights=(0.5, 0.5),
+                                           blend_mode="slerp", seed=0))
+    explicit = np.concatenate([stream.process(frames[:1]), stream.process(frames[1:5])]).astype(np.float32)
+    assert _dist(both, explicit) < 0.02 * apart
+
+
 def test_codec_round_trip_reconstructs_the_clip_chunk_by_chunk(pipe: Pipeline) -> None:
     """The evaluation's codec-only flicker measure: the stream VAE's round trip of a held-out clip,
     chunked as a live stream is, against the clip itself (an independent reference)."""

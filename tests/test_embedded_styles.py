@@ -1,11 +1,13 @@
-"""Far prompts on the shipped default model: held to the two prompt lists kept in the repository."""
+"""Far prompts and prompts naming two looks on the shipped default model: held to the prompt lists kept
+in the repository."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.embedded.styles import FAR_BELOW, NOT_SHIPPED, prompt_list
+from engine.capabilities import look_name
+from engine.embedded.styles import FAR_BELOW, NOT_SHIPPED, prompt_list, two_look_prompts
 from engine.pipeline import Pipeline
 
 
@@ -54,3 +56,29 @@ def test_every_look_asked_for_by_its_own_name_gets_no_notice(pipe: Pipeline) -> 
     assert pipe.styles is not None
     flagged = [n for n in pipe.capabilities.looks if pipe.prompt_notice((n,)) is not None]
     assert not flagged, flagged
+
+
+def test_prompts_naming_two_looks_are_served_half_and_half(pipe: Pipeline) -> None:
+    """The anchoring of each prompt is compared with the looks the list names for it (written by hand),
+    not with what the code chose before; a prompt served as one look, or as a look it does not name,
+    counts as missed."""
+    pairs = two_look_prompts()
+    assert len(pairs) >= 30
+    prompts = pipe.runtime.prompts
+    assert prompts.anchors is not None
+    looks = set(pipe.capabilities.looks)
+    missed = []
+    for prompt, named in pairs:
+        assert {look_name(n) for n in named} <= looks, f"{prompt!r} names a look the model does not ship: {named}"
+        weights = dict(prompts.anchors.weights(prompts.pooled([prompt])[0], prompts.cuts(prompt)))
+        if set(weights) != set(named) or min(weights.values()) < 0.3:
+            missed.append((prompt, weights))
+    assert len(missed) <= 0.1 * len(pairs), missed
+
+
+def test_no_shipped_phrasing_or_unrelated_prompt_names_two_looks(pipe: Pipeline) -> None:
+    """A shipped look's own phrasing keeps its look ("black and white pencil drawing" is not noir and a
+    pencil sketch), and an unrelated prompt is not turned into two looks (it keeps its notice)."""
+    for name in ("shipped", "unrelated"):
+        named = [(p, pipe.runtime.prompts.named_looks(p)) for p in prompt_list(name)]
+        assert not [pair for pair in named if pair[1] is not None], name

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.streaming.prompts import LookAnchors, PromptTransition, blend, slerp
+from engine.streaming.prompts import LookAnchors, PromptTransition, blend, prompt_cuts, slerp
 
 
 def test_linear_blend_is_the_weighted_mean() -> None:
@@ -81,3 +81,48 @@ def test_anchoring_needs_looks_and_a_positive_temperature() -> None:
         LookAnchors(("a", "b"), protos, 0.0)
     with pytest.raises(ValueError, match="2 looks"):
         LookAnchors(("a",), protos[:1], 0.03)
+
+
+def test_cuts_split_at_every_word_and_drop_the_joining_words() -> None:
+    # "a" alone is a joining word: no part is left of the first cut.
+    assert prompt_cuts("a pencil sketch with watercolor") == [
+        ("a pencil", "sketch with watercolor"), ("a pencil sketch", "watercolor")]
+    assert ("oil painting", "watercolor") in prompt_cuts("Oil painting x watercolor")
+    assert ("thermal", "cartoon") in prompt_cuts("thermal + cartoon")
+    assert ("pencil sketch", "pop art") in prompt_cuts("pencil sketch, pop art")
+    assert prompt_cuts("cartoon") == [] and prompt_cuts("and") == []
+    assert prompt_cuts(" ".join(["word"] * 17)) == []  # a description, not a list of looks
+
+
+def _parts(*pairs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.stack([torch.stack(pair) for pair in pairs])
+
+
+def test_a_prompt_naming_two_looks_is_served_half_and_half() -> None:
+    """The whole prompt leans to one look (a 95/5 softmax), but a cut of it names two: each part is
+    nearer its own look than the whole is to any, so it is served as half of each."""
+    anchors = _anchors()
+    a, b, c = anchors.prototypes[0], anchors.prototypes[1], anchors.prototypes[2]
+    whole = torch.nn.functional.normalize(a + 0.7 * b, dim=0)
+    assert dict(anchors.weights(whole))["a"] > 0.95
+    near = lambda p, q: torch.nn.functional.normalize(p + 0.2 * q, dim=0)  # noqa: E731
+    cuts = _parts((near(c, b), near(c, a)), (near(a, c), near(b, a)), (near(a, b), near(a, c)))
+    assert anchors.named(whole, cuts) == ("a", "b")
+    assert dict(anchors.weights(whole, cuts)) == {"a": 0.5, "b": 0.5}
+    served = anchors.anchor(whole[None], [cuts])[0]
+    torch.testing.assert_close(served, slerp(a, b, 0.5))
+    # Not named: both parts on one look, a part under the floor, a part farther than the whole prompt.
+    assert anchors.named(whole, _parts((near(a, c), near(a, b)))) is None
+    far_part = torch.nn.functional.normalize(torch.randn(16, generator=torch.Generator().manual_seed(3)), dim=0)
+    assert anchors.named(whole, _parts((near(a, c), far_part))) is None
+    on_a = torch.nn.functional.normalize(a + 0.01 * b, dim=0)
+    assert anchors.named(on_a, _parts((near(a, c), near(b, c)))) is None
+    assert anchors.named(whole, None) is None
+    # A part less near its look than the whole prompt is to its own still names its look when it says
+    # it much more clearly than the whole does ("thermal vaporwave": "thermal" is 0.63 from the thermal
+    # look, the whole 0.77 from vaporwave and 0.54 from thermal).
+    leaning = torch.nn.functional.normalize(a + 0.5 * b, dim=0)
+    weak_b = torch.nn.functional.normalize(b + 0.6 * c, dim=0)
+    sims = anchors.prototypes @ leaning
+    assert float(weak_b @ b) < float(sims.max()) and float(weak_b @ b) - float(sims[1]) > 0.05
+    assert anchors.named(leaning, _parts((weak_b, a))) == ("b", "a")

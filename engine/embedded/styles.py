@@ -70,10 +70,20 @@ PROMPT_LISTS = Path(__file__).resolve().parent / "prompt_lists"
 
 
 def prompt_list(name: str) -> list[str]:
-    """A prompt list of engine/embedded/prompt_lists/ (``unrelated`` or ``shipped``): one prompt per
-    line, '#' starts a comment line."""
+    """A prompt list of engine/embedded/prompt_lists/ (``unrelated``, ``shipped`` or ``two_looks``): one
+    prompt per line, '#' starts a comment line."""
     lines = (PROMPT_LISTS / f"{name}.txt").read_text().splitlines()
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def two_look_prompts() -> list[tuple[str, tuple[str, str]]]:
+    """engine/embedded/prompt_lists/two_looks.txt: prompts naming two shipped looks, with those looks."""
+    pairs = []
+    for line in prompt_list("two_looks"):
+        prompt, _, looks = line.partition("->")
+        first, second = (name.strip() for name in looks.split(","))
+        pairs.append((prompt.strip(), (first, second)))
+    return pairs
 
 
 @dataclass(frozen=True)

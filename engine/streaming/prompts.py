@@ -9,6 +9,7 @@ embeddings; several prompts can be mixed with weights, linearly or by spherical 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -72,21 +73,67 @@ def blend(embeddings: Sequence[torch.Tensor], weights: Sequence[float], mode: Bl
     return acc
 
 
+# Words that join two looks in a prompt ("pencil sketch and watercolor", "cartoon x noir", "half oil
+# painting half sketch"): dropped at a cut, so each part reads as the look it names.
+JOINERS = frozenset({"and", "with", "in", "&", "+", "plus", "meets", "x", "or", "half", "mix", "mixed",
+                     "blend", "blended", "into", "vs", "versus", "between", "like", "of", "a", "an", "the", "style",
+                     "look"})
+# Longer prompts are not cut: a cut costs two text-encoder rows (a 14-word prompt's 13 cuts encode in
+# ~40 ms on 2 cores, once: the encoder caches), and a sentence this long describes a scene rather than
+# naming looks.
+MAX_CUT_WORDS = 16
+# A part of a cut names a look when it is at least MENTION_FLOOR near the look's prototype and says it
+# more clearly than the whole prompt: as near as the whole prompt is to any look, or MENTION_GAIN nearer
+# that look than the whole prompt is. Chosen on the embedded model's prompt lists: of the shipped
+# phrasings and paraphrases and of the unrelated prompts none has such a cut (the gain alone at 0.02
+# would split "watercolor painting" into watercolor and oil paint); of the prompts naming two looks
+# (engine/embedded/prompt_lists/two_looks.txt) the weakest named part is at 0.63 ("thermal + cartoon").
+MENTION_FLOOR = 0.6
+MENTION_GAIN = 0.05
+
+
+def prompt_cuts(prompt: str, max_words: int = MAX_CUT_WORDS) -> list[tuple[str, str]]:
+    """Every cut of ``prompt`` into two parts at a word boundary, joining words (``JOINERS``) dropped at
+    the cut: "a pencil sketch with watercolor" -> ..., ("a pencil sketch", "watercolor"), ...; none for a
+    prompt of more than ``max_words`` words."""
+    words = re.findall(r"[\w'-]+|[&+]", prompt.lower())
+    if len(words) > max_words:
+        return []
+    cuts = []
+    for k in range(1, len(words)):
+        left, right = words[:k], words[k:]
+        while left and left[-1] in JOINERS:
+            left = left[:-1]
+        while right and right[0] in JOINERS:
+            right = right[1:]
+        cut = (" ".join(left), " ".join(right))
+        if left and right and cut not in cuts:
+            cuts.append(cut)
+    return cuts
+
+
 @dataclass(frozen=True)
 class LookAnchors:
     """The looks a pooled-text model was trained on, as prototype embeddings: a prompt is served as a
-    blend of its two nearest looks' prototypes rather than as its raw embedding.
+    blend of looks' prototypes rather than as its raw embedding.
 
     A small model knows only its looks: a raw paraphrase or a prompt between two looks lands somewhere
-    the DiT never saw and comes out as an arbitrary mix. Anchored, a prompt near one look gets that look,
-    a prompt between two gets their interpolation (slerp in the embedding the model was trained on),
-    weighted by a softmax of its cosine similarities at ``temperature``; explicit prompt weights then
-    blend the anchored prompts.
+    the DiT never saw and comes out as an arbitrary mix. Anchored, a prompt that names two looks
+    ("pencil sketch and watercolor": a cut of it into two parts, each nearer its own look than the whole
+    prompt is to any) gets half of each; otherwise a prompt near one look gets that look, a prompt
+    between two gets their interpolation (slerp in the embedding the model was trained on), weighted by
+    a softmax of its cosine similarities at ``temperature``. Explicit prompt weights then blend the
+    anchored prompts.
+
+    A whole prompt's embedding is near the look its words lean to, not the looks it lists: "pencil
+    sketch and watercolor" is 0.71 from the pencil sketch and 0.63 from watercolor, a 95/5 blend by
+    the softmax; its parts are 0.87 and 1.0 from their looks.
     """
 
     names: tuple[str, ...]
     prototypes: torch.Tensor  # [looks, dim], L2-normalised
     temperature: float
+    mention_floor: float = MENTION_FLOOR
 
     def __post_init__(self) -> None:
         if self.prototypes.shape[0] != len(self.names) or len(self.names) < 2:
@@ -95,19 +142,48 @@ class LookAnchors:
         if not self.temperature > 0:
             raise ValueError(f"look temperature must be positive, got {self.temperature}")
 
-    def weights(self, embedding: torch.Tensor) -> list[tuple[str, float]]:
-        """The two nearest looks of one normalised embedding [dim] and their blend weights (sum 1)."""
-        sims = self.prototypes.float() @ torch.nn.functional.normalize(embedding.float().reshape(-1), dim=0)
-        top = torch.topk(sims, 2)
+    def _similarities(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """[..., dim] -> cosine similarities to every look [..., looks]."""
+        return torch.nn.functional.normalize(embeddings.float(), dim=-1) @ self.prototypes.float().T
+
+    def named(self, embedding: torch.Tensor, cuts: torch.Tensor | None) -> tuple[str, str] | None:
+        """The two looks a prompt names, or None. ``embedding`` [dim] is the whole prompt's, ``cuts``
+        [K, 2, dim] its cuts' parts' (``prompt_cuts``; None when it has none). A cut names two looks when
+        its parts are nearest to different looks, each at least ``mention_floor`` near it, and both say
+        their looks more clearly than the whole prompt does: as near as the whole prompt is to its
+        nearest look, or ``MENTION_GAIN`` nearer their look than the whole prompt is. Of several such
+        cuts the one whose weaker part is nearest wins."""
+        if cuts is None or cuts.shape[0] == 0:
+            return None
+        whole = self._similarities(embedding.reshape(-1))  # [looks]
+        best, index = self._similarities(cuts).max(dim=-1)  # [K, 2]
+        weaker = best.min(dim=-1).values
+        gain = (best - whole[index]).min(dim=-1).values
+        apart = index[:, 0] != index[:, 1]
+        clearer = (weaker >= whole.max()) | (gain >= MENTION_GAIN)
+        ok = apart & (weaker >= self.mention_floor) & clearer
+        if not bool(ok.any()):
+            return None
+        k = int(torch.where(ok, weaker, torch.full_like(weaker, -2.0)).argmax())
+        return self.names[int(index[k, 0])], self.names[int(index[k, 1])]
+
+    def weights(self, embedding: torch.Tensor, cuts: torch.Tensor | None = None) -> list[tuple[str, float]]:
+        """The two looks one prompt is served as and their blend weights (sum 1): half of each look it
+        names (see ``named``), else its two nearest looks by a softmax of its similarities."""
+        named = self.named(embedding, cuts)
+        if named is not None:
+            return [(named[0], 0.5), (named[1], 0.5)]
+        top = torch.topk(self._similarities(embedding.reshape(-1)), 2)
         w = torch.softmax(top.values / self.temperature, dim=0)
         return [(self.names[int(i)], float(wi)) for i, wi in zip(top.indices, w, strict=True)]
 
-    def anchor(self, embeddings: torch.Tensor) -> torch.Tensor:
-        """[N, dim] prompt embeddings -> [N, dim] blends of each one's two nearest prototypes."""
+    def anchor(self, embeddings: torch.Tensor, cuts: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+        """[N, dim] prompt embeddings (and each one's cuts, as ``named`` takes them) -> [N, dim] blends of
+        the looks each is served as."""
         index = {n: i for i, n in enumerate(self.names)}
         rows = []
-        for e in embeddings:
-            (a, _), (b, wb) = self.weights(e)
+        for i, e in enumerate(embeddings):
+            (a, _), (b, wb) = self.weights(e, cuts[i] if cuts is not None else None)
             rows.append(slerp(self.prototypes[index[a]].float(), self.prototypes[index[b]].float(), wb))
         return torch.stack(rows).to(embeddings.dtype)
 

@@ -35,7 +35,7 @@ from engine.sampling import NoiseSource, SamplerPreset, renoise, v2v_input, x0_f
 from engine.streaming.config import RuntimeConfig
 from engine.streaming.deblock import deblock
 from engine.streaming.noise import MotionAwareNoiseController, NoiseControllerConfig
-from engine.streaming.prompts import BlendMode, LookAnchors, PromptTransition, blend
+from engine.streaming.prompts import BlendMode, LookAnchors, PromptTransition, blend, prompt_cuts
 from engine.streaming.rescale import rescale_state
 from engine.streaming.stabilizer import TemporalStabilizer
 from engine.streaming.state import StreamState
@@ -69,12 +69,28 @@ class PromptEncoder:
         pooled = self._text.pooled(list(prompts))  # type: ignore[attr-defined]
         return torch.nn.functional.normalize(pooled.float(), dim=-1)
 
+    def cuts(self, prompt: str) -> torch.Tensor | None:
+        """The pooled embeddings of ``prompt``'s cuts into two parts [K, 2, dim] (``prompt_cuts``), what
+        look anchoring reads to find two looks a prompt names; None when it has none."""
+        cuts = prompt_cuts(prompt)
+        if not cuts:
+            return None
+        return self.pooled([part for cut in cuts for part in cut]).reshape(len(cuts), 2, -1)
+
+    def named_looks(self, prompt: str) -> tuple[str, str] | None:
+        """The two looks ``prompt`` names (``LookAnchors.named``); None without look anchoring."""
+        if self.anchors is None:
+            return None
+        return self.anchors.named(self.pooled([prompt])[0], self.cuts(prompt))
+
     def embed(self, prompts: Sequence[str], weights: Sequence[float] | None = None, mode: BlendMode = "linear") -> torch.Tensor:
         if not prompts:
             raise ValueError("at least one prompt is needed")
         if self.conditioning == "pooled":
             pooled = self.pooled(prompts)
-            tokens = (self.anchors.anchor(pooled) if self.anchors is not None else pooled)[:, None, :]
+            if self.anchors is not None:
+                pooled = self.anchors.anchor(pooled, [self.cuts(p) for p in prompts])
+            tokens = pooled[:, None, :]
         else:
             tokens = self._text.encode(list(prompts))  # type: ignore[attr-defined]
         rows = [tokens[i : i + 1] for i in range(tokens.shape[0])]
