@@ -27,7 +27,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from engine.aspect import fit_size
-from engine.capabilities import ModelCapabilities
+from engine.capabilities import ModelCapabilities, look_name
 from engine.capabilities import UnsupportedModeError as UnsupportedModeError  # part of this API
 from engine.embedded.block_texture import GRID_LOOKS
 from engine.fidelity import FidelityConfig
@@ -285,6 +285,11 @@ class Pipeline:
             return None
         notices = [self.styles.notice(self.runtime.prompts, p) for p in prompts]
         return None if any(n is None for n in notices) else notices[0]
+
+    def prompt_looks(self, prompts: tuple[str, ...], weights: Sequence[float] | None = None) -> list[tuple[str, float]]:
+        """For a model that anchors prompts to its looks: the looks the prompts are served as, by name as
+        users type them, with their shares of the blend (largest first); empty for any other model."""
+        return [(look_name(n), share) for n, share in self.runtime.prompts.looks(prompts, weights)]
 
 
 class Stream:

@@ -133,6 +133,12 @@ def test_prompt_change_visibly_changes_output(
         _wait(page, "window.diffcast.stats.prompt === 'cyberpunk neon city'", 15)
         page.wait_for_timeout(2000)
         after = _mean_output(page, 8)
+        # The page says what a prompt is served as: one naming two looks, half of each.
+        page.fill("#prompt", "pencil sketch and watercolor")
+        page.click("#apply")
+        _wait(page, "document.querySelector('#looks').textContent.includes('pencil sketch 50 %')", 15)
+        assert page.text_content("#looks") == "look: pencil sketch 50 % · watercolor 50 %"
+        assert page.is_visible("#looks")
     within = np.abs(before_a - before_b).mean()
     across = np.abs(before_b - after).mean()
     print(f"time-averaged output change: within one prompt {within:.2f}, across the change {across:.2f}")

@@ -83,10 +83,21 @@ async def test_serve_lists_capabilities_and_notices_far_prompts() -> None:
         assert far.status_code == 200, far.text
         notice = far.json()["notice"]
         assert "far from every look" in notice and "neon" not in notice.split("nearest:")[1]
+        assert far.json()["looks"] and all(item["look"] in caps["looks"] for item in far.json()["looks"])
         stream_id, owner = far.json()["stream_id"], far.json()["owner_token"]
         url, auth = f"/api/streams/{stream_id}/control", {"Authorization": f"Bearer {owner}"}
         near = await api.client.post(url, json={"type": "update", "prompt": "pop art"}, headers=auth)
         assert near.status_code == 200 and near.json().get("notice") is None, near.text
+        assert near.json()["looks"][0]["look"] == "pop art" and near.json()["looks"][0]["share"] > 0.9, near.text
+        # The reply says what a prompt is served as: one naming two looks gets both, half each; explicit
+        # weights mix the prompts' looks by them.
+        both = await api.client.post(url, json={"type": "update", "prompt": "pencil sketch and watercolor"},
+                                     headers=auth)
+        assert both.json()["looks"] == [{"look": "pencil sketch", "share": 0.5}, {"look": "watercolor", "share": 0.5}]
+        mixed = await api.client.post(url, json={"type": "update", "prompt": ["pop art", "thermal camera"],
+                                                 "prompt_weights": [3, 1]}, headers=auth)
+        shares = {item["look"]: item["share"] for item in mixed.json()["looks"]}
+        assert abs(shares["pop art"] - 0.75) < 0.02 and abs(shares["thermal"] - 0.25) < 0.02, mixed.text
         again = await api.client.post(url, json={"type": "update", "prompt": "a bowl of ramen"}, headers=auth)
         assert again.status_code == 200 and "far from every look" in again.json()["notice"], again.text
         # The data channel and /ws carry the same messages to the same handler: the same answers.

@@ -58,9 +58,20 @@ function renderStats(stats) {
   recording.onStats(stats);
 }
 
+// What the prompt is served as on a model with looks: "look: pencil sketch 50 % · watercolor 50 %".
+function showLooks(looks) {
+  const shown = (looks || []).filter((item) => item.share >= 0.05);
+  $("looks").textContent = shown.length
+    ? `look: ${shown.map((item) => `${item.look} ${Math.round(item.share * 100)} %`).join(" · ")}` : "";
+  $("looks").hidden = !shown.length;
+}
+
 function onMessage(message) {
   if (message.type === "stats") renderStats(message);
-  else if (message.type === "ack" && "notice" in message) notice(message.notice || "");  // a new prompt: far or near
+  else if (message.type === "ack" && "notice" in message) {  // a new prompt: far or near, and its looks
+    notice(message.notice || "");
+    showLooks(message.looks);
+  }
   else if (message.type === "error") {
     state.errors.push(message.message);
     notice(`server: ${message.message}`);
@@ -134,6 +145,7 @@ async function start() {
     state.transport = connection.transport;
     state.streamId = connection.streamId;
     if (connection.notice) notice(connection.notice);
+    showLooks(connection.looks);
     $("transport").textContent = connection.transport === "webrtc" ? "WebRTC" : "WebSocket fallback";
     if (connection.streamId) {
       $("view-link").href = `/view/${connection.streamId}?token=${connection.viewerToken}`;

@@ -54,6 +54,7 @@ export async function connectWebRTC({ camera, config, options, onTrack, onMessag
   let ownerToken = null; // the stream's owner capability: only it may stop the stream
   let viewerToken = null; // its viewer capability: the view link carries it
   let farNotice = null; // the prompt is far from every look the model ships: names the nearest
+  let looks = []; // the looks the prompt is served as, with their shares (a model with looks)
   const close = async () => {
     pc.close();
     if (streamId) {
@@ -79,6 +80,7 @@ export async function connectWebRTC({ camera, config, options, onTrack, onMessag
     ownerToken = body.owner_token;
     viewerToken = body.viewer_token;
     farNotice = body.notice || null;
+    looks = body.looks || [];
     await pc.setRemoteDescription({ type: "answer", sdp: body.sdp });
     await waitForConnection(pc, iceTimeoutMs);
   } catch (error) {
@@ -96,6 +98,7 @@ export async function connectWebRTC({ camera, config, options, onTrack, onMessag
     viewerToken,
     ownerToken,
     notice: farNotice,
+    looks,
     pc,
     send: (message) => channel.readyState === "open" && channel.send(JSON.stringify(message)),
     close,

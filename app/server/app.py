@@ -63,6 +63,11 @@ class OfferRequest(StreamOptions):
     type: Literal["offer"]
 
 
+class LookShare(BaseModel):
+    look: str  # a look the model ships, by name as users type it
+    share: float  # its share of the blend the prompt is served as
+
+
 class OfferReply(BaseModel):
     sdp: str
     type: Literal["answer"]
@@ -70,6 +75,7 @@ class OfferReply(BaseModel):
     whep_url: str
     view_url: str
     notice: str | None = None  # the prompt is far from every look the model ships (names the nearest)
+    looks: list[LookShare] = []  # the looks the prompt is served as (a model with looks)
     owner_token: str  # added by the edge (app/server/security.py), like the viewer token
     viewer_token: str
 
@@ -79,6 +85,7 @@ class ControlReply(BaseModel):
     applied: str | None = None
     message: str | None = None
     notice: str | None = None  # an update's prompt is far from every look the model ships
+    looks: list[LookShare] | None = None  # the looks an update's prompt is served as (a model with looks)
 
 
 # The body of POST /api/streams/{id}/control: a control message (docs/api.md), read as text so that
@@ -268,7 +275,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
                 "stream_id": session.id,
                 "whep_url": f"/whep/{session.id}",
                 "view_url": f"/view/{session.id}",
-                "notice": await manager.prompt_notice((settings.prompt,)),
+                **await manager.prompt_report((settings.prompt,)),
             }
         )
 

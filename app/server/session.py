@@ -76,8 +76,9 @@ class Session:
         self.recorder: Recorder | None = None
         self.record_error: str | None = None
         self._record_task: asyncio.Task[Any] | None = None
-        # The notice for prompts far from every look the model ships (None: the model has no looks).
-        self.prompt_notice: Callable[[tuple[str, ...]], Awaitable[str | None]] | None = None
+        # What a new prompt is served as on a model with looks (None: the model has none): the notice
+        # for prompts far from every look it ships and the looks the prompt gets.
+        self.prompt_report: Callable[[tuple[str, ...], list[float] | None], Awaitable[dict[str, Any]]] | None = None
 
     def enable_audio(self) -> AudioPlayout:
         """The stream has audio: start its delayed playout (fed by the publisher's audio track)."""
@@ -206,11 +207,11 @@ class Session:
         except ValueError as exc:  # ControlError, MessageLimitError, or the engine refusing a value
             return {"type": "error", "message": str(exc)}
         reply: dict[str, Any] = {"type": "ack", "applied": message.type}
-        if isinstance(message, UpdateMessage) and message.prompt is not None and self.prompt_notice is not None:
+        if isinstance(message, UpdateMessage) and message.prompt is not None and self.prompt_report is not None:
             # Every transport (data channel, /ws, HTTP control, OSC) answers a new prompt the same way;
-            # None says the new prompt is near a look, so a client clears an old notice.
+            # a None notice says the new prompt is near a look, so a client clears an old notice.
             prompts = (message.prompt,) if isinstance(message.prompt, str) else tuple(message.prompt)
-            reply["notice"] = await self.prompt_notice(prompts)
+            reply.update(await self.prompt_report(prompts, message.prompt_weights))
         return reply
 
     def peer(self, session: str, publisher: bool) -> RTCPeerConnection | None:
@@ -316,15 +317,21 @@ class SessionManager:
         width, height = size_for(camera)
         return int(width), int(height)
 
-    async def prompt_notice(self, prompts: tuple[str, ...]) -> str | None:
-        """The notice for prompts far from every look the loaded model ships, naming the nearest ones;
-        None for a near prompt or a model without looks. The text encoder runs on the engine thread,
-        like every engine call."""
+    async def prompt_report(self, prompts: tuple[str, ...], weights: list[float] | None = None) -> dict[str, Any]:
+        """What prompts (mixed by ``weights``) are served as: ``notice``, for prompts far from every look
+        the loaded model ships, naming the nearest ones (None for a near prompt or a model without
+        looks), and ``looks``, the shipped looks they get with their shares of the blend (empty for an
+        open-vocabulary model). The text encoder runs on the engine thread, like every engine call."""
         pipe = getattr(self.factory, "pipeline", None)
         if pipe is None or not hasattr(pipe, "prompt_notice"):
-            return None
-        notice: str | None = await asyncio.get_running_loop().run_in_executor(self.executor, pipe.prompt_notice, prompts)
-        return notice
+            return {"notice": None, "looks": []}
+
+        def report() -> dict[str, Any]:
+            looks = [{"look": name, "share": round(share, 3)} for name, share in pipe.prompt_looks(prompts, weights)]
+            return {"notice": pipe.prompt_notice(prompts), "looks": looks}
+
+        result: dict[str, Any] = await asyncio.get_running_loop().run_in_executor(self.executor, report)
+        return result
 
     def check_capacity(self) -> None:
         if len(self.sessions) + self._opening >= self.config.max_streams:
@@ -362,7 +369,7 @@ class SessionManager:
         session.control_guard = control_guard(cfg.max_message_bytes, cfg.max_messages_per_s)
         session.recordings = self.recordings
         if getattr(getattr(self.factory, "pipeline", None), "styles", None) is not None:
-            session.prompt_notice = self.prompt_notice  # an open-vocabulary model's acks carry no notice
+            session.prompt_report = self.prompt_report  # an open-vocabulary model's acks carry no notice
         self.sessions[session.id] = session
         self.opened += 1
         serving.attach(policy_id, runner, playout, on_failure=lambda exc: session.fail("engine chunk", exc))

@@ -83,6 +83,18 @@ class PromptEncoder:
             return None
         return self.anchors.named(self.pooled([prompt])[0], self.cuts(prompt))
 
+    def looks(self, prompts: Sequence[str], weights: Sequence[float] | None = None) -> list[tuple[str, float]]:
+        """The looks prompts (mixed by ``weights``) are served as, with their shares of the blend (sum 1,
+        largest first, shares under 1 % left out); empty without look anchoring."""
+        if self.anchors is None:
+            return []
+        mix = [1.0 / len(prompts)] * len(prompts) if weights is None else [w / sum(weights) for w in weights]
+        shares: dict[str, float] = {}
+        for prompt, weight in zip(prompts, mix, strict=True):
+            for name, share in self.anchors.weights(self.pooled([prompt])[0], self.cuts(prompt)):
+                shares[name] = shares.get(name, 0.0) + weight * share
+        return sorted(((n, s) for n, s in shares.items() if s >= 0.01), key=lambda item: -item[1])
+
     def embed(self, prompts: Sequence[str], weights: Sequence[float] | None = None, mode: BlendMode = "linear") -> torch.Tensor:
         if not prompts:
             raise ValueError("at least one prompt is needed")
