@@ -82,3 +82,12 @@ def test_no_shipped_phrasing_or_unrelated_prompt_names_two_looks(pipe: Pipeline)
     for name in ("shipped", "unrelated"):
         named = [(p, pipe.runtime.prompts.named_looks(p)) for p in prompt_list(name)]
         assert not [pair for pair in named if pair[1] is not None], name
+
+
+def test_prompt_looks_mixes_the_prompts_looks_by_their_weights(pipe: Pipeline) -> None:
+    looks = dict(pipe.prompt_looks(("pencil sketch and watercolor", "thermal camera"), [1, 1]))
+    assert looks == pytest.approx({"pencil sketch": 0.25, "watercolor": 0.25, "thermal": 0.5}, abs=0.01)
+    with pytest.raises(ValueError, match="all be zero"):
+        pipe.prompt_looks(("pop art",), [0])
+    with pytest.raises(ValueError, match="2 prompts but 1 weights"):
+        pipe.prompt_looks(("pop art", "noir"), [1])

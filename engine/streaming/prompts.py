@@ -19,21 +19,29 @@ import torch
 BlendMode = Literal["linear", "slerp"]
 
 
-def _check_weights(embeddings: Sequence[torch.Tensor], weights: Sequence[float]) -> list[float]:
-    if not embeddings:
-        raise ValueError("at least one prompt embedding is needed")
-    if len(embeddings) != len(weights):
-        raise ValueError(f"{len(embeddings)} prompts but {len(weights)} weights")
+def mix_weights(prompts: int, weights: Sequence[float] | None) -> list[float]:
+    """The shares (sum 1) of ``prompts`` prompts mixed by ``weights`` (None: equal shares)."""
+    if prompts < 1:
+        raise ValueError("at least one prompt is needed")
+    if weights is None:
+        return [1.0 / prompts] * prompts
+    if prompts != len(weights):
+        raise ValueError(f"{prompts} prompts but {len(weights)} weights")
     if any(w < 0 for w in weights):
         raise ValueError(f"prompt weights must be non-negative, got {list(weights)}")
     total = float(sum(weights))
     if total <= 0:
         raise ValueError("prompt weights must not all be zero")
+    return [float(w) / total for w in weights]
+
+
+def _check_weights(embeddings: Sequence[torch.Tensor], weights: Sequence[float]) -> list[float]:
+    shares = mix_weights(len(embeddings), weights)
     shape = embeddings[0].shape
     for e in embeddings[1:]:
         if e.shape != shape:
             raise ValueError(f"prompt embeddings differ in shape: {tuple(shape)} vs {tuple(e.shape)}")
-    return [float(w) / total for w in weights]
+    return shares
 
 
 def slerp(a: torch.Tensor, b: torch.Tensor, t: float) -> torch.Tensor:
@@ -119,8 +127,8 @@ class LookAnchors:
 
     A small model knows only its looks: a raw paraphrase or a prompt between two looks lands somewhere
     the DiT never saw and comes out as an arbitrary mix. Anchored, a prompt that names two looks
-    ("pencil sketch and watercolor": a cut of it into two parts, each nearer its own look than the whole
-    prompt is to any) gets half of each; otherwise a prompt near one look gets that look, a prompt
+    ("pencil sketch and watercolor": a cut of it into two parts, each saying its own look more clearly
+    than the whole prompt does; see ``named``) gets half of each; otherwise a prompt near one look gets that look, a prompt
     between two gets their interpolation (slerp in the embedding the model was trained on), weighted by
     a softmax of its cosine similarities at ``temperature``. Explicit prompt weights then blend the
     anchored prompts.
@@ -133,7 +141,6 @@ class LookAnchors:
     names: tuple[str, ...]
     prototypes: torch.Tensor  # [looks, dim], L2-normalised
     temperature: float
-    mention_floor: float = MENTION_FLOOR
 
     def __post_init__(self) -> None:
         if self.prototypes.shape[0] != len(self.names) or len(self.names) < 2:
@@ -149,7 +156,7 @@ class LookAnchors:
     def named(self, embedding: torch.Tensor, cuts: torch.Tensor | None) -> tuple[str, str] | None:
         """The two looks a prompt names, or None. ``embedding`` [dim] is the whole prompt's, ``cuts``
         [K, 2, dim] its cuts' parts' (``prompt_cuts``; None when it has none). A cut names two looks when
-        its parts are nearest to different looks, each at least ``mention_floor`` near it, and both say
+        its parts are nearest to different looks, each at least ``MENTION_FLOOR`` near it, and both say
         their looks more clearly than the whole prompt does: as near as the whole prompt is to its
         nearest look, or ``MENTION_GAIN`` nearer their look than the whole prompt is. Of several such
         cuts the one whose weaker part is nearest wins."""
@@ -161,7 +168,7 @@ class LookAnchors:
         gain = (best - whole[index]).min(dim=-1).values
         apart = index[:, 0] != index[:, 1]
         clearer = (weaker >= whole.max()) | (gain >= MENTION_GAIN)
-        ok = apart & (weaker >= self.mention_floor) & clearer
+        ok = apart & (weaker >= MENTION_FLOOR) & clearer
         if not bool(ok.any()):
             return None
         k = int(torch.where(ok, weaker, torch.full_like(weaker, -2.0)).argmax())

@@ -35,7 +35,7 @@ from engine.sampling import NoiseSource, SamplerPreset, renoise, v2v_input, x0_f
 from engine.streaming.config import RuntimeConfig
 from engine.streaming.deblock import deblock
 from engine.streaming.noise import MotionAwareNoiseController, NoiseControllerConfig
-from engine.streaming.prompts import BlendMode, LookAnchors, PromptTransition, blend, prompt_cuts
+from engine.streaming.prompts import BlendMode, LookAnchors, PromptTransition, blend, mix_weights, prompt_cuts
 from engine.streaming.rescale import rescale_state
 from engine.streaming.stabilizer import TemporalStabilizer
 from engine.streaming.state import StreamState
@@ -86,9 +86,9 @@ class PromptEncoder:
     def looks(self, prompts: Sequence[str], weights: Sequence[float] | None = None) -> list[tuple[str, float]]:
         """The looks prompts (mixed by ``weights``) are served as, with their shares of the blend (sum 1,
         largest first, shares under 1 % left out); empty without look anchoring."""
+        mix = mix_weights(len(prompts), weights)
         if self.anchors is None:
             return []
-        mix = [1.0 / len(prompts)] * len(prompts) if weights is None else [w / sum(weights) for w in weights]
         shares: dict[str, float] = {}
         for prompt, weight in zip(prompts, mix, strict=True):
             for name, share in self.anchors.weights(self.pooled([prompt])[0], self.cuts(prompt)):
