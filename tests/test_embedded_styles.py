@@ -70,7 +70,7 @@ def test_prompts_naming_two_looks_are_served_half_and_half(pipe: Pipeline) -> No
     missed = []
     for prompt, named in pairs:
         assert {look_name(n) for n in named} <= looks, f"{prompt!r} names a look the model does not ship: {named}"
-        weights = dict(prompts.anchors.weights(prompts.pooled([prompt])[0], prompts.cuts(prompt)))
+        weights = dict(prompts.looks([prompt]))
         if set(weights) != set(named) or min(weights.values()) < 0.3:
             missed.append((prompt, weights))
     assert len(missed) <= 0.1 * len(pairs), missed
