@@ -32,9 +32,14 @@ class StreamVAE(Protocol):
         later calls take multiples of ``temporal_compression``.
         """
 
-    def decode_chunk(self, latents: torch.Tensor, cache: Any) -> torch.Tensor:
+    @property
+    def reads_input(self) -> bool:
+        """Whether the decoder also reads the chunk's input frames (``decode_chunk``'s ``guide``)."""
+
+    def decode_chunk(self, latents: torch.Tensor, cache: Any, guide: torch.Tensor | None = None) -> torch.Tensor:
         """Decode the next latent frames of a stream; updates ``cache`` in place.
 
         A stream's first latent frame decodes to 1 pixel frame, every later one to
-        ``temporal_compression`` frames (Wan: 1, then 4 per latent).
+        ``temporal_compression`` frames (Wan: 1, then 4 per latent). ``guide``: the chunk's input frames
+        as ``encode_chunk`` took them, for a decoder that ``reads_input`` (others refuse it).
         """

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import pytest
 import torch
-from _runtime_fixtures import HashTextEncoder, clip, fidelity
+from _runtime_fixtures import HashTextEncoder, clip, fidelity, guided_tiny_vae
 
 from app.server.engine_bridge import RankFactory, RankProcessor, StreamSettings
 from engine.fidelity import FidelityConfig
@@ -46,11 +46,12 @@ class TinyFactory:
     sink_tau: float = 0.2
     stabilize: bool = False  # the temporal stabilizer stage (applied on rank 0)
     lora: str | None = None  # a LoRA file every rank loads as "ink"
+    guided_vae: bool = False  # a tiny VAE whose decoder reads the input frames (random guide paths)
 
     def __call__(self, device: torch.device | str = "cpu") -> StreamRuntime:
         torch.manual_seed(0)
         dit = CausalWanDiT(replace(CONFIGS["tiny"], num_layers=self.layers)).to(device).eval()
-        vae = WanVAE(WanVAEConfig.tiny()).to(device).eval()
+        vae = (guided_tiny_vae() if self.guided_vae else WanVAE(WanVAEConfig.tiny())).to(device).eval()
         config = RuntimeConfig(sink_refresh=self.sink_refresh, sink_tau=self.sink_tau,
                                stabilizer=StabilizerConfig() if self.stabilize else None)
         runtime = StreamRuntime(dit, vae, PromptEncoder(HashTextEncoder()), STREAMDIFFUSION_V2, config)

@@ -10,6 +10,7 @@ import hashlib
 
 import torch
 
+from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
 from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.models.wan_vae import WanVAE, WanVAEConfig
 from engine.sampling import STREAMDIFFUSION_V2
@@ -31,11 +32,23 @@ class HashTextEncoder:
         return torch.cat(rows)
 
 
-def tiny_runtime(**config: object) -> StreamRuntime:
+def tiny_runtime(guided_vae: bool = False, **config: object) -> StreamRuntime:
+    """The tiny DiT and Wan VAE; ``guided_vae``: a tiny VAE whose decoder reads the input frames instead."""
     torch.manual_seed(0)
     dit = CausalWanDiT(CONFIGS["tiny"]).eval()
-    vae = WanVAE(WanVAEConfig.tiny()).eval()
+    vae: WanVAE | TinyVAE = guided_tiny_vae() if guided_vae else WanVAE(WanVAEConfig.tiny()).eval()
     return StreamRuntime(dit, vae, PromptEncoder(HashTextEncoder()), STREAMDIFFUSION_V2, RuntimeConfig(**config))  # type: ignore[arg-type]
+
+
+def guided_tiny_vae() -> TinyVAE:
+    """A tiny VAE for the tiny DiT whose decoder reads the input frames, every path (the guide paths
+    start at zero) random, so the picture depends on the input frames beyond the latents."""
+    vae = TinyVAE(TinyVAEConfig(latent_channels=CONFIGS["tiny"].in_channels, enc_channels=8, dec_channels=8,
+                                guided=True, guide_basis=2))
+    with torch.no_grad():
+        for p in vae.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return vae.eval()
 
 
 def fidelity(steps: int = 2, window: int = 6) -> FidelityConfig:

@@ -152,11 +152,17 @@ def test_decoder_batches_pair_each_latent_window_with_its_own_teacher_pixels(tmp
     vae.init_linear_from_pca(train.to_unit(frames[:, :, 1:5]).flatten(0, 1).transpose(1, 2).flatten(0, 1))
     cfg = train.TrainConfig(workdir=tmp_path, vae_batch=4)
     lat, vae = train.encode_latents(cfg, frames, vae)
-    z, x, _ = train._decoder_batch(cfg, 3, frames, lat, lat[:, 1:], None)
+    batch = train._decoder_batch(cfg, 3, frames, lat, lat[:, 1:], None)
     with torch.no_grad():
-        y, _ = vae.decode_groups(vae.denormalize(z), None)
-    assert x.shape == (4, 3, 12, 64, 64)
-    torch.testing.assert_close(y, x, rtol=0, atol=2e-3)
+        y, _ = vae.decode_groups(vae.denormalize(batch.z), None)
+    assert batch.target.shape == batch.inputs.shape == (4, 3, 12, 64, 64)
+    torch.testing.assert_close(y, batch.target, rtol=0, atol=2e-3)
+    # The input frames a guided decoder reads are the same window of the input clip: with every teacher
+    # the negative of its input, each batch's inputs are the negative of its targets.
+    frames[:, 0] = 255 - frames[:, 1]
+    frames[:, 2] = frames[:, 1]
+    batch = train._decoder_batch(cfg, 3, frames, lat, lat[:, 1:], None)
+    torch.testing.assert_close(batch.inputs, -batch.target, rtol=0, atol=1e-6)
 
 
 def test_dit_windows_pair_each_latent_window_with_its_own_teacher_pixels_and_flow(tmp_path: Path) -> None:
@@ -262,7 +268,7 @@ def test_decoder_batches_leave_out_looks_that_are_not_shipped(tmp_path: Path) ->
     cfg = train.TrainConfig(workdir=tmp_path, vae_batch=64)
     drawn = set()
     for step in range(4):
-        z, _, _ = train._decoder_batch(cfg, step, frames, lat, pred, None)
+        z = train._decoder_batch(cfg, step, frames, lat, pred, None).z
         drawn |= set(z.flatten(1).max(dim=1).values.tolist())
     assert drawn and not drawn & {float(k) for k in left_out}
 
@@ -290,3 +296,52 @@ def test_train_default_passes_the_warp_weight_to_the_recipe(tmp_path: Path, monk
                                       "--warp-weight", "2"])
     assert args._run(args) == 0
     assert seen[0].warp_weight == 2.0
+
+
+def test_guide_decoder_is_a_finetune_option_refused_alone_in_plain_words(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.cli import build_parser
+
+    args = build_parser().parse_args(["train-default", "--workdir", str(tmp_path), "--guide-decoder"])
+    with pytest.raises(SystemExit, match="--guide-decoder only applies with --finetune-from"):
+        args._run(args)
+    base = tmp_path / "base.json"
+    base.write_text("{}")
+    seen: list[tuple[train.TrainConfig, Path]] = []
+
+    def recipe(cfg: train.TrainConfig, base_config: Path, out: Path) -> Path:
+        seen.append((cfg, base_config))
+        return out / "default.json"
+
+    monkeypatch.setattr(train, "guide_decoder", recipe)
+    args = build_parser().parse_args(["train-default", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path),
+                                      "--finetune-from", str(base), "--guide-decoder", "--warp-weight", "2"])
+    assert args._run(args) == 0
+    assert seen[0][1] == base and seen[0][0].warp_weight == 2.0
+
+
+def test_the_decoder_finetune_trains_a_guided_decoders_guide_paths_on_the_input_frames(tmp_path: Path) -> None:
+    """Stage 5 with a guided decoder: the guide paths (zero at the start) move, the encoder does not, and
+    the finished decoder decodes differently with the input frames than without them."""
+    styles = len(train.STYLE_NAMES)
+    rng = np.random.default_rng(2)
+    frames = rng.integers(0, 256, (1, 1 + styles, train.CLIP_FRAMES, 256, 256, 3), dtype=np.uint8)
+    torch.manual_seed(0)
+    vae = TinyVAE(TinyVAEConfig(latent_channels=8, enc_channels=8, dec_channels=8)).with_guided_decoder(2)
+    encoder_before = {k: v.clone() for k, v in vae.state_dict().items() if k.startswith("enc")}
+    dit = _dit()
+    model = EmbeddedModel(EmbeddedSpec(vae=vae.config, dit=dit.config, styles={}, prototypes={}), vae, dit)
+    cfg = train.TrainConfig(workdir=tmp_path, decoder_steps=3, vae_batch=2, checkpoint_every=2)
+    lat = torch.randn(1, 1 + styles, 8, 3, 24, 24).half()
+    torch.save(lat[:, 1:].clone(), tmp_path / "predictions.pt")  # the stage's cached DiT predictions
+    tuned = train.finetune_decoder(cfg, frames, lat, model)
+    for module in (tuned.dec_guide_map, tuned.dec_guide_in):
+        assert all(float(p.detach().abs().sum()) > 0 for p in module.parameters())
+    for k, v in tuned.state_dict().items():
+        if k.startswith("enc"):
+            torch.testing.assert_close(v, encoder_before[k], rtol=0, atol=0)
+    batch = train._decoder_batch(cfg, 0, frames, lat, lat[:, 1:], None)
+    with torch.no_grad():
+        guided, _ = tuned.decode_groups(tuned.denormalize(batch.z), None, batch.inputs)
+        alone, _ = tuned.decode_groups(tuned.denormalize(batch.z), None)
+    assert float((guided - alone).abs().mean()) > 1e-4

@@ -72,6 +72,24 @@ def test_two_ranks_match_single_process_with_switch_and_rebalance() -> None:
     assert_same_streams(expected, got["frames"])
 
 
+def test_the_last_rank_decodes_with_the_input_frames_a_guided_decoder_reads() -> None:
+    """A decoder that reads the input frames (``TinyVAE`` guided): the last rank decodes, so each
+    chunk's input frames travel with its last step; the ranks' frames equal the single process's, which
+    differ from the same latents decoded without the input (so a dropped guide would fail here)."""
+    factory = TinyFactory(layers=4, sink_refresh=False, guided_vae=True)
+    scenario = Scenario(chunks=5, steps=2, switch_at=99)
+    runtime = factory()
+    expected, _ = scenario.reference(runtime)
+    vae = runtime.vae
+    z = vae.encode_chunk(clip(1)[0][None], vae.new_encoder_cache())
+    with torch.no_grad():
+        unguided = vae.decode_chunk(z, vae.new_decoder_cache())
+        guided = vae.decode_chunk(z, vae.new_decoder_cache(), clip(1)[0][None])
+    assert (guided - unguided).abs().mean() > 0.01
+    got = run_ring(factory, scenario, world=2)
+    assert_same_streams(expected, got["frames"])
+
+
 @pytest.mark.slow
 def test_four_ranks_overlap_and_match_single_process() -> None:
     """No adaptive refresh: 4 micro-steps in flight, two streams batched in each. Stream s0's prompt switch

@@ -203,3 +203,23 @@ def test_hard_prompt_switch_drops_the_stabilizer_history_and_state_moves_with_it
     # The first frame after a hard switch is the model's own; the history restarts from it.
     torch.testing.assert_close(got[:, 0], expected[:, 0], rtol=0, atol=1e-6)
     assert (got[:, 1:] - expected[:, 1:]).abs().max() > 1e-4
+
+
+@torch.no_grad()
+def test_a_decoder_that_reads_the_input_gets_each_chunks_engine_frames() -> None:
+    """With a guided VAE the runtime keeps each chunk's input at the engine size as the encoder took it,
+    and decodes x̂₀ with it: the stream's frames equal the VAE's own decode of that x̂₀ with the input
+    frames (an independent call), and differ from a decode without them."""
+    rt = tiny_runtime(guided_vae=True)
+    state = rt.open("s", "oil painting", (32, 32), fidelity(steps=2), seed=3)
+    for frames in clip(3):
+        decoder = copy.deepcopy(state.vae_decoder)
+        chunk = rt.enter_chunk(state, frames)
+        assert chunk.guide is not None
+        torch.testing.assert_close(chunk.guide, frames[None], rtol=0, atol=0)  # 32x32: the engine size
+        rt.run_to_end([chunk])
+        got = rt.decode_chunk(chunk).frames
+        expected = rt.vae.decode_chunk(chunk.x, copy.deepcopy(decoder), frames[None])[0].float().clamp(-1, 1)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+        unguided = rt.vae.decode_chunk(chunk.x, decoder)[0].float().clamp(-1, 1)
+        assert (got - unguided).abs().mean() > 0.01

@@ -113,3 +113,63 @@ def test_each_pixel_frame_owns_a_channel_slot_and_memory_reaches_only_the_next_f
              if not torch.allclose(z[:, slot * fc : (slot + 1) * fc, k], z_changed[:, slot * fc : (slot + 1) * fc, k])]
     assert moved == [(1, 1), (1, 2)]  # its own slot, and the next frame's through one frame of memory
     torch.testing.assert_close(vae.pack(vae.unpack(z)), z, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_a_guided_copy_decodes_as_its_source_until_trained() -> None:
+    """The guide paths start at zero: the guided copy reading any input decodes exactly as the plain
+    VAE (an independent module) decodes the latents alone."""
+    plain = _vae(5)
+    guided = plain.with_guided_decoder(guide_basis=2).eval()
+    assert guided.reads_input and not plain.reads_input
+    clip = torch.rand(1, 3, 9, 16, 24) * 2 - 1
+    z = plain.encode_chunk(clip, plain.new_encoder_cache())
+    torch.testing.assert_close(guided.encode_chunk(clip, guided.new_encoder_cache()), z, rtol=0, atol=0)
+    expected = plain.decode_chunk(z, plain.new_decoder_cache())
+    got = guided.decode_chunk(z, guided.new_decoder_cache(), torch.rand_like(clip) * 2 - 1)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="already reads the input frames"):
+        guided.with_guided_decoder()
+
+
+def _trained_guided(seed: int = 6) -> TinyVAE:
+    vae = _vae(seed).with_guided_decoder(guide_basis=2).eval()
+    with torch.no_grad():
+        for m in (vae.dec_guide_in, vae.dec_guide_map, vae.guide_filters):
+            assert m is not None
+            for p in m.parameters():
+                p.copy_(0.2 * torch.randn_like(p))
+    return vae
+
+
+@torch.no_grad()
+def test_a_guided_decoder_reads_the_input_chunk_by_chunk_as_the_whole_clip() -> None:
+    """Chunked decoding with each chunk's input frames equals one call over the whole clip with the whole
+    input, the first group guided by four copies of frame 0 as it was encoded; the output follows the
+    input frames beyond what the latents carry."""
+    vae = _trained_guided()
+    clip = torch.rand(1, 3, 9, 16, 16) * 2 - 1
+    z = vae.encode_chunk(clip, vae.new_encoder_cache())
+    whole = vae.decode_chunk(z, vae.new_decoder_cache(), clip)
+    cache = vae.new_decoder_cache()
+    parts = [vae.decode_chunk(z[:, :, k : k + 1], cache, clip[:, :, a:b])
+             for k, (a, b) in enumerate(((0, 1), (1, 5), (5, 9)))]
+    torch.testing.assert_close(torch.cat(parts, dim=2), whole, rtol=0, atol=1e-5)
+    groups = torch.cat([clip[:, :, :1].expand(-1, -1, 4, -1, -1), clip[:, :, 1:]], dim=2)
+    raw, _ = vae.decode_groups(vae.denormalize(z), None, groups)
+    torch.testing.assert_close(whole, raw[:, :, 3:].clamp(-1, 1), rtol=0, atol=1e-5)
+    other = vae.decode_chunk(z, vae.new_decoder_cache(), -clip)
+    assert (other - whole).abs().mean() > 0.01  # same latents, another input: another picture
+    assert (vae.decode_chunk(z, vae.new_decoder_cache()) - whole).abs().mean() > 0.01
+
+
+def test_guide_frames_are_checked() -> None:
+    vae = _trained_guided()
+    clip = torch.rand(1, 3, 5, 16, 16) * 2 - 1
+    z = vae.encode_chunk(clip, vae.new_encoder_cache())
+    with pytest.raises(ValueError, match="do not match latents"):
+        vae.decode_chunk(z, vae.new_decoder_cache(), clip[..., :8])
+    with pytest.raises(ValueError, match="does not read input frames"):
+        _vae().decode_chunk(z, _vae().new_decoder_cache(), clip)
+    with pytest.raises(ValueError, match="guide_basis"):
+        TinyVAEConfig(guided=True, guide_basis=-1)

@@ -5,7 +5,8 @@ One command runs every stage of engine.embedded.train (synthetic clips + teacher
 tiny causal DiT, decoder fine-tune, export). Each stage checkpoints into ``--workdir``; ``--resume``
 continues where an interrupted run stopped (without it a work directory holding checkpoints is
 refused, so two runs never mix). ``--finetune-from CONFIG`` starts from a shipped checkpoint and
-trains only the looks it lacks (plus a replay of its own), which takes a fraction of a full run.
+trains only the looks it lacks (plus a replay of its own), which takes a fraction of a full run;
+with ``--guide-decoder`` it keeps the looks and fine-tunes a decoder that also reads the input frames.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a shipped model's .json: keep its VAE encoder and DiT, train the looks it lacks")
     parser.add_argument("--looks-steps", type=_positive, default=None,
                         help="with --finetune-from: DiT steps of the new-looks phase before the tune rounds")
+    parser.add_argument("--guide-decoder", action="store_true",
+                        help="with --finetune-from: keep the model's looks and DiT, and fine-tune a decoder that "
+                             "also reads the input frames (docs/default-model.md, 'Guided decoder')")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         WorkdirInUseError,
         check_workdir,
         finetune_looks,
+        guide_decoder,
         train_default,
     )
 
@@ -69,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(exc)) from None
     if args.looks_steps is not None and args.finetune_from is None:
         raise SystemExit("--looks-steps only applies with --finetune-from")
+    if args.guide_decoder and args.finetune_from is None:
+        raise SystemExit("--guide-decoder only applies with --finetune-from (a full run trains a guided decoder anyway)")
+    if args.guide_decoder and args.looks_steps is not None:
+        raise SystemExit("--guide-decoder trains the decoder only; --looks-steps does not apply")
     if not 0.0 <= args.warp_weight <= 100.0:  # NaN fails both comparisons
         raise SystemExit(f"--warp-weight must be a number from 0 to 100, got {args.warp_weight}")
     cfg = TrainConfig(workdir=args.workdir, threads=args.threads, seed=args.seed, warp_weight=args.warp_weight)
@@ -87,7 +96,13 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--finetune-from {args.finetune_from}: no such model config (a .json next to its .safetensors)")
         if args.looks_steps is not None:
             cfg.looks_steps = args.looks_steps
-        path = finetune_looks(cfg, args.finetune_from, args.out)
+        try:
+            if args.guide_decoder:
+                path = guide_decoder(cfg, args.finetune_from, args.out)
+            else:
+                path = finetune_looks(cfg, args.finetune_from, args.out)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     else:
         path = train_default(cfg, args.out)
     log.info("wrote %s and %s", path, path.with_suffix(".safetensors"))

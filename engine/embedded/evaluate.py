@@ -5,8 +5,8 @@
 * fidelity: PSNR / SSIM of the model's output against the teacher's, per style;
 * temporal stability: warp error: output frame t−1 warped to t with DIS optical flow
   estimated on the *input* frames, mean absolute error in [0, 1] units; model vs teacher ratio;
-* the codec's share of the flicker: the teachers' frames through the stream VAE alone (no DiT), the
-  same warp ratio;
+* the codec's share of the flicker: the teachers' frames through the stream VAE alone (no DiT; a
+  decoder that reads the input frames reads the clip's, as in the product), the same warp ratio;
 * block texture: gradient energy across the 16-px grid (the DiT's 2x2-latent patches x the VAE's 8x)
   over the energy elsewhere (``engine.embedded.block_texture``), on the held-out clips of real
   photographs (``clips.HELDOUT_IMAGES``), beside the input's and the teacher's own;
@@ -117,17 +117,22 @@ def stylize_stream(pipe: Pipeline, frames: np.ndarray, prompt: str, seed: int = 
 
 
 @torch.no_grad()
-def codec_round_trip(pipe: Pipeline, frames: np.ndarray) -> np.ndarray:
+def codec_round_trip(pipe: Pipeline, frames: np.ndarray, inputs: np.ndarray | None = None) -> np.ndarray:
     """A clip (uint8 [T, H, W, 3]) encoded and decoded by the model's stream VAE, chunked as a live
     stream is (``pipe.first_chunk_frames``, then ``pipe.chunk_frames`` at a time): the codec's share of
-    the model's flicker, with no DiT in between."""
+    the model's flicker, with no DiT in between. A decoder that reads the input frames reads
+    ``inputs``, the clip ``frames`` were made from (a teacher's input; by default the frames themselves),
+    as it reads the camera's frames in the product."""
     runtime = pipe.runtime
     vae = runtime.vae
+    source = frames if inputs is None else inputs
     encoder, decoder = vae.new_encoder_cache(), vae.new_decoder_cache()
     out = []
     for a, b in chunk_spans(pipe, frames.shape[0]):
         pixels = frames_to_tensor(frames[a:b])[None].to(runtime.device, runtime.dit.dtype)
-        out.append(tensor_to_frames(vae.decode_chunk(vae.encode_chunk(pixels, encoder), decoder)[0].float().clamp(-1, 1)))
+        guide = frames_to_tensor(source[a:b])[None].to(pixels) if vae.reads_input else None
+        decoded = vae.decode_chunk(vae.encode_chunk(pixels, encoder), decoder, guide)
+        out.append(tensor_to_frames(decoded[0].float().clamp(-1, 1)))
     return np.concatenate(out)
 
 
@@ -192,7 +197,7 @@ def evaluate(pipe: Pipeline, prompts: dict[str, str], clips: int | None = None, 
             per[style]["warp_teacher"].append(warp_error(teacher, flows))
             per[style]["psnr_raw"].append(psnr(run.raw, teacher))
             per[style]["warp_raw"].append(warp_error(run.raw, flows))
-            codec = codec_round_trip(pipe, teacher)
+            codec = codec_round_trip(pipe, teacher, frames)
             per[style]["psnr_codec"].append(psnr(codec, teacher))
             per[style]["warp_codec"].append(warp_error(codec, flows))
             if ci == 0 and grid_path is not None:

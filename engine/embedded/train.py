@@ -31,7 +31,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -624,15 +624,22 @@ def dit_predictions(cfg: TrainConfig, lat: torch.Tensor, model: EmbeddedModel) -
     return out
 
 
+@dataclass
+class DecoderBatch:
+    """One decoder fine-tune batch, in the stream layout (a first group of four copies of frame 0)."""
+
+    z: torch.Tensor  # normalised latents [B, C, 3, w, w]: the DiT's predictions (or the teachers' own)
+    target: torch.Tensor  # the teachers' pixels [B, 3, 12, 8w, 8w]
+    inputs: torch.Tensor  # the input clip's pixels the latents were made from [B, 3, 12, 8w, 8w]
+    flow: torch.Tensor | None  # with flows: the input's flow between consecutive frames [B, 11, 8w, 8w, 2]
+
+
 def _decoder_batch(cfg: TrainConfig, step: int, frames: np.ndarray, lat: torch.Tensor, pred: torch.Tensor,
-                   flows: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(normalised latents [B, C, 3, w, w], teacher pixels [B, 3, 12, 8w, 8w]) in the stream layout, and
-    with ``flows`` the input's flow between consecutive frames of that layout [B, 11, 8w, 8w, 2] (zero
-    within the first group, four copies of frame 0)."""
+                   flows: np.ndarray | None) -> DecoderBatch:
     rng = np.random.default_rng([cfg.seed, 4, step])
     n_clips, styles = pred.shape[:2]
     w = 8  # latent window: 64x64 pixels, like the VAE's crops
-    zs, xs, fs = [], [], []
+    zs, xs, gs, fs = [], [], [], []
     shipped = [k for k in range(styles) if STYLE_NAMES[k] not in NOT_SHIPPED]
     for _ in range(cfg.vae_batch):
         # A look left out is not served, and its stylised latents (anchored to the shipped looks' prompts)
@@ -644,13 +651,15 @@ def _decoder_batch(cfg: TrainConfig, step: int, frames: np.ndarray, lat: torch.T
         oy, ox = _latent_crop_origin(cfg, i)
         y, x = oy + 8 * ly, ox + 8 * lx
         xs.append(stream_groups(to_unit(frames[i, 1 + j, :, y : y + 8 * w, x : x + 8 * w])[None])[0])
+        gs.append(stream_groups(to_unit(frames[i, 0, :, y : y + 8 * w, x : x + 8 * w])[None])[0])
         if flows is not None:
             fs.append(stream_flow(flows, i, y, x, 8 * w, flip=False))
-    return torch.stack(zs), torch.stack(xs), torch.stack(fs) if fs else None
+    return DecoderBatch(torch.stack(zs), torch.stack(xs), torch.stack(gs), torch.stack(fs) if fs else None)
 
 
 def finetune_decoder(cfg: TrainConfig, frames: np.ndarray, lat: torch.Tensor, model: EmbeddedModel) -> TinyVAE:
-    """Fine-tune the decoder (only) on the DiT's stylised latents against the teachers' frames."""
+    """Fine-tune the decoder (only) on the DiT's stylised latents against the teachers' frames (a guided
+    decoder reading the input frames the latents were made from, as it does in the product)."""
     ckpt_path, final_path = cfg.workdir / "decoder_ckpt.pt", cfg.workdir / "decoder_final.pt"
     vae = model.vae
     final = _load(final_path)
@@ -659,8 +668,7 @@ def finetune_decoder(cfg: TrainConfig, frames: np.ndarray, lat: torch.Tensor, mo
         return vae.eval()
     pred = dit_predictions(cfg, lat, model)
     flows = build_flows(cfg.workdir, frames) if cfg.warp_weight else None
-    decoder = [vae.dec_in, vae.dec_memory, vae.dec_body, vae.dec_lin]
-    params = [p for m in decoder for p in m.parameters()]
+    params = [p for m in vae.decoder_modules() for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.decoder_lr, weight_decay=0.0)
     start = _resume(ckpt_path, vae, opt)
     vae.train()
@@ -669,13 +677,14 @@ def finetune_decoder(cfg: TrainConfig, frames: np.ndarray, lat: torch.Tensor, mo
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = _lr(step, cfg.decoder_steps, cfg.decoder_lr)
-        z, x, flow = _decoder_batch(cfg, step, frames, lat, pred, flows)
-        y, _ = vae.decode_groups(vae.denormalize(z), None)
+        batch = _decoder_batch(cfg, step, frames, lat, pred, flows)
+        x = batch.target
+        y, _ = vae.decode_groups(vae.denormalize(batch.z), None, batch.inputs if vae.reads_input else None)
         loss = _reconstruction_loss(y, x, cfg.temporal_weight)
         if cfg.grid_weight:
             loss = loss + cfg.grid_weight * grid_step_error(y, x)
-        if flow is not None:
-            loss = loss + cfg.warp_weight * warped_temporal_error(y, x, flow)
+        if batch.flow is not None:
+            loss = loss + cfg.warp_weight * warped_temporal_error(y, x, batch.flow)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -771,12 +780,37 @@ def finetune_looks(cfg: TrainConfig, base_config: Path, out_dir: Path) -> Path:
     return export(out_dir, build_spec(vae, dit, sampler, stream, emb, metrics), vae, dit)
 
 
+def guide_decoder(cfg: TrainConfig, base_config: Path, out_dir: Path) -> Path:
+    """Give a shipped model a decoder that reads the input frames (``TinyVAEConfig.guided``): its VAE
+    encoder, latent statistics and DiT stay; the decoder, its guide paths starting at zero, is fine-tuned
+    (stage 5) on the DiT's outputs against the teachers, reading each clip's input frames. Resumes like
+    every stage."""
+    torch.set_num_threads(cfg.threads)
+    started = time.time()
+    base = EmbeddedModel.load(base_config)
+    if base.vae.reads_input:
+        raise ValueError(f"{base_config}: its decoder already reads the input frames")
+    frames = build_frames(cfg.workdir)
+    lat, vae = encode_latents(cfg, frames, base.vae, measure_stats=False)
+    spec = replace(base.spec, vae=replace(vae.config, guided=True))
+    guided = vae.with_guided_decoder()
+    guided = finetune_decoder(cfg, frames, lat, EmbeddedModel(spec, guided, base.dit.float()))
+    elapsed = time.time() - started
+    log.info("decoder guided in %.1f min (this run; resumed stages not counted)", elapsed / 60)
+    metrics = {**base.spec.metrics, "guided_decoder": {"train_config": {k: str(v) for k, v in asdict(cfg).items()},
+                                                       "base": str(base_config), "train_minutes_this_run": elapsed / 60}}
+    return export(out_dir, replace(spec, metrics=metrics), guided, base.dit)
+
+
 def train_default(cfg: TrainConfig, out_dir: Path) -> Path:
     """Run every stage (resuming whatever the work directory already holds) and export the checkpoint."""
     torch.set_num_threads(cfg.threads)
     started = time.time()
     frames = build_frames(cfg.workdir)
     lat, vae = encode_latents(cfg, frames, train_vae(cfg, frames, TinyVAEConfig()))
+    # The autoencoder learns without the input frames (it would copy them); the decoder reads them from
+    # the fine-tune on, where the input and the look it should become differ.
+    vae = vae.with_guided_decoder()
     names, phrasings = style_phrasings()
     if tuple(names) != STYLE_NAMES:
         raise ValueError(f"style registry {names} and teachers {STYLE_NAMES} disagree")

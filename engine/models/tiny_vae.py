@@ -18,11 +18,21 @@ Stream convention (engine.vae.StreamVAE): the first pixel frame of a stream is e
 group of four copies of itself; decoding the first latent returns that one frame. Latents are
 normalised with statistics stored in the module (``latent_mean`` / ``latent_std``), measured on
 training data after the autoencoder is trained.
+
+A guided decoder (``TinyVAEConfig.guided``) also reads the chunk's input frames, as an image-to-image
+model reads its source: each input frame's 8x8 patches join the decoder's features at 1/8 resolution,
+and the decoder's features set, per latent cell, a local affine map of a few full-resolution features
+of the input frame (its RGB and ``guide_basis`` learned 3x3 filters), interpolated bilinearly between
+cells (HDRNet's guided slicing, without the luminance axis). Why: the latent is 8x smaller than the
+frame and the DiT's prediction of it wobbles from frame to frame; fine structure drawn from the input
+frame itself moves exactly with the content, so the decoded video flickers less and keeps edges a
+latent cell cannot place. The guide paths start at zero, so a guided decoder fine-tuned from a plain
+one starts as that decoder.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +45,12 @@ class TinyVAEConfig:
     enc_channels: int = 64  # conv width of the encoder (at 1/8 resolution)
     dec_channels: int = 96  # conv width of the decoder (at 1/8 resolution)
     temporal_compression: int = 4
+    guided: bool = False  # the decoder also reads the chunk's input frames (``decode_chunk(..., guide=)``)
+    guide_basis: int = 6  # learned full-resolution 3x3 filters of the input the guided decoder maps locally
 
     def __post_init__(self) -> None:
+        if self.guide_basis < 0:
+            raise ValueError(f"guide_basis must be 0 or more, got {self.guide_basis}")
         if self.latent_channels % self.temporal_compression:
             raise ValueError(f"latent_channels {self.latent_channels} must be a multiple of "
                              f"temporal_compression {self.temporal_compression}")
@@ -54,6 +68,10 @@ class TinyVAEConfig:
         if unknown:
             raise ValueError(f"unknown TinyVAEConfig fields: {sorted(unknown)}")
         return cls(**data)  # type: ignore[arg-type]
+
+
+# The guided decoder's modules (absent from an unguided TinyVAE's state dict).
+_GUIDE_MODULES = ("dec_guide_in.", "dec_guide_map.", "guide_filters.")
 
 
 def _conv(cin: int, cout: int, k: int = 3) -> nn.Conv2d:
@@ -120,6 +138,12 @@ class TinyVAE(nn.Module):
         self.dec_in = _conv(fc, cd)
         self.dec_memory = _Memory(cd)
         self.dec_body = nn.Sequential(nn.ReLU(), _ResBlock(cd), _ResBlock(cd), nn.ReLU(), _conv(cd, patch))
+        if config.guided:
+            # The input frame's patches into the decoder's features; the full-resolution filters of the
+            # input; per cell, an affine map (3 outputs x (RGB + filters), plus an offset) of them.
+            self.dec_guide_in = _conv(patch, cd)
+            self.guide_filters = nn.Conv2d(3, config.guide_basis, 3, padding=1) if config.guide_basis else None
+            self.dec_guide_map = nn.Conv2d(cd, 3 * (3 + config.guide_basis) + 3, 1)
         self._init_weights()
         self.register_buffer("latent_mean", torch.zeros(config.latent_channels))
         self.register_buffer("latent_std", torch.ones(config.latent_channels))
@@ -136,9 +160,33 @@ class TinyVAE(nn.Module):
             if isinstance(m, _ResBlock | _Memory):
                 nn.init.zeros_(m.conv2.weight)
         nn.init.zeros_(self.enc_out.weight)
+        if self.config.guided:
+            for m in (self.dec_guide_in, self.dec_guide_map):
+                nn.init.zeros_(m.weight)
         dec_out = self.dec_body[-1]
         assert isinstance(dec_out, nn.Conv2d)
         nn.init.zeros_(dec_out.weight)
+
+    def with_guided_decoder(self, guide_basis: int | None = None) -> TinyVAE:
+        """A copy whose decoder also reads the input frames, its guide paths at zero: it decodes exactly
+        as this VAE does until they are trained (``engine.embedded.train.guide_decoder``)."""
+        if self.config.guided:
+            raise ValueError("this TinyVAE's decoder already reads the input frames")
+        basis = self.config.guide_basis if guide_basis is None else guide_basis
+        guided = TinyVAE(replace(self.config, guided=True, guide_basis=basis)).to(self.latent_mean)
+        missing, unexpected = guided.load_state_dict(self.state_dict(), strict=False)
+        if unexpected or not all(k.startswith(_GUIDE_MODULES) for k in missing):
+            raise RuntimeError(f"guided copy: unexpected {unexpected}, missing {missing}")
+        return guided
+
+    def decoder_modules(self) -> list[nn.Module]:
+        """The modules a decoder fine-tune trains (the encoder and the latent statistics stay)."""
+        mods: list[nn.Module] = [self.dec_in, self.dec_memory, self.dec_body, self.dec_lin]
+        if self.config.guided:
+            mods += [self.dec_guide_in, self.dec_guide_map]
+            if self.guide_filters is not None:
+                mods.append(self.guide_filters)
+        return mods
 
     @torch.no_grad()
     def init_linear_from_pca(self, frames: Tensor) -> None:
@@ -168,14 +216,41 @@ class TinyVAE(nn.Module):
         lin = self.enc_lin(F.pixel_unshuffle(flat, 8))
         return (lin + self.enc_out(F.relu(mem))).unflatten(0, (b, t)), feats[:, -1]
 
-    def decode_frames(self, latents: Tensor, prev: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Raw per-frame latents [B, T, fc, h, w] -> pixels [B, 3, T, 8h, 8w] and the last frame's features."""
+    @property
+    def reads_input(self) -> bool:
+        """Whether the decoder reads the chunk's input frames (``guide``)."""
+        return self.config.guided
+
+    def decode_frames(self, latents: Tensor, prev: Tensor | None, guide: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Raw per-frame latents [B, T, fc, h, w] -> pixels [B, 3, T, 8h, 8w] and the last frame's features.
+
+        ``guide``: the input frames [B, 3, T, 8h, 8w] the latents were made from, for a guided decoder
+        (None: decode from the latents alone, as an unguided decoder does)."""
         b, t = latents.shape[:2]
         flat = latents.flatten(0, 1)
-        feats = self.dec_in(flat).unflatten(0, (b, t))
+        feats = self.dec_in(flat)
+        g = None
+        if guide is not None:
+            if not self.config.guided:
+                raise ValueError("this TinyVAE's decoder does not read input frames (its config is not guided)")
+            if guide.shape != (b, 3, t, *(8 * n for n in latents.shape[-2:])):
+                raise ValueError(f"guide frames {tuple(guide.shape)} do not match latents {tuple(latents.shape)}")
+            g = guide.transpose(1, 2).flatten(0, 1).to(flat.dtype)
+            feats = feats + self.dec_guide_in(F.pixel_unshuffle(g, 8))
+        feats = feats.unflatten(0, (b, t))
         mem = self.dec_memory(feats.flatten(0, 1), _previous_frames(feats, prev).flatten(0, 1))
         pixels = F.pixel_shuffle(self.dec_lin(flat) + self.dec_body(mem), 8)
+        if g is not None:
+            pixels = pixels + self._guided_map(mem, g)
         return pixels.unflatten(0, (b, t)).transpose(1, 2), feats[:, -1]
+
+    def _guided_map(self, mem: Tensor, g: Tensor) -> Tensor:
+        """Per latent cell an affine map of the input frame's RGB and filters, bilinear between cells."""
+        basis = [g] if self.guide_filters is None else [g, F.relu(self.guide_filters(g))]
+        phi = torch.cat(basis, dim=1)  # [N, 3 + guide_basis, H, W]
+        coef = F.interpolate(self.dec_guide_map(F.relu(mem)), size=g.shape[-2:], mode="bilinear", align_corners=False)
+        gain = coef[:, :-3].unflatten(1, (3, phi.shape[1]))  # [N, 3, 3 + guide_basis, H, W]
+        return torch.einsum("nckhw,nkhw->nchw", gain, phi) + coef[:, -3:]
 
     def pack(self, per_frame: Tensor) -> Tensor:
         """[B, K*tc, fc, h, w] per-frame latents -> [B, tc*fc, K, h, w] latent frames (frame-major channels)."""
@@ -197,9 +272,10 @@ class TinyVAE(nn.Module):
         per_frame, last = self.encode_frames(groups, prev)
         return self.pack(per_frame), last
 
-    def decode_groups(self, latents: Tensor, prev: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Raw latents [B, C, K, h, w] -> pixels [B, 3, K*tc, 8h, 8w] and the last frame's features."""
-        return self.decode_frames(self.unpack(latents), prev)
+    def decode_groups(self, latents: Tensor, prev: Tensor | None, guide: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Raw latents [B, C, K, h, w] -> pixels [B, 3, K*tc, 8h, 8w] and the last frame's features
+        (``guide``: the input frames [B, 3, K*tc, 8h, 8w], see :meth:`decode_frames`)."""
+        return self.decode_frames(self.unpack(latents), prev, guide)
 
     # -- StreamVAE protocol ---------------------------------------------------------------------------
 
@@ -232,11 +308,20 @@ class TinyVAE(nn.Module):
         cache.frames_seen += t
         return self.normalize(raw)
 
-    def decode_chunk(self, latents: Tensor, cache: TinyVAECache) -> Tensor:
-        """Normalised latents [B, C, K, h, w] -> pixel frames in [-1, 1] (the first latent gives 1 frame)."""
+    def decode_chunk(self, latents: Tensor, cache: TinyVAECache, guide: Tensor | None = None) -> Tensor:
+        """Normalised latents [B, C, K, h, w] -> pixel frames in [-1, 1] (the first latent gives 1 frame).
+
+        ``guide``: the chunk's input frames as :meth:`encode_chunk` took them (1 + 4k on a stream's
+        first chunk, then 4k), for a guided decoder (an unguided one refuses it)."""
         if latents.ndim != 5 or latents.shape[1] != self.latent_channels:
             raise ValueError(f"latents must be [B, {self.latent_channels}, K, h, w], got {tuple(latents.shape)}")
-        pixels, cache.prev = self.decode_groups(self.denormalize(latents), cache.prev)
+        if guide is not None and not self.config.guided:
+            raise ValueError("this TinyVAE's decoder does not read input frames (its config is not guided)")
+        if guide is not None and cache.frames_seen == 0:
+            # The first group of a stream was encoded as four copies of frame 0; so is its guide.
+            tc = self.temporal_compression
+            guide = torch.cat([guide[:, :, :1].expand(-1, -1, tc, -1, -1), guide[:, :, 1:]], dim=2)
+        pixels, cache.prev = self.decode_groups(self.denormalize(latents), cache.prev, guide)
         if cache.frames_seen == 0:
             # The first group encoded four copies of frame 0; its last decoded frame stands for it.
             pixels = pixels[:, :, self.temporal_compression - 1 :]

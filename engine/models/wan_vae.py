@@ -369,12 +369,16 @@ class WanVAE(nn.Module):
         cache.frames_seen += t
         return ((mu - self.latents_mean) / self.latents_std).to(frames.dtype)
 
+    reads_input = False  # Wan's decoder sees the latents only
+
     @torch.no_grad()
-    def decode_chunk(self, latents: torch.Tensor, cache: WanVAECache) -> torch.Tensor:
+    def decode_chunk(self, latents: torch.Tensor, cache: WanVAECache, guide: torch.Tensor | None = None) -> torch.Tensor:
         """Normalised latents [B, z, t, h, w] -> pixels [B, 3, T, 8h, 8w] clamped to [-1, 1].
 
         T = 1 + 4(t - 1) on a stream's first call, 4t afterwards.
         """
+        if guide is not None:
+            raise ValueError("the Wan VAE's decoder does not read input frames (reads_input is False)")
         self._check_cache(cache, "decoder")
         if latents.ndim != 5 or latents.shape[1] != self.latent_channels or latents.shape[2] == 0:
             raise ValueError(

@@ -378,6 +378,8 @@ class RingRuntime:
             groups.setdefault(fill, []).append((key, row))
             if not last:
                 tensors[f"noise.{key}"] = s.noises[s.step]
+            elif s.guide is not None:
+                tensors[f"guide.{key}"] = s.guide  # the last rank decodes, reading the input frames
         meta_groups = []
         for gi, ((_, _, _, precision, sparsity), members) in enumerate(groups.items()):
             tensors[f"x.{gi}"] = torch.cat([rows[key].chunk.x for key, _ in members])

@@ -154,6 +154,9 @@ class ChunkInFlight:
     step: int = 0
     refreshed: bool = False
     loras: dict[str, float] = field(default_factory=dict)  # the stream's LoRA strengths when it entered
+    # The input frames [1, 3, T, H, W] at the engine size, as the VAE encoder took them, for a decoder
+    # that reads them (``vae.reads_input``); None otherwise and for T2V.
+    guide: torch.Tensor | None = None
 
     @property
     def steps_left(self) -> int:
@@ -352,8 +355,12 @@ class StreamRuntime:
         engine_frames = fit_frames(frames, self.engine_size(state.size, state.fidelity))
         controller = MotionAwareNoiseController(self._noise_config(state))
         rate = controller.step(engine_frames, state.noise_controller)
-        z = self.vae.encode_chunk(engine_frames.unsqueeze(0).to(self.device, self.dit.dtype), state.vae_encoder)
-        return self.enter_latents(state, z, rate, frames, restart, local_caches)
+        pixels = engine_frames.unsqueeze(0).to(self.device, self.dit.dtype)
+        z = self.vae.encode_chunk(pixels, state.vae_encoder)
+        chunk = self.enter_latents(state, z, rate, frames, restart, local_caches)
+        if self.vae.reads_input:
+            chunk.guide = pixels
+        return chunk
 
     def enter_latents(
         self,
@@ -457,16 +464,17 @@ class StreamRuntime:
         if not chunk.done:
             raise ValueError(f"chunk of stream {chunk.state.stream_id} has {chunk.steps_left} steps left")
         state = chunk.state
-        frames = self.decode_latents(chunk.x, state.vae_decoder, state.size, self.deblock_strength(state))
+        frames = self.decode_latents(chunk.x, state.vae_decoder, state.size, self.deblock_strength(state), chunk.guide)
         self.account(chunk)
         return ChunkResult(frames, chunk.noise_rate, chunk.timesteps[0], chunk.refreshed)
 
     def decode_latents(self, x0: torch.Tensor, decoder: object, size: tuple[int, int],
-                       deblock_strength: float = 0.0) -> torch.Tensor:
+                       deblock_strength: float = 0.0, guide: torch.Tensor | None = None) -> torch.Tensor:
         """x̂₀ [1, C, F, h, w] -> frames [3, T, H, W] in [-1, 1] at ``size``, deblocked at
         ``deblock_strength`` (the stream's :meth:`deblock_strength`; a pipeline's last rank calls this
-        with its own decoder caches)."""
-        frames = self.vae.decode_chunk(x0, decoder)[0].float().clamp(-1, 1)
+        with its own decoder caches); ``guide``: the chunk's input frames for a decoder that reads them
+        (:attr:`ChunkInFlight.guide`)."""
+        frames = self.vae.decode_chunk(x0, decoder, guide)[0].float().clamp(-1, 1)
         if self.config.deblock is not None and deblock_strength > 0:
             t = self.clock()
             # At the engine size, where the blocks sit on the grid (a resize would move them off it).
