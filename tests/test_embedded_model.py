@@ -144,9 +144,11 @@ def test_streaming_with_kv_cache_equals_one_masked_forward(model: EmbeddedModel,
     assert len(run.noise_rates) == 4 and len(set(run.noise_rates)) > 1, "the clip moves: the controller varies s"
 
     vae: TinyVAE = model.vae
-    z = vae.encode_chunk(frames_to_tensor(frames)[None], vae.new_encoder_cache())
+    pixels = frames_to_tensor(frames)[None]
+    z = vae.encode_chunk(pixels, vae.new_encoder_cache())
     x0 = _masked_reference(model, z, _conditioning(model, prompt), 5, run.noise_rates)
-    whole = vae.decode_chunk(x0, vae.new_decoder_cache())[0].clamp(-1, 1)
+    # The whole clip decoded in one call; a decoder that reads the input frames reads the whole clip.
+    whole = vae.decode_chunk(x0, vae.new_decoder_cache(), pixels if vae.reads_input else None)[0].clamp(-1, 1)
     deblocking = pipe.runtime.config.deblock
     assert deblocking is not None and pipe.runtime.deblock_strength(pipe.open_stream(StreamParams(prompt=prompt)).state) > 0
     whole = deblock(whole, vae.spatial_compression, deblocking.strength, deblocking.reach).clamp(-1, 1)

@@ -315,9 +315,14 @@ def test_guide_decoder_is_a_finetune_option_refused_alone_in_plain_words(tmp_pat
 
     monkeypatch.setattr(train, "guide_decoder", recipe)
     args = build_parser().parse_args(["train-default", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path),
-                                      "--finetune-from", str(base), "--guide-decoder", "--warp-weight", "2"])
+                                      "--finetune-from", str(base), "--guide-decoder", "--warp-weight", "2",
+                                      "--guide-blurs", "4,16", "--guide-per-group"])
     assert args._run(args) == 0
-    assert seen[0][1] == base and seen[0][0].warp_weight == 2.0
+    cfg = seen[0][0]
+    assert seen[0][1] == base and cfg.warp_weight == 2.0
+    assert cfg.guide_blurs == (4, 16) and cfg.guide_per_group
+    with pytest.raises(SystemExit):  # argparse: "block sizes must be 2 to 256 pixels"
+        build_parser().parse_args(["train-default", "--guide-blurs", "1"])
 
 
 def test_the_decoder_finetune_trains_a_guided_decoders_guide_paths_on_the_input_frames(tmp_path: Path) -> None:

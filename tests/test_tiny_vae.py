@@ -133,7 +133,7 @@ def test_a_guided_copy_decodes_as_its_source_until_trained() -> None:
 
 
 def _trained_guided(seed: int = 6) -> TinyVAE:
-    vae = _vae(seed).with_guided_decoder(guide_basis=2).eval()
+    vae = _vae(seed).with_guided_decoder(guide_basis=2, guide_blurs=(4,)).eval()
     with torch.no_grad():
         for m in (vae.dec_guide_in, vae.dec_guide_map, vae.guide_filters):
             assert m is not None
@@ -173,3 +173,38 @@ def test_guide_frames_are_checked() -> None:
         _vae().decode_chunk(z, _vae().new_decoder_cache(), clip)
     with pytest.raises(ValueError, match="guide_basis"):
         TinyVAEConfig(guided=True, guide_basis=-1)
+    with pytest.raises(ValueError, match="guide_blurs"):
+        TinyVAEConfig(guided=True, guide_blurs=(1,))
+    assert TinyVAEConfig.from_dict(vae.config.to_dict()) == vae.config  # JSON keeps the blur sizes
+
+
+def test_the_guided_map_trains_and_serves_the_same_function() -> None:
+    """Training (autograd on) and serving (no_grad) compute the guided map two ways; they must agree."""
+    vae = _trained_guided(7)
+    z = torch.randn(1, CFG.latent_channels, 2, 4, 3)
+    guide = torch.rand(1, 3, 8, 32, 24) * 2 - 1
+    with torch.no_grad():
+        served, _ = vae.decode_groups(z, None, guide)
+    trained, _ = vae.decode_groups(z, None, guide)
+    assert trained.requires_grad
+    torch.testing.assert_close(served, trained.detach(), rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_per_group_guided_map_is_one_map_for_the_four_frames_of_a_latent_frame() -> None:
+    """With ``guide_per_group`` the affine map is shared by a latent frame's four pixel frames: a guide
+    that is the same in all four gives the same guided term in all four even though their latents
+    differ; per frame (the default) it does not."""
+    z = torch.randn(1, CFG.latent_channels, 1, 4, 4)
+    guide = (torch.rand(1, 3, 1, 32, 32) * 2 - 1).expand(-1, -1, 4, -1, -1)
+    for per_group in (True, False):
+        vae = _vae(8).with_guided_decoder(guide_basis=2, guide_per_group=per_group).eval()
+        for p in (*vae.dec_guide_map.parameters(), *vae.dec_guide_in.parameters()):
+            p.copy_(0.2 * torch.randn_like(p))
+        with torch.no_grad():
+            vae.dec_guide_in.weight.zero_()  # the guided term alone differs between the two decodes
+        guided, _ = vae.decode_groups(z, None, guide)
+        plain, _ = vae.decode_groups(z, None, torch.zeros_like(guide))
+        term = guided - plain
+        same = all(torch.allclose(term[:, :, 0], term[:, :, k], atol=1e-5) for k in range(1, 4))
+        assert same == per_group

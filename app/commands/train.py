@@ -28,6 +28,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _block_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated block sizes in pixels, got {text!r}") from None
+    if any(size < 2 or size > 256 for size in sizes):
+        raise argparse.ArgumentTypeError(f"block sizes must be 2 to 256 pixels, got {text!r}")
+    return sizes
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.embedded.model import WEIGHTS_DIR
 
@@ -56,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--guide-decoder", action="store_true",
                         help="with --finetune-from: keep the model's looks and DiT, and fine-tune a decoder that "
                              "also reads the input frames (docs/default-model.md, 'Guided decoder')")
+    parser.add_argument("--guide-blurs", type=_block_sizes, default=(),
+                        help="guided decoder: also map box-blurred copies of the input, e.g. 4,16 (block sizes in px)")
+    parser.add_argument("--guide-per-group", action="store_true",
+                        help="guided decoder: one affine map per latent frame (4 pixel frames) instead of per frame")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--guide-decoder trains the decoder only; --looks-steps does not apply")
     if not 0.0 <= args.warp_weight <= 100.0:  # NaN fails both comparisons
         raise SystemExit(f"--warp-weight must be a number from 0 to 100, got {args.warp_weight}")
-    cfg = TrainConfig(workdir=args.workdir, threads=args.threads, seed=args.seed, warp_weight=args.warp_weight)
+    cfg = TrainConfig(workdir=args.workdir, threads=args.threads, seed=args.seed, warp_weight=args.warp_weight,
+                      guide_blurs=args.guide_blurs, guide_per_group=args.guide_per_group)
     if args.vae_steps is not None:
         cfg.vae_steps = args.vae_steps
     if args.dit_steps is not None:

@@ -89,6 +89,10 @@ class TrainConfig:
     # optical flow) in the VAE, DiT (decoded, ``dit_loss``) and decoder stages: the evaluation's warp
     # error as a loss.
     warp_weight: float = 0.0
+    # The guided decoder's input features (``TinyVAEConfig.guide_basis`` / ``guide_blurs``).
+    guide_basis: int = 6
+    guide_blurs: tuple[int, ...] = ()
+    guide_per_group: bool = False
     threads: int = 2
     seed: int = 0
     checkpoint_every: int = 100
@@ -792,8 +796,8 @@ def guide_decoder(cfg: TrainConfig, base_config: Path, out_dir: Path) -> Path:
         raise ValueError(f"{base_config}: its decoder already reads the input frames")
     frames = build_frames(cfg.workdir)
     lat, vae = encode_latents(cfg, frames, base.vae, measure_stats=False)
-    spec = replace(base.spec, vae=replace(vae.config, guided=True))
-    guided = vae.with_guided_decoder()
+    guided = vae.with_guided_decoder(cfg.guide_basis, cfg.guide_blurs, cfg.guide_per_group)
+    spec = replace(base.spec, vae=guided.config)
     guided = finetune_decoder(cfg, frames, lat, EmbeddedModel(spec, guided, base.dit.float()))
     elapsed = time.time() - started
     log.info("decoder guided in %.1f min (this run; resumed stages not counted)", elapsed / 60)
@@ -810,7 +814,7 @@ def train_default(cfg: TrainConfig, out_dir: Path) -> Path:
     lat, vae = encode_latents(cfg, frames, train_vae(cfg, frames, TinyVAEConfig()))
     # The autoencoder learns without the input frames (it would copy them); the decoder reads them from
     # the fine-tune on, where the input and the look it should become differ.
-    vae = vae.with_guided_decoder()
+    vae = vae.with_guided_decoder(cfg.guide_basis, cfg.guide_blurs, cfg.guide_per_group)
     names, phrasings = style_phrasings()
     if tuple(names) != STYLE_NAMES:
         raise ValueError(f"style registry {names} and teachers {STYLE_NAMES} disagree")

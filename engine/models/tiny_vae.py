@@ -47,10 +47,18 @@ class TinyVAEConfig:
     temporal_compression: int = 4
     guided: bool = False  # the decoder also reads the chunk's input frames (``decode_chunk(..., guide=)``)
     guide_basis: int = 6  # learned full-resolution 3x3 filters of the input the guided decoder maps locally
+    # Box-blurred copies of the input (block sizes in pixels, bilinear back to full size) the guided
+    # decoder also maps: the smoothing a painted look does, from the input itself.
+    guide_blurs: tuple[int, ...] = ()
+    # One affine map per latent frame (the mean of its pixel frames' features) instead of one per pixel
+    # frame: the DiT's four per-frame codes of a latent frame wobble against each other, the input does not.
+    guide_per_group: bool = False
 
     def __post_init__(self) -> None:
         if self.guide_basis < 0:
             raise ValueError(f"guide_basis must be 0 or more, got {self.guide_basis}")
+        if any(b < 2 for b in self.guide_blurs):
+            raise ValueError(f"guide_blurs must be block sizes of 2 pixels or more, got {self.guide_blurs}")
         if self.latent_channels % self.temporal_compression:
             raise ValueError(f"latent_channels {self.latent_channels} must be a multiple of "
                              f"temporal_compression {self.temporal_compression}")
@@ -67,6 +75,8 @@ class TinyVAEConfig:
         unknown = set(data) - {f for f in cls.__dataclass_fields__}
         if unknown:
             raise ValueError(f"unknown TinyVAEConfig fields: {sorted(unknown)}")
+        if "guide_blurs" in data:
+            data = {**data, "guide_blurs": tuple(data["guide_blurs"])}  # type: ignore[arg-type]
         return cls(**data)  # type: ignore[arg-type]
 
 
@@ -143,7 +153,8 @@ class TinyVAE(nn.Module):
             # input; per cell, an affine map (3 outputs x (RGB + filters), plus an offset) of them.
             self.dec_guide_in = _conv(patch, cd)
             self.guide_filters = nn.Conv2d(3, config.guide_basis, 3, padding=1) if config.guide_basis else None
-            self.dec_guide_map = nn.Conv2d(cd, 3 * (3 + config.guide_basis) + 3, 1)
+            planes = 3 + config.guide_basis + 3 * len(config.guide_blurs)
+            self.dec_guide_map = nn.Conv2d(cd, 3 * planes + 3, 1)
         self._init_weights()
         self.register_buffer("latent_mean", torch.zeros(config.latent_channels))
         self.register_buffer("latent_std", torch.ones(config.latent_channels))
@@ -167,13 +178,17 @@ class TinyVAE(nn.Module):
         assert isinstance(dec_out, nn.Conv2d)
         nn.init.zeros_(dec_out.weight)
 
-    def with_guided_decoder(self, guide_basis: int | None = None) -> TinyVAE:
+    def with_guided_decoder(self, guide_basis: int | None = None, guide_blurs: tuple[int, ...] | None = None,
+                            guide_per_group: bool | None = None) -> TinyVAE:
         """A copy whose decoder also reads the input frames, its guide paths at zero: it decodes exactly
         as this VAE does until they are trained (``engine.embedded.train.guide_decoder``)."""
         if self.config.guided:
             raise ValueError("this TinyVAE's decoder already reads the input frames")
         basis = self.config.guide_basis if guide_basis is None else guide_basis
-        guided = TinyVAE(replace(self.config, guided=True, guide_basis=basis)).to(self.latent_mean)
+        blurs = self.config.guide_blurs if guide_blurs is None else guide_blurs
+        per_group = self.config.guide_per_group if guide_per_group is None else guide_per_group
+        guided = TinyVAE(replace(self.config, guided=True, guide_basis=basis, guide_blurs=blurs,
+                                 guide_per_group=per_group)).to(self.latent_mean)
         missing, unexpected = guided.load_state_dict(self.state_dict(), strict=False)
         if unexpected or not all(k.startswith(_GUIDE_MODULES) for k in missing):
             raise RuntimeError(f"guided copy: unexpected {unexpected}, missing {missing}")
@@ -247,10 +262,29 @@ class TinyVAE(nn.Module):
     def _guided_map(self, mem: Tensor, g: Tensor) -> Tensor:
         """Per latent cell an affine map of the input frame's RGB and filters, bilinear between cells."""
         basis = [g] if self.guide_filters is None else [g, F.relu(self.guide_filters(g))]
-        phi = torch.cat(basis, dim=1)  # [N, 3 + guide_basis, H, W]
-        coef = F.interpolate(self.dec_guide_map(F.relu(mem)), size=g.shape[-2:], mode="bilinear", align_corners=False)
-        gain = coef[:, :-3].unflatten(1, (3, phi.shape[1]))  # [N, 3, 3 + guide_basis, H, W]
-        return torch.einsum("nckhw,nkhw->nchw", gain, phi) + coef[:, -3:]
+        for block in self.config.guide_blurs:
+            # Border blocks average what they hold (ceil_mode, no padding counted).
+            pooled = F.avg_pool2d(g, block, ceil_mode=True)
+            basis.append(F.interpolate(pooled, size=g.shape[-2:], mode="bilinear", align_corners=False))
+        cells = self.dec_guide_map(F.relu(mem))
+        if self.config.guide_per_group:
+            tc = self.temporal_compression
+            cells = cells.unflatten(0, (-1, tc)).mean(1)  # [N / tc, K, h, w]: one map per latent frame
+            coef = F.interpolate(cells, size=g.shape[-2:], mode="bilinear", align_corners=False)
+            coef = coef[:, None].expand(-1, tc, -1, -1, -1).flatten(0, 1)
+        else:
+            coef = F.interpolate(cells, size=g.shape[-2:], mode="bilinear", align_corners=False)
+        if torch.is_grad_enabled():  # training: one broadcast product, which autograd handles well
+            phi = torch.cat(basis, dim=1)  # [N, K, H, W]: RGB, filters, blurred RGB
+            return (coef[:, :-3].unflatten(1, (3, phi.shape[1])) * phi[:, None]).sum(2) + coef[:, -3:]
+        # Serving: out_c = offset_c + sum_k gain_ck * plane_k accumulated in place, plane by plane, which
+        # on a CPU reads each full-resolution plane once (several times faster than the product above).
+        planes = [b[:, i] for b in basis for i in range(b.shape[1])]
+        out = coef[:, -3:].clone()
+        for c in range(3):
+            for k, plane in enumerate(planes):
+                out[:, c].addcmul_(coef[:, c * len(planes) + k], plane)
+        return out
 
     def pack(self, per_frame: Tensor) -> Tensor:
         """[B, K*tc, fc, h, w] per-frame latents -> [B, tc*fc, K, h, w] latent frames (frame-major channels)."""
@@ -291,6 +325,8 @@ class TinyVAE(nn.Module):
     def denormalize(self, z: Tensor) -> Tensor:
         return z * self.latent_std.view(1, -1, 1, 1, 1) + self.latent_mean.view(1, -1, 1, 1, 1)
 
+    # The stream API serves (no autograd graph, like the Wan VAE's); training uses the raw methods above.
+    @torch.no_grad()
     def encode_chunk(self, frames: Tensor, cache: TinyVAECache) -> Tensor:
         """Pixel frames [B, 3, T, H, W] in [-1, 1] -> normalised latents; T = 1 + 4k first, then 4k."""
         if frames.ndim != 5 or frames.shape[1] != 3:
@@ -308,6 +344,7 @@ class TinyVAE(nn.Module):
         cache.frames_seen += t
         return self.normalize(raw)
 
+    @torch.no_grad()
     def decode_chunk(self, latents: Tensor, cache: TinyVAECache, guide: Tensor | None = None) -> Tensor:
         """Normalised latents [B, C, K, h, w] -> pixel frames in [-1, 1] (the first latent gives 1 frame).
 
