@@ -263,13 +263,16 @@ def test_decoder_batches_leave_out_looks_that_are_not_shipped(tmp_path: Path) ->
     left_out = {k for k, n in enumerate(train.STYLE_NAMES) if n in NOT_SHIPPED}
     assert left_out, "the registry leaves a trained look out (neon)"
     frames = np.zeros((1, 1 + styles, train.CLIP_FRAMES, 256, 256, 3), np.uint8)
-    lat = torch.zeros(1, 1 + styles, 4, 3, 24, 24).half()
-    pred = torch.arange(float(styles)).view(1, styles, 1, 1, 1, 1).expand(1, styles, 4, 3, 24, 24).half()
+    # Variant 1 + k of the latents (look k's teacher latents) and row k of the predictions both hold k.
+    lat = torch.arange(-1.0, styles).view(1, 1 + styles, 1, 1, 1, 1).expand(1, 1 + styles, 4, 3, 24, 24).half()
+    pred = lat[:, 1:]
     cfg = train.TrainConfig(workdir=tmp_path, vae_batch=64)
     drawn = set()
     for step in range(4):
-        z = train._decoder_batch(cfg, step, frames, lat, pred, None).z
-        drawn |= set(z.flatten(1).max(dim=1).values.tolist())
+        batch = train._decoder_batch(cfg, step, frames, lat, pred, None)
+        rows = batch.z.flatten(1).max(dim=1).values.tolist()
+        drawn |= set(rows)
+        assert batch.looks == [train.STYLE_NAMES[int(k)] for k in rows]  # each sample names its own look
     assert drawn and not drawn & {float(k) for k in left_out}
 
 
@@ -323,6 +326,16 @@ def test_guide_decoder_is_a_finetune_option_refused_alone_in_plain_words(tmp_pat
     assert cfg.guide_blurs == (4, 16) and cfg.guide_per_group
     with pytest.raises(SystemExit):  # argparse: "block sizes must be 2 to 256 pixels"
         build_parser().parse_args(["train-default", "--guide-blurs", "1"])
+    args = build_parser().parse_args(["train-default", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path),
+                                      "--finetune-from", str(base), "--guide-decoder", "--warp-weight", "2",
+                                      "--warp-looks", "thermal, noir"])
+    assert args._run(args) == 0 and seen[-1][0].warp_looks == ("thermal", "noir")
+    for extra, message in ((["--warp-weight", "2", "--warp-looks", "thermal,sparkle"], "no teacher for sparkle"),
+                           (["--warp-looks", "thermal"], "needs a --warp-weight above 0")):
+        args = build_parser().parse_args(["train-default", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path),
+                                          "--finetune-from", str(base), "--guide-decoder", *extra])
+        with pytest.raises(SystemExit, match=message):
+            args._run(args)
 
 
 def test_the_decoder_finetune_trains_a_guided_decoders_guide_paths_on_the_input_frames(tmp_path: Path) -> None:

@@ -68,12 +68,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "also reads the input frames (docs/default-model.md, 'Guided decoder')")
     parser.add_argument("--guide-blurs", type=_block_sizes, default=(),
                         help="guided decoder: also map box-blurred copies of the input, e.g. 4,16 (block sizes in px)")
+    parser.add_argument("--warp-looks", type=lambda t: tuple(n.strip() for n in t.split(",") if n.strip()), default=(),
+                        help="decoder stage: only these looks' samples carry the warp term, e.g. thermal,noir "
+                             "(default: every look)")
     parser.add_argument("--guide-per-group", action="store_true",
                         help="guided decoder: one affine map per latent frame (4 pixel frames) instead of per frame")
 
 
 def run(args: argparse.Namespace) -> int:
     from engine.embedded.train import (
+        STYLE_NAMES,
         TrainConfig,
         WorkdirInUseError,
         check_workdir,
@@ -94,8 +98,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--guide-decoder trains the decoder only; --looks-steps does not apply")
     if not 0.0 <= args.warp_weight <= 100.0:  # NaN fails both comparisons
         raise SystemExit(f"--warp-weight must be a number from 0 to 100, got {args.warp_weight}")
+    unknown = sorted(set(args.warp_looks) - set(STYLE_NAMES))
+    if unknown:
+        raise SystemExit(f"--warp-looks: no teacher for {', '.join(unknown)}; the looks are {', '.join(STYLE_NAMES)}")
+    if args.warp_looks and not args.warp_weight:
+        raise SystemExit("--warp-looks needs a --warp-weight above 0")
     cfg = TrainConfig(workdir=args.workdir, threads=args.threads, seed=args.seed, warp_weight=args.warp_weight,
-                      guide_blurs=args.guide_blurs, guide_per_group=args.guide_per_group)
+                      warp_looks=args.warp_looks, guide_blurs=args.guide_blurs, guide_per_group=args.guide_per_group)
     if args.vae_steps is not None:
         cfg.vae_steps = args.vae_steps
     if args.dit_steps is not None:

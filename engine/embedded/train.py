@@ -89,7 +89,10 @@ class TrainConfig:
     # optical flow) in the VAE, DiT (decoded, ``dit_loss``) and decoder stages: the evaluation's warp
     # error as a loss.
     warp_weight: float = 0.0
-    # The guided decoder's input features (``TinyVAEConfig.guide_basis`` / ``guide_blurs``).
+    # Decoder stage only: the looks whose samples carry the warp term (empty: every look). A look drawn
+    # as lines or paint loses fidelity to it; one drawn as a per-pixel colour map gains (docs/default-model.md).
+    warp_looks: tuple[str, ...] = ()
+    # The guided decoder's input features (``TinyVAEConfig.guide_basis`` / ``guide_blurs`` / ``guide_per_group``).
     guide_basis: int = 6
     guide_blurs: tuple[int, ...] = ()
     guide_per_group: bool = False
@@ -636,6 +639,7 @@ class DecoderBatch:
     target: torch.Tensor  # the teachers' pixels [B, 3, 12, 8w, 8w]
     inputs: torch.Tensor  # the input clip's pixels the latents were made from [B, 3, 12, 8w, 8w]
     flow: torch.Tensor | None  # with flows: the input's flow between consecutive frames [B, 11, 8w, 8w, 2]
+    looks: list[str]  # each sample's look
 
 
 def _decoder_batch(cfg: TrainConfig, step: int, frames: np.ndarray, lat: torch.Tensor, pred: torch.Tensor,
@@ -643,7 +647,7 @@ def _decoder_batch(cfg: TrainConfig, step: int, frames: np.ndarray, lat: torch.T
     rng = np.random.default_rng([cfg.seed, 4, step])
     n_clips, styles = pred.shape[:2]
     w = 8  # latent window: 64x64 pixels, like the VAE's crops
-    zs, xs, gs, fs = [], [], [], []
+    zs, xs, gs, fs, looks = [], [], [], [], []
     shipped = [k for k in range(styles) if STYLE_NAMES[k] not in NOT_SHIPPED]
     for _ in range(cfg.vae_batch):
         # A look left out is not served, and its stylised latents (anchored to the shipped looks' prompts)
@@ -656,9 +660,10 @@ def _decoder_batch(cfg: TrainConfig, step: int, frames: np.ndarray, lat: torch.T
         y, x = oy + 8 * ly, ox + 8 * lx
         xs.append(stream_groups(to_unit(frames[i, 1 + j, :, y : y + 8 * w, x : x + 8 * w])[None])[0])
         gs.append(stream_groups(to_unit(frames[i, 0, :, y : y + 8 * w, x : x + 8 * w])[None])[0])
+        looks.append(STYLE_NAMES[j])
         if flows is not None:
             fs.append(stream_flow(flows, i, y, x, 8 * w, flip=False))
-    return DecoderBatch(torch.stack(zs), torch.stack(xs), torch.stack(gs), torch.stack(fs) if fs else None)
+    return DecoderBatch(torch.stack(zs), torch.stack(xs), torch.stack(gs), torch.stack(fs) if fs else None, looks)
 
 
 def finetune_decoder(cfg: TrainConfig, frames: np.ndarray, lat: torch.Tensor, model: EmbeddedModel) -> TinyVAE:
@@ -688,7 +693,9 @@ def finetune_decoder(cfg: TrainConfig, frames: np.ndarray, lat: torch.Tensor, mo
         if cfg.grid_weight:
             loss = loss + cfg.grid_weight * grid_step_error(y, x)
         if batch.flow is not None:
-            loss = loss + cfg.warp_weight * warped_temporal_error(y, x, batch.flow)
+            rows = [k for k, look in enumerate(batch.looks) if not cfg.warp_looks or look in cfg.warp_looks]
+            if rows:
+                loss = loss + cfg.warp_weight * warped_temporal_error(y[rows], x[rows], batch.flow[rows])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

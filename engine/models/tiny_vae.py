@@ -22,8 +22,9 @@ training data after the autoencoder is trained.
 A guided decoder (``TinyVAEConfig.guided``) also reads the chunk's input frames, as an image-to-image
 model reads its source: each input frame's 8x8 patches join the decoder's features at 1/8 resolution,
 and the decoder's features set, per latent cell, a local affine map of a few full-resolution features
-of the input frame (its RGB and ``guide_basis`` learned 3x3 filters), interpolated bilinearly between
-cells (HDRNet's guided slicing, without the luminance axis). Why: the latent is 8x smaller than the
+of the input frame (its RGB, ``guide_basis`` learned 3x3 filters and optionally box-blurred copies,
+``guide_blurs``), interpolated bilinearly between cells (HDRNet's guided slicing, without the
+luminance axis). Why: the latent is 8x smaller than the
 frame and the DiT's prediction of it wobbles from frame to frame; fine structure drawn from the input
 frame itself moves exactly with the content, so the decoded video flickers less and keeps edges a
 latent cell cannot place. The guide paths start at zero, so a guided decoder fine-tuned from a plain
@@ -352,8 +353,6 @@ class TinyVAE(nn.Module):
         first chunk, then 4k), for a guided decoder (an unguided one refuses it)."""
         if latents.ndim != 5 or latents.shape[1] != self.latent_channels:
             raise ValueError(f"latents must be [B, {self.latent_channels}, K, h, w], got {tuple(latents.shape)}")
-        if guide is not None and not self.config.guided:
-            raise ValueError("this TinyVAE's decoder does not read input frames (its config is not guided)")
         if guide is not None and cache.frames_seen == 0:
             # The first group of a stream was encoded as four copies of frame 0; so is its guide.
             tc = self.temporal_compression
