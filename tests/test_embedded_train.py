@@ -330,10 +330,12 @@ def test_guide_decoder_is_a_finetune_option_refused_alone_in_plain_words(tmp_pat
                                       "--finetune-from", str(base), "--guide-decoder", "--warp-weight", "2",
                                       "--warp-looks", "thermal, noir"])
     assert args._run(args) == 0 and seen[-1][0].warp_looks == ("thermal", "noir")
-    for extra, message in ((["--warp-weight", "2", "--warp-looks", "thermal,sparkle"], "no teacher for sparkle"),
-                           (["--warp-looks", "thermal"], "needs a --warp-weight above 0")):
+    for extra, message in ((["--guide-decoder", "--warp-weight", "2", "--warp-looks", "thermal,sparkle"],
+                            "no teacher for sparkle"),
+                           (["--guide-decoder", "--warp-looks", "thermal"], "needs a --warp-weight above 0"),
+                           (["--guide-blurs", "4"], "need --guide-decoder")):
         args = build_parser().parse_args(["train-default", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path),
-                                          "--finetune-from", str(base), "--guide-decoder", *extra])
+                                          "--finetune-from", str(base), *extra])
         with pytest.raises(SystemExit, match=message):
             args._run(args)
 

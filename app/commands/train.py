@@ -96,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--guide-decoder only applies with --finetune-from (a full run trains a guided decoder anyway)")
     if args.guide_decoder and args.looks_steps is not None:
         raise SystemExit("--guide-decoder trains the decoder only; --looks-steps does not apply")
+    if (args.guide_blurs or args.guide_per_group) and args.finetune_from is not None and not args.guide_decoder:
+        # A looks fine-tune keeps its base's decoder as it is; only a new guided decoder takes these.
+        raise SystemExit("--guide-blurs and --guide-per-group shape a new guided decoder: with --finetune-from "
+                         "they need --guide-decoder")
     if not 0.0 <= args.warp_weight <= 100.0:  # NaN fails both comparisons
         raise SystemExit(f"--warp-weight must be a number from 0 to 100, got {args.warp_weight}")
     unknown = sorted(set(args.warp_looks) - set(STYLE_NAMES))
