@@ -127,6 +127,33 @@ def test_batches_are_a_pure_function_of_seed_and_step(tmp_path: Path) -> None:
     assert ((first >= lo) & (first <= hi)).all()
 
 
+def test_dit_batches_without_input_noise_are_the_scaled_input_latents(tmp_path: Path) -> None:
+    """``SamplerSpec.input_noise`` 0: every first-step frame of a batch is (1 − s)·z of its own input window
+    (recomputed from the latents and the window's position), s agreeing with its timestep; at 1 it is not."""
+    cfg = train.TrainConfig(workdir=tmp_path, dit_batch=6)
+    lat = torch.randn(3, 3, 8, 3, 16, 16).half()
+    emb = torch.nn.functional.normalize(torch.randn(2, 4, 384), dim=-1)
+    refine = max(SamplerSpec().refine_timesteps)
+    for input_noise in (0.0, 1.0):
+        windows: list[train.DitWindow] = []
+        x, t = train._dit_batch(cfg, 5, lat, emb, SamplerSpec(input_noise=input_noise), FlowMatchSchedule(8.0),
+                                None, windows)[:2]
+        checked = 0
+        for k, w in enumerate(windows):
+            z = lat[w.clip, 0, :, w.frame : w.frame + 2, w.y : w.y + train.DIT_CROP, w.x : w.x + train.DIT_CROP].float()
+            z = z.flip(-1) if w.flip else z
+            for f in range(2):
+                if float(t[k, f]) > refine:
+                    # The timestep is int(1000·s) − 100, so s is known to within 1/1000 from it.
+                    c = float((x[k, :, f] * z[:, f]).sum() / z[:, f].pow(2).sum())
+                    same = torch.allclose(x[k, :, f], c * z[:, f], atol=1e-5)
+                    assert same == (input_noise == 0.0)
+                    if same:
+                        assert 0 <= (1 - c) * 1000 - 100 - float(t[k, f]) < 1
+                    checked += 1
+        assert checked
+
+
 def test_resume_restores_model_optimizer_and_step(tmp_path: Path) -> None:
     dit = _dit()
     opt = torch.optim.AdamW(dit.parameters(), lr=1e-3)
@@ -365,3 +392,27 @@ def test_the_decoder_finetune_trains_a_guided_decoders_guide_paths_on_the_input_
         guided, _ = tuned.decode_groups(tuned.denormalize(batch.z), None, batch.inputs)
         alone, _ = tuned.decode_groups(tuned.denormalize(batch.z), None)
     assert float((guided - alone).abs().mean()) > 1e-4
+
+
+@pytest.mark.parametrize(("extra", "message"), [(["--input-noise", "nan"], "--input-noise must be a number from 0 to 1"),
+                                                (["--input-noise", "1.5"], "--input-noise must be a number from 0 to 1"),
+                                                (["--input-noise", "0", "--guide-decoder"], "run them one after another")])
+def test_input_noise_is_checked_and_reaches_the_finetune(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         extra: list[str], message: str) -> None:
+    from app.cli import build_parser
+
+    base = tmp_path / "base.json"
+    base.write_text("{}")
+    seen: list[train.TrainConfig] = []
+
+    def recipe(cfg: train.TrainConfig, base_config: Path, out: Path) -> Path:
+        seen.append(cfg)
+        return out / "default.json"
+
+    monkeypatch.setattr(train, "finetune_looks", recipe)
+    common = ["train-default", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path), "--finetune-from", str(base)]
+    args = build_parser().parse_args([*common, *extra])
+    with pytest.raises(SystemExit, match=message):
+        args._run(args)
+    args = build_parser().parse_args([*common, "--input-noise", "0"])
+    assert args._run(args) == 0 and seen[-1].input_noise == 0.0

@@ -223,3 +223,34 @@ def test_a_decoder_that_reads_the_input_gets_each_chunks_engine_frames() -> None
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
         unguided = rt.vae.decode_chunk(chunk.x, decoder)[0].float().clamp(-1, 1)
         assert (got - unguided).abs().mean() > 0.01
+
+
+@pytest.mark.parametrize("input_noise", [0.0, 0.5])
+def test_input_noise_scales_only_the_gaussian_term_of_the_v2v_input(input_noise: float) -> None:
+    """x = (1 − s)·z + input_noise·s·ε, computed independently: z from a fresh encoder cache, ε the
+    stream's first draw from its seed. At 0 two one-step streams with different seeds enter identical
+    inputs and restyle identically; at 0.5 they differ by exactly half of StreamDiffusionV2's noise term."""
+    from engine.sampling import NoiseSource
+    from engine.streaming.noise import NoiseControllerConfig
+
+    rt = tiny_runtime(noise=NoiseControllerConfig(noise_scale=0.8, input_noise=input_noise))
+    frames = clip(1)[0]
+    states = [rt.open(f"s{seed}", "oil painting", (32, 32), fidelity(steps=1), seed=seed) for seed in (1, 2)]
+    chunks = [rt.enter_chunk(state, frames) for state in states]
+    z = rt.vae.encode_chunk(frames[None], rt.vae.new_encoder_cache())
+    for seed, chunk in zip((1, 2), chunks, strict=True):
+        s = chunk.noise_rate
+        eps = NoiseSource(seed).randn(z.shape)
+        torch.testing.assert_close(chunk.x, (1 - s) * z + input_noise * s * eps, rtol=0, atol=1e-5)
+    rt.run_to_end(chunks)
+    out = [rt.decode_chunk(c).frames for c in chunks]
+    gap = (out[0] - out[1]).abs().max()
+    assert gap == 0 if input_noise == 0 else gap > 1e-3
+
+
+def test_input_noise_outside_0_to_1_is_refused() -> None:
+    from engine.streaming.noise import NoiseControllerConfig
+
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="input_noise"):
+            NoiseControllerConfig(input_noise=bad)

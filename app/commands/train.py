@@ -6,7 +6,8 @@ tiny causal DiT, decoder fine-tune, export). Each stage checkpoints into ``--wor
 continues where an interrupted run stopped (without it a work directory holding checkpoints is
 refused, so two runs never mix). ``--finetune-from CONFIG`` starts from a shipped checkpoint and
 trains only the looks it lacks (plus a replay of its own), which takes a fraction of a full run;
-with ``--guide-decoder`` it keeps the looks and fine-tunes a decoder that also reads the input frames.
+with ``--guide-decoder`` it keeps the looks and fine-tunes a decoder that also reads the input frames;
+with ``--input-noise`` it re-tunes the DiT (and the decoder on its outputs) to a new V2V input noise.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warp-looks", type=lambda t: tuple(n.strip() for n in t.split(",") if n.strip()), default=(),
                         help="decoder stage: only these looks' samples carry the warp term, e.g. thermal,noir "
                              "(default: every look)")
+    parser.add_argument("--input-noise", type=float, default=None,
+                        help="share of Gaussian noise in the V2V input the DiT is trained for, 0 to 1 (0: a "
+                             "deterministic restyle); with --finetune-from the DiT is re-tuned to it "
+                             "(default: the base model's, 1 on a full run; docs/default-model.md, 'Input noise')")
     parser.add_argument("--guide-per-group", action="store_true",
                         help="guided decoder: one affine map per latent frame (4 pixel frames) instead of per frame")
 
@@ -107,8 +112,14 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--warp-looks: no teacher for {', '.join(unknown)}; the looks are {', '.join(STYLE_NAMES)}")
     if args.warp_looks and not args.warp_weight:
         raise SystemExit("--warp-looks needs a --warp-weight above 0")
+    if args.input_noise is not None:
+        if not 0.0 <= args.input_noise <= 1.0:  # NaN fails both comparisons
+            raise SystemExit(f"--input-noise must be a number from 0 to 1, got {args.input_noise}")
+        if args.guide_decoder:
+            raise SystemExit("--guide-decoder keeps the base's DiT; --input-noise re-tunes it: run them one after another")
     cfg = TrainConfig(workdir=args.workdir, threads=args.threads, seed=args.seed, warp_weight=args.warp_weight,
-                      warp_looks=args.warp_looks, guide_blurs=args.guide_blurs, guide_per_group=args.guide_per_group)
+                      warp_looks=args.warp_looks, guide_blurs=args.guide_blurs, guide_per_group=args.guide_per_group,
+                      input_noise=args.input_noise)
     if args.vae_steps is not None:
         cfg.vae_steps = args.vae_steps
     if args.dit_steps is not None:

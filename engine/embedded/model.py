@@ -46,6 +46,9 @@ class SamplerSpec:
     # StreamDiffusionV2's schedule (shift 8), so engine/pipeline.py's V2V preset drives the model as trained.
     shift: float = 8.0
     noise_scale: float = 0.2  # V2V s; first timestep = noise_scale_to_timestep(s) = 1000·s − 100
+    # Share of the Gaussian draw in the V2V input, (1 − s)·z + input_noise·s·ε (the runtime's
+    # ``NoiseControllerConfig.input_noise``); the model is trained with the value it is served with.
+    input_noise: float = 1.0
     # Optional later step, standard flow matching; t = 22 is σ ≈ 0.15 at shift 8 (a light refinement).
     refine_timesteps: tuple[float, ...] = (22.0,)
     default_num_steps: int = 1
@@ -96,7 +99,7 @@ class EmbeddedSpec:
             "sink_refresh": False,
             # The motion-aware controller lowers s by up to motion_range on fast motion; keep it inside
             # the trained range (s >= 0.15).
-            "noise": {"noise_scale": sp.noise_scale, "motion_range": 0.05},
+            "noise": {"noise_scale": sp.noise_scale, "motion_range": 0.05, "input_noise": sp.input_noise},
             "stabilizer": data["stabilizer"],
             "deblock": data["deblock"],
         }

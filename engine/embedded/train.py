@@ -96,6 +96,9 @@ class TrainConfig:
     guide_basis: int = 6
     guide_blurs: tuple[int, ...] = ()
     guide_per_group: bool = False
+    # The V2V input's share of Gaussian noise (``SamplerSpec.input_noise``) the DiT is trained for; None:
+    # the base model's on a fine-tune, the SamplerSpec default on a full run.
+    input_noise: float | None = None
     threads: int = 2
     seed: int = 0
     checkpoint_every: int = 100
@@ -446,7 +449,7 @@ def _dit_batch(cfg: TrainConfig, step: int, lat: torch.Tensor, emb: torch.Tensor
                 frames_x.append(renoise(z_sty[:, f], noise[:, f], schedule.sigma(t)))
             else:
                 t = float(noise_scale_to_timestep(s))
-                frames_x.append(v2v_input(z_in[:, f], noise[:, f], s))
+                frames_x.append(v2v_input(z_in[:, f], sampler.input_noise * noise[:, f], s))
             frames_t.append(t)
         xs.append(torch.stack(frames_x, dim=1))
         ts.append(torch.tensor(frames_t))
@@ -763,9 +766,16 @@ def finetune_looks(cfg: TrainConfig, base_config: Path, out_dir: Path) -> Path:
     if unknown:
         raise ValueError(f"the base model ships looks with no teacher here: {unknown}")
     new = [n for n in STYLE_NAMES if n not in base.spec.styles and n not in NOT_SHIPPED]
-    if not new:
+    sampler, stream = base.spec.sampler, base.spec.stream
+    if cfg.input_noise is not None:
+        sampler = replace(sampler, input_noise=cfg.input_noise)
+    if not new and sampler == base.spec.sampler:
         raise ValueError(f"the base model already has every look; nothing to fine-tune ({sorted(base.spec.styles)})")
-    log.info("fine-tuning %d new looks onto %s: %s", len(new), base_config, ", ".join(new))
+    if new:
+        log.info("fine-tuning %d new looks onto %s: %s", len(new), base_config, ", ".join(new))
+    if sampler != base.spec.sampler:
+        log.info("re-tuning %s's DiT from input noise %g to %g", base_config, base.spec.sampler.input_noise,
+                 sampler.input_noise)
     frames = build_frames(cfg.workdir)
     lat, vae = encode_latents(cfg, frames, base.vae, measure_stats=False)
     names, phrasings = style_phrasings()
@@ -774,20 +784,20 @@ def finetune_looks(cfg: TrainConfig, base_config: Path, out_dir: Path) -> Path:
     # looks is served as a blend of their prototypes (``PromptEncoder``'s look anchoring), so the
     # prototypes themselves must give the look.
     trained = torch.cat([emb, prototypes(emb.flatten(0, 1), names, emb.shape[1])[:, None]], dim=1)
-    sampler, stream = base.spec.sampler, base.spec.stream
     clips = (frames, build_flows(cfg.workdir, frames)) if cfg.warp_weight else None
     dit = base.dit.float()
-    probs = np.array([0.0 if n in NOT_SHIPPED else cfg.new_look_share / len(new) if n in new
-                      else (1 - cfg.new_look_share) / (len(STYLE_NAMES) - len(new) - len(NOT_SHIPPED))
-                      for n in STYLE_NAMES])
-    _dit_phase(cfg, dit, vae, lat, trained, sampler, "looks", cfg.looks_steps, cfg.looks_lr, probs / probs.sum(), 0,
-               clips)
+    if new:
+        probs = np.array([0.0 if n in NOT_SHIPPED else cfg.new_look_share / len(new) if n in new
+                          else (1 - cfg.new_look_share) / (len(STYLE_NAMES) - len(new) - len(NOT_SHIPPED))
+                          for n in STYLE_NAMES])
+        _dit_phase(cfg, dit, vae, lat, trained, sampler, "looks", cfg.looks_steps, cfg.looks_lr, probs / probs.sum(),
+                   0, clips)
     _tune_rounds(cfg, dit, vae, lat, trained, sampler, "looks_tune", cfg.looks_steps, clips)
     vae = finetune_decoder(cfg, frames, lat, EmbeddedModel(build_spec(vae, dit, sampler, stream, emb), vae, dit))
     elapsed = time.time() - started
     log.info("fine-tuned in %.1f min (this run; resumed stages not counted)", elapsed / 60)
     metrics = {"train_config": {k: str(v) for k, v in asdict(cfg).items()}, "base": str(base_config),
-               "new_looks": new, "train_minutes_this_run": elapsed / 60}
+               "new_looks": new, "input_noise": sampler.input_noise, "train_minutes_this_run": elapsed / 60}
     return export(out_dir, build_spec(vae, dit, sampler, stream, emb, metrics), vae, dit)
 
 
@@ -827,6 +837,8 @@ def train_default(cfg: TrainConfig, out_dir: Path) -> Path:
         raise ValueError(f"style registry {names} and teachers {STYLE_NAMES} disagree")
     emb = pooled_embeddings(phrasings).reshape(len(names), -1, 384)
     sampler, stream = SamplerSpec(), StreamSpec()
+    if cfg.input_noise is not None:
+        sampler = replace(sampler, input_noise=cfg.input_noise)
     clips = (frames, build_flows(cfg.workdir, frames)) if cfg.warp_weight else None
     dit = train_dit(cfg, vae, lat, emb, tiny_dit_config(vae.latent_channels), sampler, clips)
     vae = finetune_decoder(cfg, frames, lat, EmbeddedModel(build_spec(vae, dit, sampler, stream, emb), vae, dit))

@@ -26,6 +26,10 @@ class NoiseControllerConfig:
     ema: float = 0.9  # lambda: weight of the new target against the previous rate
     timestep_offset: float = 100.0  # first timestep = 1000 * s - offset
     enabled: bool = True
+    # How much of the Gaussian draw enters the V2V input: x = (1 - s)·z + input_noise·s·ε. 1 is
+    # StreamDiffusionV2's recipe; 0 restyles deterministically (the input still scaled and timed as at
+    # s), which a model trained for it (the embedded default) draws steadier and closer to its looks.
+    input_noise: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.noise_scale <= 1.0:
@@ -36,6 +40,8 @@ class NoiseControllerConfig:
             raise ValueError(f"motion_scale must be positive, got {self.motion_scale}")
         if not 0.0 < self.ema <= 1.0:
             raise ValueError(f"ema must be in (0, 1], got {self.ema}")
+        if not 0.0 <= self.input_noise <= 1.0:
+            raise ValueError(f"input_noise must be in [0, 1], got {self.input_noise}")
         lowest = 1000.0 * self.s_min - self.timestep_offset
         if self.enabled and lowest < 0.0:
             raise ValueError(

@@ -3,7 +3,7 @@
 The core loop of a V2V chunk (StreamDiffusionV2 recipe), top to bottom:
 
     frames --VAE encode--> z --noise controller--> s, t0
-    x = s*eps + (1-s)*z                                  (v2v_input)
+    x = s*a*eps + (1-s)*z                                (v2v_input; a = input_noise, 1 by default)
     for each step i with timestep t_i (t_0 from the controller):
         v  = DiT(x, t_i, prompt, KV cache)               (one batched forward for all rows)
         x0 = x - sigma(t_i) * v
@@ -382,7 +382,9 @@ class StreamRuntime:
         steps = state.fidelity.steps
         first = MotionAwareNoiseController(self.config.noise).first_timestep(rate)
         timesteps = [first, *self.preset.timesteps(steps)[1:]]
-        x = v2v_input(z, state.noise.randn(z.shape, dtype=z.dtype, device=self.device), rate)
+        # Drawn whatever input_noise is, so a stream's later draws do not depend on it.
+        eps = state.noise.randn(z.shape, dtype=z.dtype, device=self.device)
+        x = v2v_input(z, self.config.noise.input_noise * eps, rate)
         noises = [state.noise.randn(z.shape, dtype=z.dtype, device=self.device) for _ in range(steps - 1)]
         return self._admit_chunk(state, x, timesteps, noises, rate, inputs, restart)
 
