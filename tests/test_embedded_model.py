@@ -122,9 +122,11 @@ def _masked_reference(model: EmbeddedModel, z: torch.Tensor, context: torch.Tens
                       rates: list[float]) -> torch.Tensor:
     """x̂₀ of latents z [1, C, K, h, w] from ONE forward over all K frames under the block-causal mask
     with the model's KV window (1-step V2V): frame k noised at ``rates[k]`` with the k-th draw of
-    ``NoiseSource(seed)``, at timestep 1000·rate − 100 (StreamDiffusionV2's V2V first step)."""
+    ``NoiseSource(seed)`` times the model's input noise, at timestep 1000·rate − 100 (StreamDiffusionV2's
+    V2V first step)."""
     noise_source = NoiseSource(seed)
     noise = torch.cat([noise_source.randn(z[:, :, :1].shape) for _ in range(z.shape[2])], dim=2)
+    noise = model.spec.sampler.input_noise * noise
     x = torch.cat([v2v_input(z[:, :, k : k + 1], noise[:, :, k : k + 1], r) for k, r in enumerate(rates)], dim=2)
     t = torch.tensor([[1000.0 * r - 100.0 for r in rates]])
     dit: CausalWanDiT = model.dit

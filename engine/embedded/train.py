@@ -797,7 +797,8 @@ def finetune_looks(cfg: TrainConfig, base_config: Path, out_dir: Path) -> Path:
     elapsed = time.time() - started
     log.info("fine-tuned in %.1f min (this run; resumed stages not counted)", elapsed / 60)
     metrics = {"train_config": {k: str(v) for k, v in asdict(cfg).items()}, "base": str(base_config),
-               "new_looks": new, "input_noise": sampler.input_noise, "train_minutes_this_run": elapsed / 60}
+               "new_looks": new, "input_noise": sampler.input_noise, "train_minutes_this_run": elapsed / 60,
+               "base_metrics": base.spec.metrics}  # the lineage: each fine-tune keeps the one before it
     return export(out_dir, build_spec(vae, dit, sampler, stream, emb, metrics), vae, dit)
 
 
