@@ -65,9 +65,9 @@ FAR_BELOW = 0.53
 # prototypes mixed by a softmax of its similarities at this temperature. A trained phrasing is 0.1-0.3
 # nearer its own look than the next (weight of the next <= 0.12 at 0.1, which the DiT draws as ~2 % of
 # the way to that look); a prompt equally near two gets half of each. The DiT's picture moves along the
-# slerp between two prototypes as a steep S (measured: 35 % of one look's weight draws 10 % of the way
-# to it, 65 % draws 90 %), so a softer softmax keeps a prompt between two looks visibly between them:
-# 0.05 serves "a charcoal pencil drawing" (0.03 nearer charcoal) 65/35, drawn ~11 % of the way from
+# slerp between two prototypes as a steep S (measured: 35 % of one look's weight draws 11 % of the way
+# to it, 65 % draws 89 %), so a softer softmax keeps a prompt between two looks visibly between them:
+# 0.05 serves "a charcoal pencil drawing" (0.03 nearer charcoal) 65/35, drawn ~12 % of the way from
 # charcoal; 0.03 served it 73/27, drawn 3 % of the way by the DiT re-tuned to input noise 0.
 LOOK_TEMPERATURE = 0.05
 PROMPT_LISTS = Path(__file__).resolve().parent / "prompt_lists"
