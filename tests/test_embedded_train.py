@@ -416,3 +416,15 @@ def test_input_noise_is_checked_and_reaches_the_finetune(tmp_path: Path, monkeyp
         args._run(args)
     args = build_parser().parse_args([*common, "--input-noise", "0"])
     assert args._run(args) == 0 and seen[-1].input_noise == 0.0
+
+
+def test_a_finetune_with_nothing_to_change_is_refused_before_any_work(tmp_path: Path) -> None:
+    """The shipped model already has every look and its input noise: asking for the same input noise is
+    refused in plain words before clips are rendered; another input noise is a re-tune, not refused here."""
+    from engine.embedded.model import DEFAULT_CONFIG
+
+    shipped = EmbeddedModel.load(DEFAULT_CONFIG).spec.sampler.input_noise
+    cfg = train.TrainConfig(workdir=tmp_path / "w", input_noise=shipped)
+    with pytest.raises(ValueError, match=f"every look and input noise {shipped:g}; nothing to fine-tune"):
+        train.finetune_looks(cfg, DEFAULT_CONFIG, tmp_path / "out")
+    assert not (tmp_path / "w").exists()

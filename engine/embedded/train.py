@@ -770,7 +770,8 @@ def finetune_looks(cfg: TrainConfig, base_config: Path, out_dir: Path) -> Path:
     if cfg.input_noise is not None:
         sampler = replace(sampler, input_noise=cfg.input_noise)
     if not new and sampler == base.spec.sampler:
-        raise ValueError(f"the base model already has every look; nothing to fine-tune ({sorted(base.spec.styles)})")
+        raise ValueError(f"the base model already has every look and input noise {sampler.input_noise:g}; nothing to "
+                         f"fine-tune ({sorted(base.spec.styles)})")
     if new:
         log.info("fine-tuning %d new looks onto %s: %s", len(new), base_config, ", ".join(new))
     if sampler != base.spec.sampler:
