@@ -359,7 +359,7 @@ def test_guide_decoder_is_a_finetune_option_refused_alone_in_plain_words(tmp_pat
     assert args._run(args) == 0 and seen[-1][0].warp_looks == ("thermal", "noir")
     for extra, message in ((["--guide-decoder", "--warp-weight", "2", "--warp-looks", "thermal,sparkle"],
                             "no teacher for sparkle"),
-                           (["--guide-decoder", "--warp-looks", "thermal"], "needs a --warp-weight above 0"),
+                           (["--guide-decoder", "--warp-looks", "thermal"], "needs a --warp-weight .or --decoder-warp-weight. above 0"),
                            (["--guide-blurs", "4"], "need --guide-decoder")):
         args = build_parser().parse_args(["train-default", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path),
                                           "--finetune-from", str(base), *extra])
@@ -394,13 +394,38 @@ def test_the_decoder_finetune_trains_a_guided_decoders_guide_paths_on_the_input_
     assert float((guided - alone).abs().mean()) > 1e-4
 
 
-@pytest.mark.parametrize(("extra", "message"), [(["--input-noise", "nan"], "--input-noise must be a number from 0 to 1"),
-                                                (["--input-noise", "1.5"], "--input-noise must be a number from 0 to 1"),
-                                                (["--input-noise", "0", "--guide-decoder"], "run them one after another")])
-def test_input_noise_is_checked_and_reaches_the_finetune(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         extra: list[str], message: str) -> None:
-    from app.cli import build_parser
+def test_the_decoder_warp_weight_reaches_the_decoder_stage_alone(tmp_path: Path) -> None:
+    """``decoder_warp_weight`` sets the warp term of the decoder fine-tune whatever ``warp_weight`` (which the
+    VAE and DiT stages read) is: one decoder step with the term differs from one without it, and
+    ``warp_weight`` with the decoder's weight set to 0 trains exactly the decoder that no term trains."""
+    styles = len(train.STYLE_NAMES)
+    rng = np.random.default_rng(3)
+    frames = rng.integers(0, 256, (1, 1 + styles, train.CLIP_FRAMES, 256, 256, 3), dtype=np.uint8)
+    lat = torch.randn(1, 1 + styles, 8, 3, 24, 24).half()
 
+    def tuned(name: str, warp_weight: float = 0.0, decoder_warp_weight: float | None = None) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        vae = TinyVAE(TinyVAEConfig(latent_channels=8, enc_channels=8, dec_channels=8))
+        dit = _dit()
+        model = EmbeddedModel(EmbeddedSpec(vae=vae.config, dit=dit.config, styles={}, prototypes={}), vae, dit)
+        cfg = train.TrainConfig(workdir=tmp_path / name, decoder_steps=1, vae_batch=2, warp_weight=warp_weight,
+                                decoder_warp_weight=decoder_warp_weight)
+        cfg.workdir.mkdir()
+        torch.save(lat[:, 1:].clone(), cfg.workdir / "predictions.pt")
+        return {k: v.clone() for k, v in train.finetune_decoder(cfg, frames, lat, model).state_dict().items()}
+
+    plain = tuned("plain")
+    decoder_only = tuned("decoder", decoder_warp_weight=3.0)
+    other_stages = tuned("others", warp_weight=3.0, decoder_warp_weight=0.0)
+    assert any(not torch.equal(plain[k], decoder_only[k]) for k in plain)
+    for k in plain:
+        torch.testing.assert_close(other_stages[k], plain[k], rtol=0, atol=0)
+    assert train.TrainConfig(workdir=tmp_path, warp_weight=2.0).decoder_warp == 2.0
+
+
+def _finetune_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[train.TrainConfig]]:
+    """`train-default --finetune-from` arguments on a placeholder base, and the configs its (patched-out)
+    recipe is called with."""
     base = tmp_path / "base.json"
     base.write_text("{}")
     seen: list[train.TrainConfig] = []
@@ -410,7 +435,36 @@ def test_input_noise_is_checked_and_reaches_the_finetune(tmp_path: Path, monkeyp
         return out / "default.json"
 
     monkeypatch.setattr(train, "finetune_looks", recipe)
-    common = ["train-default", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path), "--finetune-from", str(base)]
+    return ["train-default", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path), "--finetune-from", str(base)], seen
+
+
+def test_train_default_passes_the_decoder_warp_weight_apart_from_the_warp_weight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.cli import build_parser
+
+    common, seen = _finetune_cli(tmp_path, monkeypatch)
+    args = build_parser().parse_args([*common, "--input-noise", "0", "--decoder-warp-weight", "3",
+                                      "--warp-looks", "thermal"])
+    assert args._run(args) == 0
+    assert seen[-1].warp_weight == 0.0 and seen[-1].decoder_warp == 3.0 and seen[-1].warp_looks == ("thermal",)
+    for value in ("nan", "-1", "1e9"):
+        args = build_parser().parse_args([*common, "--decoder-warp-weight", value])
+        with pytest.raises(SystemExit, match="--decoder-warp-weight must be a number from 0 to 100"):
+            args._run(args)
+    args = build_parser().parse_args([*common, "--warp-weight", "2", "--decoder-warp-weight", "0",
+                                      "--warp-looks", "thermal"])
+    with pytest.raises(SystemExit, match="needs a --warp-weight .or --decoder-warp-weight. above 0"):
+        args._run(args)
+
+
+@pytest.mark.parametrize(("extra", "message"), [(["--input-noise", "nan"], "--input-noise must be a number from 0 to 1"),
+                                                (["--input-noise", "1.5"], "--input-noise must be a number from 0 to 1"),
+                                                (["--input-noise", "0", "--guide-decoder"], "run them one after another")])
+def test_input_noise_is_checked_and_reaches_the_finetune(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         extra: list[str], message: str) -> None:
+    from app.cli import build_parser
+
+    common, seen = _finetune_cli(tmp_path, monkeypatch)
     args = build_parser().parse_args([*common, *extra])
     with pytest.raises(SystemExit, match=message):
         args._run(args)

@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warp-weight", type=float, default=0.0,
                         help="weight of the motion-compensated temporal loss (along the clips' optical flow) "
                              "in the VAE, DiT and decoder stages; 0 = off (docs/default-model.md, 'Flicker')")
+    parser.add_argument("--decoder-warp-weight", type=float, default=None,
+                        help="the decoder stage's weight of that loss (default: --warp-weight), e.g. 3 with no "
+                             "--warp-weight: the term in the decoder only, the shipped checkpoint's recipe")
     parser.add_argument("--threads", type=_positive, default=1,
                         help="torch threads (1 on a shared machine: more threads contend badly)")
     parser.add_argument("--seed", type=int, default=0)
@@ -107,18 +110,22 @@ def run(args: argparse.Namespace) -> int:
                          "they need --guide-decoder")
     if not 0.0 <= args.warp_weight <= 100.0:  # NaN fails both comparisons
         raise SystemExit(f"--warp-weight must be a number from 0 to 100, got {args.warp_weight}")
+    if args.decoder_warp_weight is not None and not 0.0 <= args.decoder_warp_weight <= 100.0:
+        raise SystemExit(f"--decoder-warp-weight must be a number from 0 to 100, got {args.decoder_warp_weight}")
     unknown = sorted(set(args.warp_looks) - set(STYLE_NAMES))
     if unknown:
         raise SystemExit(f"--warp-looks: no teacher for {', '.join(unknown)}; the looks are {', '.join(STYLE_NAMES)}")
-    if args.warp_looks and not args.warp_weight:
-        raise SystemExit("--warp-looks needs a --warp-weight above 0")
+    decoder_warp = args.warp_weight if args.decoder_warp_weight is None else args.decoder_warp_weight
+    if args.warp_looks and not decoder_warp:
+        raise SystemExit("--warp-looks needs a --warp-weight (or --decoder-warp-weight) above 0")
     if args.input_noise is not None:
         if not 0.0 <= args.input_noise <= 1.0:  # NaN fails both comparisons
             raise SystemExit(f"--input-noise must be a number from 0 to 1, got {args.input_noise}")
         if args.guide_decoder:
             raise SystemExit("--guide-decoder keeps the base's DiT; --input-noise re-tunes it: run them one after another")
     cfg = TrainConfig(workdir=args.workdir, threads=args.threads, seed=args.seed, warp_weight=args.warp_weight,
-                      warp_looks=args.warp_looks, guide_blurs=args.guide_blurs, guide_per_group=args.guide_per_group,
+                      decoder_warp_weight=args.decoder_warp_weight, warp_looks=args.warp_looks,
+                      guide_blurs=args.guide_blurs, guide_per_group=args.guide_per_group,
                       input_noise=args.input_noise)
     if args.vae_steps is not None:
         cfg.vae_steps = args.vae_steps

@@ -89,6 +89,9 @@ class TrainConfig:
     # optical flow) in the VAE, DiT (decoded, ``dit_loss``) and decoder stages: the evaluation's warp
     # error as a loss.
     warp_weight: float = 0.0
+    # The decoder stage's weight of that term (None: ``warp_weight``): a DiT re-tune and its decoder can
+    # take different weights in one run (the shipped checkpoint's decoder has it, its DiT rounds did not).
+    decoder_warp_weight: float | None = None
     # Decoder stage only: the looks whose samples carry the warp term (empty: every look). A look drawn
     # as lines or paint loses fidelity to it; one drawn as a per-pixel colour map gains (docs/default-model.md).
     warp_looks: tuple[str, ...] = ()
@@ -102,6 +105,11 @@ class TrainConfig:
     threads: int = 2
     seed: int = 0
     checkpoint_every: int = 100
+
+    @property
+    def decoder_warp(self) -> float:
+        """The warp term's weight in the decoder stage."""
+        return self.warp_weight if self.decoder_warp_weight is None else self.decoder_warp_weight
 
 
 def to_unit(frames_u8: np.ndarray) -> torch.Tensor:
@@ -594,7 +602,8 @@ def _dit_phase(cfg: TrainConfig, dit: CausalWanDiT, vae: TinyVAE, lat: torch.Ten
         loss.backward()
         torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
         opt.step()
-        ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
+        value = loss.item()  # a Python float: no autograd warning, one device sync per step
+        ema = value if ema is None else 0.95 * ema + 0.05 * value
         bar.set_postfix(loss=f"{ema:.4f}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps:
             _save(ckpt_path, model=dit.state_dict(), opt=opt.state_dict(), step=step + 1)
@@ -679,7 +688,7 @@ def finetune_decoder(cfg: TrainConfig, frames: np.ndarray, lat: torch.Tensor, mo
         vae.load_state_dict(final["model"])
         return vae.eval()
     pred = dit_predictions(cfg, lat, model)
-    flows = build_flows(cfg.workdir, frames) if cfg.warp_weight else None
+    flows = build_flows(cfg.workdir, frames) if cfg.decoder_warp else None
     params = [p for m in vae.decoder_modules() for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.decoder_lr, weight_decay=0.0)
     start = _resume(ckpt_path, vae, opt)
@@ -698,7 +707,7 @@ def finetune_decoder(cfg: TrainConfig, frames: np.ndarray, lat: torch.Tensor, mo
         if batch.flow is not None:
             rows = [k for k, look in enumerate(batch.looks) if not cfg.warp_looks or look in cfg.warp_looks]
             if rows:
-                loss = loss + cfg.warp_weight * warped_temporal_error(y[rows], x[rows], batch.flow[rows])
+                loss = loss + cfg.decoder_warp * warped_temporal_error(y[rows], x[rows], batch.flow[rows])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
