@@ -91,6 +91,12 @@ class Result:
         """Aggregate delivered FPS over the engine-only FPS at the same points (target >= 0.85)."""
         return self.aggregate_fps / self.engine_fps if self.engine_fps > 0 else float("nan")
 
+    @property
+    def ratio_ceiling(self) -> float:
+        """The highest ``engine_ratio`` any server reaches here: the cameras' frames over the engine-only
+        FPS, capped at 1 (where the engine is faster than the cameras, the ratio is camera-bound)."""
+        return min(1.0, self.camera_fps / self.engine_fps) if self.engine_fps > 0 else float("nan")
+
 
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system, every thread) a process has used so far; NaN where /proc is missing."""
@@ -327,17 +333,17 @@ def table(results: list[Result], model: str) -> str:
     lines = [
         f"model: {model}",
         "policy | streams | admitted | fps/stream | TTFF s | g2g p50 ms | g2g p95 ms | dropped | chunk ms | "
-        "aggregate fps | of cameras | engine-only fps | ratio | server CPU ms/frame | client CPU ms/frame | "
+        "aggregate fps | of cameras | engine-only fps | ratio | ceiling | server CPU ms/frame | client CPU ms/frame | "
         "engine-only CPU ms/frame | server cores",
         "------ | ------- | -------- | ---------- | ------ | ---------- | ---------- | ------- | -------- | "
-        "------------- | ---------- | --------------- | ----- | ------------------- | ------------------- | "
+        "------------- | ---------- | --------------- | ----- | ------- | ------------------- | ------------------- | "
         "------------------------ | ------------",
     ]
     for r in results:
         lines.append(
             f"{r.policy:6s} | {r.streams:7d} | {r.admitted:8d} | {r.fps:10.1f} | {r.ttff_s:6.2f} | "
             f"{r.latency_p50_ms:10.0f} | {r.latency_p95_ms:10.0f} | {r.dropped_ratio:7.1%} | {r.server_chunk_ms:8.0f} | "
-            f"{r.aggregate_fps:13.1f} | {r.camera_ratio:10.0%} | {r.engine_fps:15.1f} | {r.engine_ratio:5.0%} | "
+            f"{r.aggregate_fps:13.1f} | {r.camera_ratio:10.0%} | {r.engine_fps:15.1f} | {r.engine_ratio:5.0%} | {r.ratio_ceiling:7.0%} | "
             f"{r.server_cpu_ms_per_frame:19.1f} | {r.client_cpu_ms_per_frame:19.1f} | {r.engine_cpu_ms_per_frame:24.1f} | "
             f"{r.server_cores:12.2f}"
         )
@@ -379,7 +385,8 @@ def main() -> int:
                 results.append(asyncio.run(run_streams(url, count, args.seconds, args.fps, policy, pid)))
     with_engine_only(results, model, args.profile, args.threads, args.device)
     if args.json:
-        rows = [{**asdict(r), "engine_ratio": r.engine_ratio, "camera_ratio": r.camera_ratio} for r in results]
+        rows = [{**asdict(r), "engine_ratio": r.engine_ratio, "camera_ratio": r.camera_ratio,
+                 "ratio_ceiling": r.ratio_ceiling} for r in results]
         print(json.dumps({"model": model, "results": rows}, indent=2))
     else:
         print(table(results, model))
