@@ -61,6 +61,13 @@ class StreamSpec:
     sink_frames: int = 0
 
 
+# The temporal stabilizer of the embedded model's shipped output: history weight 0.7 and motion tolerance
+# 0.15 (the generic 0.9 and 0.1 held the steadier input-noise-0 model at 0.59x its teachers' flicker for
+# 0.7 dB of fidelity), chosen on training clips by ``python -m engine.embedded.stabilizer_sweep``
+# (docs/stabilizer.md, "Choosing the settings for a model").
+STABILIZER = StabilizerConfig(strength=0.7, motion_tolerance=0.15)
+
+
 @dataclass(frozen=True)
 class EmbeddedSpec:
     vae: TinyVAEConfig
@@ -75,7 +82,7 @@ class EmbeddedSpec:
     text_conditioning: str = "pooled"
     sampler: SamplerSpec = field(default_factory=SamplerSpec)
     stream: StreamSpec = field(default_factory=StreamSpec)
-    stabilizer: StabilizerConfig = field(default_factory=StabilizerConfig)
+    stabilizer: StabilizerConfig = STABILIZER
     deblock: DeblockConfig | None = field(default_factory=DeblockConfig)  # None: the decoded frames as they are
     metrics: dict[str, Any] = field(default_factory=dict)
 
