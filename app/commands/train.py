@@ -115,9 +115,6 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(args.warp_looks) - set(STYLE_NAMES))
     if unknown:
         raise SystemExit(f"--warp-looks: no teacher for {', '.join(unknown)}; the looks are {', '.join(STYLE_NAMES)}")
-    decoder_warp = args.warp_weight if args.decoder_warp_weight is None else args.decoder_warp_weight
-    if args.warp_looks and not decoder_warp:
-        raise SystemExit("--warp-looks needs a --warp-weight (or --decoder-warp-weight) above 0")
     if args.input_noise is not None:
         if not 0.0 <= args.input_noise <= 1.0:  # NaN fails both comparisons
             raise SystemExit(f"--input-noise must be a number from 0 to 1, got {args.input_noise}")
@@ -127,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
                       decoder_warp_weight=args.decoder_warp_weight, warp_looks=args.warp_looks,
                       guide_blurs=args.guide_blurs, guide_per_group=args.guide_per_group,
                       input_noise=args.input_noise)
+    if cfg.warp_looks and not cfg.decoder_warp:
+        raise SystemExit("--warp-looks needs a --warp-weight (or --decoder-warp-weight) above 0")
     if args.vae_steps is not None:
         cfg.vae_steps = args.vae_steps
     if args.dit_steps is not None:

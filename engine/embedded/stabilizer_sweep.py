@@ -33,8 +33,6 @@ from engine.frames import frames_to_tensor, tensor_to_frames
 from engine.pipeline import Pipeline
 from engine.streaming.stabilizer import StabilizerConfig, StabilizerState, TemporalStabilizer
 
-log = logging.getLogger(__name__)
-
 CLIP_FRAMES = 17  # the held-out clips' length: 1 + 4 chunks of 4
 
 
