@@ -49,7 +49,7 @@ from engine.streaming.deblock import DeblockConfig
 from engine.streaming.noise import NoiseControllerConfig
 from engine.streaming.prompts import BlendMode, LookAnchors
 from engine.streaming.runtime import ChunkResult, PromptEncoder, StreamRuntime
-from engine.streaming.stabilizer import StabilizerConfig
+from engine.streaming.stabilizer import LookStabilizers, StabilizerConfig
 from engine.streaming.state import StreamState
 from engine.vae import StreamVAE
 
@@ -533,7 +533,33 @@ def stream_recipe(config: dict[str, Any], name: str) -> tuple[SamplerPreset, Run
         looks = config.get("prototypes", {})
         deblock["spare"] = tuple(tuple(looks[name]) for name in deblock.pop("spare_looks", ()) if name in looks)
     runtime["deblock"] = deblock
+    # Per-look stabilizer settings are named by look too, and reach the runtime with every look's
+    # prototype: the runtime places a stream on the arc between two looks by its conditioning.
+    overrides = runtime.pop("stabilizer_looks", None)
+    if overrides:
+        runtime["stabilizer_looks"] = _look_stabilizers(config, runtime.get("stabilizer"), overrides)
     return preset, _runtime_from_json(runtime)
+
+
+def _look_stabilizers(config: dict[str, Any], base: dict[str, Any] | None,
+                      overrides: dict[str, dict[str, Any]]) -> LookStabilizers:
+    """Every look's stabilizer setting: the config's (``runtime.stabilizer``) with the look's own fields
+    from ``runtime.stabilizer_looks`` (look name -> fields) over it."""
+    if base is None:
+        raise ValueError("runtime.stabilizer_looks needs runtime.stabilizer (the setting the looks change)")
+    if not config.get("prototypes"):
+        raise ValueError("runtime.stabilizer_looks needs a model with looks (a 'prototypes' table)")
+    names, prototypes = _prototypes(config)
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise ValueError(f"runtime.stabilizer_looks names looks the model does not have: {', '.join(unknown)}")
+    settings = []
+    for name in names:
+        try:
+            settings.append(StabilizerConfig(**{**base, **overrides.get(name, {})}))
+        except TypeError as e:
+            raise ValueError(f"runtime.stabilizer_looks[{name!r}]: {e}") from None
+    return LookStabilizers(tuple(tuple(row) for row in prototypes.tolist()), tuple(settings))
 
 
 def look_anchors(config: dict[str, Any]) -> LookAnchors | None:

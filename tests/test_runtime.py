@@ -9,6 +9,7 @@ import pytest
 import torch
 from _runtime_fixtures import clip, fidelity, tiny_runtime
 
+from engine.fidelity import FidelityConfig
 from engine.models.wan_dit import KVCache
 from engine.streaming.runtime import RopeOverflowError, refresh_sinks
 from engine.streaming.stabilizer import StabilizerConfig, StabilizerState, TemporalStabilizer
@@ -181,6 +182,44 @@ def test_stabilizer_in_the_runtime_is_the_filter_applied_to_the_raw_output() -> 
         moved = max(moved, float((s - r).abs().max()))
     assert moved > 1e-3, "the stabilizer changed nothing"
     assert stab_rt.last_timings.stabilize_s > 0
+
+
+def test_below_x1_the_stabilizer_filters_the_engine_size_frames_and_a_rung_change_keeps_its_history() -> None:
+    """A 64x64 stream at resolution scale 0.5: the shipped frames are the filter run on the decoder's
+    32x32 frames (from an unstabilised twin's stages) with the input fitted to 32x32, then fitted to
+    64x64 — not the filter run after the upscale. Back at x1 the history goes on (rescaled), so the
+    first frame after the change is still filtered."""
+    from engine.streaming.runtime import fit_frames
+
+    config = StabilizerConfig(strength=0.8, motion_tolerance=1.0, change_tolerance=1.0)
+    half = FidelityConfig(steps=2, kv_window_frames=6, precision="fp32", resolution_scale=0.5)
+    raw_rt, rt = tiny_runtime(), tiny_runtime(stabilizer=config)
+    raw = raw_rt.open("r", "thermal", (64, 64), half, seed=3)
+    stab = rt.open("s", "thermal", (64, 64), half, seed=3)
+    engine, stream = TemporalStabilizer(config), TemporalStabilizer(config)
+    at_engine, at_stream = StabilizerState(), StabilizerState()
+    # A smooth picture (camera-like: a 2x down-and-up loses little of it) rolling sideways.
+    base = torch.nn.functional.interpolate(torch.rand(1, 3, 8, 8, generator=torch.Generator().manual_seed(1)) * 2 - 1,
+                                           size=(64, 64), mode="bicubic", align_corners=False)[0].clamp(-1, 1)
+    chunks, t = [], 0
+    for n in (1, 4, 4, 4, 4):
+        chunks.append(torch.stack([torch.roll(base, shifts=t + i, dims=2) for i in range(n)], dim=1))
+        t += n
+    for c in chunks[:4]:
+        chunk = raw_rt.enter_chunk(raw, c)
+        raw_rt.run_to_end([chunk])
+        drawn = raw_rt.decode_chunk(chunk).frames
+        assert drawn.shape[-2:] == (32, 32)
+        expected = fit_frames(engine(at_engine, fit_frames(c, (32, 32)), drawn), (64, 64))
+        got = rt.step(stab, c).frames
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        upscaled_first = stream(at_stream, c, fit_frames(drawn, (64, 64)))
+    assert (got - upscaled_first).abs().max() > 1e-3, "filtering after the upscale gives other frames"
+    for runtime, state in ((raw_rt, raw), (rt, stab)):
+        runtime.set_fidelity(state, FidelityConfig(steps=2, kv_window_frames=6, precision="fp32"))
+    r, s = raw_rt.step(raw, chunks[4]).frames, rt.step(stab, chunks[4]).frames
+    assert s.shape == r.shape == (3, 4, 64, 64)
+    assert (s[:, 0] - r[:, 0]).abs().max() > 1e-3, "the history was dropped at the rung change"
 
 
 def test_hard_prompt_switch_drops_the_stabilizer_history_and_state_moves_with_it() -> None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.streaming.stabilizer import StabilizerConfig, StabilizerState, TemporalStabilizer
+from engine.streaming.stabilizer import LookStabilizers, StabilizerConfig, StabilizerState, TemporalStabilizer
 
 SIZE = 64
 
@@ -124,3 +124,73 @@ def test_bad_shapes_and_config_are_refused() -> None:
         StabilizerConfig(strength=1.0)
     with pytest.raises(ValueError, match="tolerances"):
         StabilizerConfig(motion_tolerance=0.0)
+
+
+def _unit(v: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.normalize(v.double(), dim=-1)
+
+
+def test_a_stream_between_two_looks_gets_their_settings_blended_by_its_place_on_the_arc() -> None:
+    rng = torch.Generator().manual_seed(0)
+    protos = _unit(torch.randn(3, 16, generator=rng))
+    strong = StabilizerConfig(strength=0.9, motion_tolerance=0.1, change_tolerance=0.3)
+    light = StabilizerConfig(strength=0.3, motion_tolerance=0.15, change_tolerance=0.1)
+    looks = LookStabilizers(tuple(map(tuple, protos.tolist())), (strong, light, StabilizerConfig()))
+    # On a look's prototype (as a [1, 1, dim] conditioning, the runtime's shape): that look's setting.
+    assert looks.for_conditioning(protos[1].float()[None, None]) == light
+    # On the slerp from look 0 to look 1 at t (what look anchoring serves): the settings' lerp at t,
+    # computed here from the slerp's own formula.
+    omega = float(torch.arccos(protos[0] @ protos[1]))
+    for t in (0.25, 0.6):
+        e = (np.sin((1 - t) * omega) * protos[0] + np.sin(t * omega) * protos[1]) / np.sin(omega)
+        got = looks.for_conditioning(e.float())
+        assert got.strength == pytest.approx(0.9 + t * (0.3 - 0.9), abs=1e-4)
+        assert got.motion_tolerance == pytest.approx(0.1 + t * 0.05, abs=1e-4)
+        assert got.change_tolerance == pytest.approx(0.3 - t * 0.2, abs=1e-4)
+    # Near one end of an arc a third look can be nearer than the far end: the arc's pair still decides.
+    a, b = torch.eye(16, dtype=torch.float64)[:2]
+    c = np.cos(np.radians(40)) * a + np.sin(np.radians(40)) * torch.eye(16, dtype=torch.float64)[2]
+    third = LookStabilizers(tuple(map(tuple, torch.stack([a, b, c]).tolist())),
+                            (strong, light, StabilizerConfig(strength=0.0)))
+    e = np.cos(np.radians(18)) * a + np.sin(np.radians(18)) * b  # the slerp from a to b at t = 0.2
+    assert float(e @ c) > float(e @ b)
+    assert third.for_conditioning(e.float()).strength == pytest.approx(0.9 + 0.2 * (0.3 - 0.9), abs=1e-4)
+    with pytest.raises(ValueError, match="16-d embeddings"):
+        looks.for_conditioning(torch.zeros(8))
+    with pytest.raises(ValueError, match="one setting each"):
+        LookStabilizers(tuple(map(tuple, protos.tolist())), (strong, light))
+
+
+def test_a_call_with_a_setting_runs_that_setting_not_the_operators() -> None:
+    frames = np.repeat(texture(3)[None], 8, axis=0)
+    raw = style(frames) + np.random.default_rng(4).normal(0, 6.0, frames.shape)
+    weak, strong = StabilizerConfig(strength=0.2), StabilizerConfig(strength=0.9)
+    stab, state = TemporalStabilizer(weak), StabilizerState()
+    passed = np.concatenate([as_frames(stab(state, as_chunk(frames[a:a + 4]), as_chunk(raw[a:a + 4]), strong))
+                             for a in (0, 4)])
+    np.testing.assert_allclose(passed, run(strong, frames, raw), atol=1e-3)
+    assert np.abs(passed - run(weak, frames, raw)).mean() > 0.5
+
+
+def test_a_model_config_names_per_look_settings_and_a_wrong_one_is_refused_in_plain_words() -> None:
+    from engine.pipeline import stream_recipe
+
+    looks = {"cartoon": [1.0, 0.0], "noir": [0.0, 1.0]}
+    base = {"strength": 0.7, "motion_tolerance": 0.15}
+    _, runtime = stream_recipe({"prototypes": looks, "runtime": {
+        "stabilizer": base, "stabilizer_looks": {"noir": {"strength": 0.9}}}}, "m")
+    assert runtime.stabilizer_looks is not None
+    assert runtime.stabilizer_looks.looks == ((1.0, 0.0), (0.0, 1.0))
+    assert runtime.stabilizer_looks.settings == (StabilizerConfig(**base),
+                                                 StabilizerConfig(strength=0.9, motion_tolerance=0.15))
+    assert stream_recipe({"prototypes": looks, "runtime": {"stabilizer": base}}, "m")[1].stabilizer_looks is None
+    for runtime_json, message in [
+        ({"stabilizer": base, "stabilizer_looks": {"neon": {"strength": 0.9}}}, "does not have: neon"),
+        ({"stabilizer_looks": {"noir": {"strength": 0.9}}}, "needs runtime.stabilizer"),
+        ({"stabilizer": base, "stabilizer_looks": {"noir": {"strenght": 0.9}}}, "strenght"),
+        ({"stabilizer": base, "stabilizer_looks": {"noir": {"strength": 1.5}}}, r"strength must be in \[0, 1\)"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            stream_recipe({"prototypes": looks, "runtime": runtime_json}, "m")
+    with pytest.raises(ValueError, match="a model with looks"):
+        stream_recipe({"runtime": {"stabilizer": base, "stabilizer_looks": {"noir": {}}}}, "m")

@@ -45,6 +45,7 @@ from engine.embedded.teachers import stylize_clip
 from engine.fidelity import FidelityConfig
 from engine.frames import frames_to_tensor, tensor_to_frames
 from engine.pipeline import Pipeline, StreamParams
+from engine.streaming.runtime import fit_frames
 
 # The block-texture measure's grid: one DiT token is 2x2 latent cells, one latent cell 8x8 pixels.
 GRID_PX = 16
@@ -108,10 +109,10 @@ def stylize_stream(pipe: Pipeline, frames: np.ndarray, prompt: str, seed: int = 
         t2 = time.perf_counter()
         decoded = runtime.decode_chunk(chunk)
         t3 = time.perf_counter()
-        out = runtime.stabilize(state, pixels, decoded, chunk.restart)
+        out = runtime.finish_frames(state, pixels, decoded, chunk.restart)
         timings.append((t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3))
         shipped.append(tensor_to_frames(out.frames))
-        raw.append(tensor_to_frames(decoded.frames))
+        raw.append(tensor_to_frames(fit_frames(decoded.frames, state.size)))
         rates.append(decoded.noise_rate)
     return StreamedClip(np.concatenate(shipped), np.concatenate(raw), timings, rates)
 

@@ -66,6 +66,27 @@ class StreamSpec:
 # 0.7 dB of fidelity), chosen on training clips by ``python -m engine.embedded.stabilizer_sweep``
 # (docs/stabilizer.md, "Choosing the settings for a model").
 STABILIZER = StabilizerConfig(strength=0.7, motion_tolerance=0.15)
+# Each look's own setting where it differs from STABILIZER (look name -> StabilizerConfig fields; the
+# runtime blends two looks' settings for a prompt between them): the best mean fidelity whose flicker
+# over all looks stays under the same ceiling and no look's over its teacher's, chosen on training
+# clips by ``stabilizer_sweep --per-look`` (docs/stabilizer.md).
+STABILIZER_LOOKS: dict[str, dict[str, float]] = {
+    "pencil_sketch": {"strength": 0.8, "motion_tolerance": 0.07},
+    "cartoon": {"strength": 0.8},
+    "oil_paint": {"motion_tolerance": 0.07},
+    "watercolor": {"strength": 0.9, "change_tolerance": 0.15},
+    "thermal": {"strength": 0.9, "motion_tolerance": 0.1, "change_tolerance": 0.15},
+    "sepia_film": {"motion_tolerance": 0.07, "change_tolerance": 0.2},
+    "pixel_art": {"strength": 0.5, "change_tolerance": 0.1},
+    "night_vision": {"strength": 0.95, "change_tolerance": 0.2},
+    "pop_art": {"strength": 0.9},
+    "vaporwave": {"strength": 0.8, "motion_tolerance": 0.07},
+    "cyanotype": {"strength": 0.95, "change_tolerance": 0.1},
+    "noir": {"strength": 0.8, "motion_tolerance": 0.07, "change_tolerance": 0.2},
+    "woodblock": {"strength": 0.8, "change_tolerance": 0.2},
+    "cinematic": {"motion_tolerance": 0.07},
+    "golden_hour": {"strength": 0.6, "motion_tolerance": 0.1, "change_tolerance": 0.2},
+}
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,7 @@ class EmbeddedSpec:
     sampler: SamplerSpec = field(default_factory=SamplerSpec)
     stream: StreamSpec = field(default_factory=StreamSpec)
     stabilizer: StabilizerConfig = STABILIZER
+    stabilizer_looks: dict[str, dict[str, float]] = field(default_factory=lambda: dict(STABILIZER_LOOKS))
     deblock: DeblockConfig | None = field(default_factory=DeblockConfig)  # None: the decoded frames as they are
     metrics: dict[str, Any] = field(default_factory=dict)
 
@@ -108,6 +130,8 @@ class EmbeddedSpec:
             # the trained range (s >= 0.15).
             "noise": {"noise_scale": sp.noise_scale, "motion_range": 0.05, "input_noise": sp.input_noise},
             "stabilizer": data["stabilizer"],
+            # By name like the spared looks; a look left out on export takes its setting with it.
+            "stabilizer_looks": {k: v for k, v in self.stabilizer_looks.items() if k in self.prototypes},
             "deblock": data["deblock"],
         }
         data["size"] = [256, 256]
@@ -125,11 +149,13 @@ class EmbeddedSpec:
         data.pop("runtime", None)
         data.pop("size", None)
         stabilizer = StabilizerConfig(**data.pop("stabilizer", {}))
+        stabilizer_looks = data.pop("stabilizer_looks", {})  # absent: written before per-look settings
         deblock = data.pop("deblock", {})  # absent: written before the stage existed, so the default
         if deblock is not None:
             deblock = {k: v for k, v in deblock.items() if k not in ("spare", "spare_looks")}  # named, see to_json
         return cls(
             stabilizer=stabilizer,
+            stabilizer_looks=stabilizer_looks,
             deblock=DeblockConfig(**deblock) if deblock is not None else None,
             vae=TinyVAEConfig.from_dict(data.pop("vae")),
             dit=WanDiTConfig(**dit),

@@ -370,7 +370,7 @@ class RingRuntime:
             last = s.step + 1 == len(s.timesteps)
             row = {"key": key, "sid": st.stream_id, "step": s.step, "last": last, "t": s.timesteps[s.step],
                    "t_next": None if last else s.timesteps[s.step + 1], "frame": s.frame, "rope": s.rope,
-                   "ver": slot.version, "geom": geom, "tau": s.tau, "size": st.size, "loras": s.loras,
+                   "ver": slot.version, "geom": geom, "tau": s.tau, "loras": s.loras,
                    "deblock": self.rt.deblock_strength(st)}
             cache = self.stage.cache_for(row)
             fill = (cache.local_end, s.frame - cache.global_end[0], geom, st.fidelity.precision,
@@ -433,8 +433,7 @@ class RingRuntime:
             chunk.step += 1
             self.rt.account(chunk)
             result = ChunkResult(ts[f"frames.{key}"], chunk.noise_rate, chunk.timesteps[0], chunk.refreshed)
-            self._done.append((chunk.state, self.rt.stabilize(chunk.state, chunk.inputs, result, chunk.restart)
-                               if chunk.inputs is not None else result))
+            self._done.append((chunk.state, self.rt.finish_frames(chunk.state, chunk.inputs, result, chunk.restart)))
         self.scheduler.observe([StageTiming(rank, blocks, other) for rank, blocks, other in meta["timings"]])
 
     def _take_done(self) -> list[tuple[StreamState, ChunkResult]]:

@@ -8,7 +8,7 @@ from typing import Literal
 from engine.models.wan_dit import SPARSE_BLOCK_TOKENS
 from engine.streaming.deblock import DeblockConfig
 from engine.streaming.noise import NoiseControllerConfig
-from engine.streaming.stabilizer import StabilizerConfig
+from engine.streaming.stabilizer import LookStabilizers, StabilizerConfig
 
 CacheMode = Literal["clean", "per-step"]
 
@@ -40,6 +40,8 @@ class RuntimeConfig:
     # Motion-compensated filter on the decoded frames (engine/streaming/stabilizer.py); None = off.
     # Off by default: the reference recipe is StreamDiffusionV2's; a model config turns it on.
     stabilizer: StabilizerConfig | None = None
+    # Its setting per look, for a look-anchored model (LookStabilizers); None: ``stabilizer`` for every stream.
+    stabilizer_looks: LookStabilizers | None = None
     # Ramps over the steps on the VAE's block grid of the decoded frames (engine/streaming/deblock.py),
     # before the stabilizer; None = off. A model whose decoder draws blocks (the embedded one) turns it on.
     deblock: DeblockConfig | None = None
@@ -55,6 +57,8 @@ class RuntimeConfig:
             raise ValueError("the KV window must hold the sinks plus one chunk")
         if self.cache_mode not in ("clean", "per-step"):
             raise ValueError(f"cache_mode must be 'clean' or 'per-step', got {self.cache_mode!r}")
+        if self.stabilizer_looks is not None and self.stabilizer is None:
+            raise ValueError("per-look stabilizer settings need the stabilizer on (a 'stabilizer' setting)")
         if self.sparse_block_tokens < 1:
             raise ValueError(f"sparse_block_tokens must be >= 1, got {self.sparse_block_tokens}")
         if self.rope_reset_frame <= self.kv_window_frames:

@@ -12,8 +12,9 @@ its context instead of restarting:
 * Stream VAE caches (encoder and decoder): every cached feature map is resampled; each one's spatial
   size is the frame size divided by its level's downsampling, so it scales with the frame size.
 * The noise controller's last input frame, which is kept at the engine size.
-
-The temporal stabilizer works at the stream's own size, which never changes, so it needs nothing.
+* The temporal stabilizer's history (last input frame and last shown frame), which it keeps at the
+  engine size too (it filters the decoded frames before they are fitted to the stream's size), so a
+  rung change goes on filtering instead of starting a fresh history.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ def rescale_state(state: StreamState, dit_config: WanDiTConfig, spatial_compress
     controller = state.noise_controller
     if controller.last_frame is not None:
         controller.last_frame = resample_grid(controller.last_frame, (engine_size[1], engine_size[0]))
+    history = state.stabilizer
+    if history.prev_in is not None and history.prev_out is not None:
+        rows_cols = (engine_size[1], engine_size[0])
+        history.prev_in = _resample_image(history.prev_in, rows_cols).round().clamp(0, 255).to(torch.uint8)
+        history.prev_out = _resample_image(history.prev_out, rows_cols)
     state.engine_size = engine_size
     log.info("stream %s: engine size %dx%d -> %dx%d after %d chunks", state.stream_id, *old, *engine_size, state.chunks)
 
@@ -139,6 +145,11 @@ def _resample_feature_map(t: Tensor, old_size: Size, new_size: Size) -> Tensor:
     if (h * new_h) % old_h or (w * new_w) % old_w:
         raise ValueError(f"a {h}x{w} cache map of a {old_w}x{old_h} frame has no exact size at {new_w}x{new_h}")
     return resample_grid(t, (h * new_h // old_h, w * new_w // old_w))
+
+
+def _resample_image(image: Tensor, size: tuple[int, int]) -> Tensor:
+    """An [H, W, C] image (the stabilizer's layout) resampled to ``size`` (rows, cols), in float32."""
+    return resample_grid(image.float().permute(2, 0, 1), size).permute(1, 2, 0).contiguous()
 
 
 def resample_grid(x: Tensor, size: tuple[int, int]) -> Tensor:

@@ -37,7 +37,7 @@ from engine.streaming.deblock import deblock
 from engine.streaming.noise import MotionAwareNoiseController, NoiseControllerConfig
 from engine.streaming.prompts import BlendMode, LookAnchors, PromptTransition, blend, mix_weights, prompt_cuts
 from engine.streaming.rescale import rescale_state
-from engine.streaming.stabilizer import TemporalStabilizer
+from engine.streaming.stabilizer import StabilizerConfig, TemporalStabilizer
 from engine.streaming.state import StreamState
 from engine.vae import StreamVAE
 
@@ -118,7 +118,7 @@ class StageTimings:
     encode_s: float = 0.0
     dit_s: float = 0.0
     decode_s: float = 0.0
-    stabilize_s: float = 0.0
+    stabilize_s: float = 0.0  # stage 4: the stabilizer at the engine size and the fit to the stream's size
     deblock_s: float = 0.0  # part of decoding, timed apart (not in decode_s)
 
     @property
@@ -148,7 +148,7 @@ class ChunkInFlight:
     rope: int  # temporal RoPE position of its first frame
     noise_rate: float
     tau: float | None  # adaptive sink refresh threshold after each forward (None: no refresh)
-    inputs: torch.Tensor | None  # the chunk as sent (the stabilizer follows its motion); None for T2V
+    inputs: torch.Tensor | None  # the input frames at the engine size (the stabilizer follows their motion); None: T2V
     restart: bool  # a hard prompt switch came before it: the stabilizer starts a fresh history
     fidelity: FidelityConfig  # the stream's fidelity when it entered (it keeps it until it finishes)
     step: int = 0
@@ -357,7 +357,7 @@ class StreamRuntime:
         rate = controller.step(engine_frames, state.noise_controller)
         pixels = engine_frames.unsqueeze(0).to(self.device, self.dit.dtype)
         z = self.vae.encode_chunk(pixels, state.vae_encoder)
-        chunk = self.enter_latents(state, z, rate, frames, restart, local_caches)
+        chunk = self.enter_latents(state, z, rate, engine_frames, restart, local_caches)
         if self.vae.reads_input:
             chunk.guide = pixels
         return chunk
@@ -462,17 +462,18 @@ class StreamRuntime:
             c.step += 1
 
     def decode_chunk(self, chunk: ChunkInFlight) -> ChunkResult:
-        """Stage 3: the finished chunk's x̂₀ through the VAE decoder, at the stream's size; counters."""
+        """Stage 3: the finished chunk's x̂₀ through the VAE decoder, at the engine size (the size the
+        model drew it at; :meth:`finish_frames` fits it to the stream's); counters."""
         if not chunk.done:
             raise ValueError(f"chunk of stream {chunk.state.stream_id} has {chunk.steps_left} steps left")
         state = chunk.state
-        frames = self.decode_latents(chunk.x, state.vae_decoder, state.size, self.deblock_strength(state), chunk.guide)
+        frames = self.decode_latents(chunk.x, state.vae_decoder, self.deblock_strength(state), chunk.guide)
         self.account(chunk)
         return ChunkResult(frames, chunk.noise_rate, chunk.timesteps[0], chunk.refreshed)
 
-    def decode_latents(self, x0: torch.Tensor, decoder: object, size: tuple[int, int],
-                       deblock_strength: float = 0.0, guide: torch.Tensor | None = None) -> torch.Tensor:
-        """x̂₀ [1, C, F, h, w] -> frames [3, T, H, W] in [-1, 1] at ``size``, deblocked at
+    def decode_latents(self, x0: torch.Tensor, decoder: object, deblock_strength: float = 0.0,
+                       guide: torch.Tensor | None = None) -> torch.Tensor:
+        """x̂₀ [1, C, F, h, w] -> frames [3, T, H, W] in [-1, 1] at the engine size, deblocked at
         ``deblock_strength`` (the stream's :meth:`deblock_strength`; a pipeline's last rank calls this
         with its own decoder caches); ``guide``: the chunk's input frames for a decoder that reads them
         (:attr:`ChunkInFlight.guide`)."""
@@ -483,7 +484,7 @@ class StreamRuntime:
             frames = deblock(frames, self.vae.spatial_compression, deblock_strength, self.config.deblock.reach)
             frames = frames.clamp(-1, 1)
             self._deblock_s += self.clock() - t
-        return fit_frames(frames, size)
+        return frames
 
     def deblock_strength(self, state: StreamState) -> float:
         """How strongly the stream's decoded frames are deblocked (0: not at all): the config's strength,
@@ -503,11 +504,8 @@ class StreamRuntime:
         state.last_first_timestep = chunk.timesteps[0]
 
     def finish_chunk(self, chunk: ChunkInFlight) -> ChunkResult:
-        """Stages 3 and 4: decode, then the temporal stabilizer."""
-        result = self.decode_chunk(chunk)
-        if chunk.inputs is None:
-            return result
-        return self.stabilize(chunk.state, chunk.inputs, result, chunk.restart)
+        """Stages 3 and 4: decode, then the temporal stabilizer and the fit to the stream's size."""
+        return self.finish_frames(chunk.state, chunk.inputs, self.decode_chunk(chunk), chunk.restart)
 
     # -- the stages grouped: sequential chunks and cross-user batches -------------------------------
 
@@ -531,8 +529,7 @@ class StreamRuntime:
         self._deblock_s = 0.0
         results = [self.decode_chunk(c) for c in chunks]
         t3 = self.clock()
-        results = [self.stabilize(c.state, c.inputs, r, c.restart) if c.inputs is not None else r
-                   for c, r in zip(chunks, results, strict=True)]
+        results = [self.finish_frames(c.state, c.inputs, r, c.restart) for c, r in zip(chunks, results, strict=True)]
         self.last_timings = StageTimings(encode_s=t1 - t0, dit_s=t2 - t1, decode_s=t3 - t2 - self._deblock_s,
                                          deblock_s=self._deblock_s, stabilize_s=self.clock() - t3)
         return results
@@ -573,7 +570,7 @@ class StreamRuntime:
     def generate_batch(self, states: Sequence[StreamState]) -> list[ChunkResult]:
         chunks = [self.enter_generated(state) for state in states]
         self.run_to_end(chunks)
-        return [self.decode_chunk(c) for c in chunks]
+        return [self.finish_frames(c.state, None, self.decode_chunk(c), False) for c in chunks]
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -630,15 +627,30 @@ class StreamRuntime:
             state.kv.append(state.kv[-1].to(self.device))
         del state.kv[wanted:]
 
-    def stabilize(self, state: StreamState, inputs: torch.Tensor, result: ChunkResult, restart: bool) -> ChunkResult:
-        """The temporal stabilizer stage on a finished chunk (``inputs``: the chunk as the stream sent it;
-        ``restart``: the chunk began after a hard prompt switch, so the old look's history is dropped)."""
-        stabilizer = self.stabilizer if state.stabilize else None
+    def finish_frames(self, state: StreamState, inputs: torch.Tensor | None, result: ChunkResult,
+                      restart: bool) -> ChunkResult:
+        """Stage 4: a decoded chunk leaves the engine. The temporal stabilizer (V2V, where the model has
+        one and the stream wants it) runs at the size the decoder drew the frames, on the chunk's input
+        frames (``inputs``; fitted to that size if they are not at it; None for T2V); then the frames
+        are fitted to the stream's size. A rung below x1 thus filters its own, smaller frames: the same
+        picture for a fraction of the cost, since the upscale adds no detail to steady. ``restart``: the
+        chunk began after a hard prompt switch, so the old look's history is dropped."""
+        stabilizer = self.stabilizer if state.stabilize and inputs is not None else None
         if restart or stabilizer is None:  # while off, keep no history: switching on starts afresh
             state.stabilizer.reset()
-        if stabilizer is None:
-            return result
-        return replace(result, frames=stabilizer(state.stabilizer, fit_frames(inputs, state.size), result.frames))
+        frames = result.frames
+        if stabilizer is not None and inputs is not None:
+            size = (frames.shape[-1], frames.shape[-2])
+            frames = stabilizer(state.stabilizer, fit_frames(inputs, size), frames, self.stabilizer_config(state))
+        return replace(result, frames=fit_frames(frames, state.size))
+
+    def stabilizer_config(self, state: StreamState) -> StabilizerConfig | None:
+        """The stabilizer's setting for the stream: its look's (or its two looks' blend) where the model
+        has per-look settings, else the config's; None without a stabilizer."""
+        looks = self.config.stabilizer_looks
+        if looks is None:
+            return self.config.stabilizer
+        return looks.for_conditioning(state.embedding)
 
     @staticmethod
     def shared_sparsity(fidelities: Iterable[FidelityConfig]) -> float:

@@ -24,7 +24,7 @@ it moves with the stream between workers like the KV cache does.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import cv2
@@ -49,6 +49,78 @@ class StabilizerConfig:
             raise ValueError("stabilizer tolerances must be positive")
         if self.flow_max_side < 16:
             raise ValueError(f"flow_max_side must be >= 16, got {self.flow_max_side}")
+
+
+@dataclass(frozen=True)
+class LookStabilizers:
+    """A setting per look, for a model that serves every prompt as a blend of its looks' prototypes.
+
+    Looks differ in how much their raw frames flicker next to their teachers' (a tone curve barely,
+    night vision's noise and pop art's posterised edges 3–4x), so one history weight over-smooths some
+    and under-steadies others. ``looks`` are the looks' unit text embeddings (the model's pooled
+    conditioning), ``settings`` each one's setting. Look anchoring conditions a stream on a slerp of
+    two prototypes, so the stream's conditioning lies on the arc between two looks: the pair whose
+    plane holds it, and its angles to the two, give the blend exactly; the setting is interpolated the
+    same way (a prompt on one look gets that look's).
+    """
+
+    looks: tuple[tuple[float, ...], ...]
+    settings: tuple[StabilizerConfig, ...]
+    _unit: torch.Tensor = field(init=False, repr=False, compare=False)  # ``looks`` normalised, [looks, dim]
+    _cos: torch.Tensor = field(init=False, repr=False, compare=False)  # cosines between looks, [looks, looks]
+
+    def __post_init__(self) -> None:
+        if len(self.looks) != len(self.settings) or len(self.looks) < 2:
+            raise ValueError(f"need at least 2 looks with one setting each, got {len(self.looks)} looks for "
+                             f"{len(self.settings)} settings")
+        # Asked for on every chunk of every stream: built once.
+        unit = torch.nn.functional.normalize(torch.tensor(self.looks, dtype=torch.float64), dim=-1)
+        object.__setattr__(self, "_unit", unit)
+        object.__setattr__(self, "_cos", unit @ unit.T)
+
+    def for_conditioning(self, conditioning: torch.Tensor) -> StabilizerConfig:
+        """The setting for a stream conditioned on ``conditioning`` ([..., dim]; its rows' mean)."""
+        e = conditioning.detach().double().cpu().reshape(-1, conditioning.shape[-1]).mean(dim=0)
+        if e.shape[0] != self._unit.shape[1]:
+            raise ValueError(f"the stabilizer's looks are {self._unit.shape[1]}-d embeddings, the stream's "
+                             f"conditioning {e.shape[0]}-d")
+        sim = self._unit @ torch.nn.functional.normalize(e, dim=0)
+        i, j = self._pair(sim)
+        # Angles to the two looks; on the slerp from i to j at t they are t·Ω and (1 − t)·Ω.
+        to_i, to_j = (float(torch.arccos(sim[k].clamp(-1.0, 1.0))) for k in (i, j))
+        t = to_i / (to_i + to_j) if to_i + to_j > 0 else 0.0
+        a, b = self.settings[i], self.settings[j]
+        # A share under 1 % is float rounding of a prompt on one look (the anchoring's look list drops
+        # such shares too): that look's setting exactly.
+        if t < 0.01 or a == b:
+            return a
+        return StabilizerConfig(
+            strength=a.strength + t * (b.strength - a.strength),
+            motion_tolerance=a.motion_tolerance + t * (b.motion_tolerance - a.motion_tolerance),
+            change_tolerance=a.change_tolerance + t * (b.change_tolerance - a.change_tolerance),
+            cut_residual=a.cut_residual + t * (b.cut_residual - a.cut_residual),
+            flow_max_side=a.flow_max_side if t < 0.5 else b.flow_max_side,
+        )
+
+    def _pair(self, sim: torch.Tensor) -> tuple[int, int]:
+        """The two looks whose arc the unit conditioning (cosines ``sim`` to every look) lies on, the
+        nearer first: the pair whose plane leaves the least of it out, with both looks' shares of it
+        non-negative (between them, not beyond one). Not simply the two nearest looks: a third look can
+        be nearer than the far end of the arc when the conditioning sits close to one end."""
+        c = self._cos
+        si, sj = sim[:, None], sim[None, :]
+        det = (1.0 - c * c).clamp_min(1e-12)
+        share_i, share_j = (si - c * sj) / det, (sj - c * si) / det
+        left_out = 1.0 - (si * si + sj * sj - 2.0 * c * si * sj) / det
+        usable = (share_i >= -1e-6) & (share_j >= -1e-6) & (1.0 - c * c > 1e-9)
+        usable.fill_diagonal_(False)
+        left_out = torch.where(usable, left_out, torch.full_like(left_out, float("inf")))
+        if not bool(torch.isfinite(left_out).any()):  # no pair between (degenerate looks): the nearest two
+            top = torch.topk(sim, 2).indices
+            return int(top[0]), int(top[1])
+        k = int(left_out.argmin())
+        i, j = divmod(k, left_out.shape[1])
+        return (i, j) if sim[i] >= sim[j] else (j, i)
 
 
 @dataclass
@@ -82,8 +154,12 @@ class TemporalStabilizer:
         self.config = config
         self._grids: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
-    def __call__(self, state: StabilizerState, inputs: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
-        """Input and output chunks [3, T, H, W] in [-1, 1] (same size) -> the stabilised output chunk."""
+    def __call__(self, state: StabilizerState, inputs: torch.Tensor, outputs: torch.Tensor,
+                 config: StabilizerConfig | None = None) -> torch.Tensor:
+        """Input and output chunks [3, T, H, W] in [-1, 1] (same size) -> the stabilised output chunk, at
+        ``config`` (the stream's setting, e.g. its look's; None: the operator's own)."""
+        if config is None:
+            config = self.config
         if inputs.shape != outputs.shape:
             raise ValueError(f"stabilizer needs input and output chunks of one shape, got {tuple(inputs.shape)} "
                              f"and {tuple(outputs.shape)}")
@@ -96,15 +172,15 @@ class TemporalStabilizer:
             if state.prev_in is None or state.prev_out is None:
                 result[t] = out[t]
             else:
-                result[t] = self._frame(state.prev_in.numpy(), state.prev_out.numpy(), inp[t], out[t])
+                result[t] = self._frame(config, state.prev_in.numpy(), state.prev_out.numpy(), inp[t], out[t])
             state.prev_in = torch.from_numpy(inp[t].copy())
             state.prev_out = torch.from_numpy(result[t].copy())
         return torch.from_numpy(result).permute(3, 0, 1, 2).div(127.5).sub(1.0).to(outputs.device, outputs.dtype)
 
-    def _frame(self, prev_in: np.ndarray, prev_out: np.ndarray, inp: np.ndarray, out: np.ndarray) -> np.ndarray:
-        cfg = self.config
+    def _frame(self, cfg: StabilizerConfig, prev_in: np.ndarray, prev_out: np.ndarray, inp: np.ndarray,
+               out: np.ndarray) -> np.ndarray:
         h, w = inp.shape[:2]
-        mx, my = self._sample_grid(cv2.cvtColor(inp, cv2.COLOR_RGB2GRAY), cv2.cvtColor(prev_in, cv2.COLOR_RGB2GRAY))
+        mx, my = self._sample_grid(cfg, cv2.cvtColor(inp, cv2.COLOR_RGB2GRAY), cv2.cvtColor(prev_in, cv2.COLOR_RGB2GRAY))
         warped_in = cv2.remap(prev_in, mx, my, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
         residual = _channel_max(cv2.absdiff(inp, warped_in))
         if cv2.mean(residual)[0] > 255.0 * cfg.cut_residual:
@@ -118,10 +194,11 @@ class TemporalStabilizer:
         weight[(mx < 0) | (mx > w - 1) | (my < 0) | (my > h - 1)] = 0.0  # history from outside the frame
         return out + cv2.merge([weight, weight, weight]) * (warped_out - out)
 
-    def _sample_grid(self, gray: np.ndarray, prev_gray: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _sample_grid(self, cfg: StabilizerConfig, gray: np.ndarray,
+                     prev_gray: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Where each pixel of frame t came from in frame t−1 (absolute coordinates, float32 maps)."""
         h, w = gray.shape
-        scale = min(1.0, self.config.flow_max_side / max(h, w))
+        scale = min(1.0, cfg.flow_max_side / max(h, w))
         if scale < 1.0:
             size = (max(8, round(w * scale)), max(8, round(h * scale)))
             small = cv2.resize(gray, size, interpolation=cv2.INTER_AREA)
