@@ -148,13 +148,22 @@ async def test_recording_writes_the_output_with_its_audio_for_its_owner(live_ser
         assert 0.6 * len(shown) - 5 <= len(frames) <= 1.4 * len(shown) + 5, (len(frames), len(shown))
         assert codec in ("h264", "mpeg4") and sidecar["frames"] == len(frames)
         assert peak > 0.1, "the beeps of the input are not in the recording"
-        # The recorded frames are what the client saw: not black, not the camera's input.
+        # The recorded frames are what the client saw: not black, not the camera's input. The last ones
+        # were still on their way to the client when the stop was acknowledged, so frames it got just
+        # after count as seen. A frame the recorder took may never reach the client (its encoder or
+        # jitter buffer skips one on a loaded machine, and consecutive frames of this moving pattern
+        # differ by ~9 levels), so each frame must be far nearer the output than the input, and most
+        # must match a frame the client got.
         inputs = [thumb(pattern_frame(i, (128, 128))) for i in range(0, 160, 4)]
+        seen_by_client = received.between(started, stopped + 1.0)
+        matched = []
         for image in frames[len(frames) // 4 :: max(1, len(frames) // 8)]:
             assert image.std() > 2, "a flat (black) frame"
-            to_output = min(float(np.abs(image - seen).mean()) for seen in shown)
+            to_output = min(float(np.abs(image - seen).mean()) for seen in seen_by_client)
             to_input = min(float(np.abs(image - source).mean()) for source in inputs)
-            assert to_output < 8 and to_output < to_input / 2, (to_output, to_input)
+            assert to_output < to_input / 2, (to_output, to_input)
+            matched.append(to_output < 8)
+        assert sum(matched) >= 0.75 * len(matched), matched
 
         # A recording running when the stream ends is finished, not cut.
         assert (await control(url, sid, owner, {"type": "update", "record": True}))[0] == 200
