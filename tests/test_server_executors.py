@@ -310,6 +310,36 @@ async def test_policy_recalibrates_toward_the_measured_engine_speed(
         loop.remove(a.sid)
 
 
+async def test_batched_steps_raise_the_calibration_and_never_lower_it(
+    engine_factory: Any, executor: ThreadPoolExecutor
+) -> None:
+    """A batch the profile did not measure is estimated at its streams' times added up, an upper
+    bound, so its measured ratio is a lower bound on the engine's speed ratio. Streams that only ever
+    run in batches must still correct a profile that claims a 100x faster engine (before, the core
+    observed single-stream steps only and stayed at the claim), and must not lower the estimate of
+    a profile that claims a 100x slower one (the bound says nothing there)."""
+    for factor, expect_raised in ((0.01, True), (100.0, False)):
+        clock = FakeClock()
+        loop = make_loop(engine_factory, executor, clock, max_batch=2)
+        loop.core.policy = loop.core.policy.rescaled(factor)
+        claimed = loop.core.policy.reference.latency_s
+        a = Stream(loop, engine_factory, clock, executor, steps=1)
+        b = Stream(loop, engine_factory, clock, executor, steps=1, seed=1)
+        for i in range(8):
+            a.push(1 if i == 0 else 4)
+            b.push(1 if i == 0 else 4)
+            clock.now += 1.0
+            await settle(loop)
+        labels = list(loop.core.fidelity_counts)
+        assert labels and all(label.endswith("/b2") for label in labels), loop.core.fidelity_counts
+        if expect_raised:
+            assert loop.core.applied_ratio > 1.0 and loop.core.policy.reference.latency_s > claimed
+        else:
+            assert loop.core.applied_ratio == 1.0 and loop.core.policy.reference.latency_s == claimed
+        loop.remove(a.sid)
+        loop.remove(b.sid)
+
+
 async def test_simulator_and_live_server_run_the_same_engine_core(
     engine_factory: Any, executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:

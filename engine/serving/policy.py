@@ -109,6 +109,8 @@ def resolve_preset(name: str) -> PolicyConfig:
 
 
 BASELINES = ("fifo-batch", "ts-deadline", "ts-chunk-lsf")
+# The source of a batch point the profile lacks: an upper bound on the batch's time (see batch_point).
+ASSUMED_BATCH = "assumed: batch x single"
 ABLATION_LADDER = ("credit-only", "+bmpr", "+rehoming", "slackserve")
 
 
@@ -174,7 +176,7 @@ class SlackPolicy:
             if batch == 1 and config.gpus == point.config.gpus:
                 return point
             return replace(point, config=config, latency_s=point.latency_s * batch,
-                           first_chunk_latency_s=point.first_chunk_latency_s * batch, source="assumed: batch x single")
+                           first_chunk_latency_s=point.first_chunk_latency_s * batch, source=ASSUMED_BATCH)
 
     # ---- per-stream scoring -------------------------------------------------------------------
     def _router(self, max_steps: int | None) -> BMPR:
