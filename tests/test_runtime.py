@@ -293,3 +293,30 @@ def test_input_noise_outside_0_to_1_is_refused() -> None:
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="input_noise"):
             NoiseControllerConfig(input_noise=bad)
+
+
+def test_fit_frames_on_the_cpu_is_an_area_average_down_and_torchs_bilinear_up() -> None:
+    """The CPU path (OpenCV) against independent computations: at an integer factor an area average is
+    the mean of each block; at a fractional one it keeps the picture's mean (every source pixel counts
+    by the area it covers) and a smooth ramp stays a ramp; up, it is torch's bilinear to rounding; any
+    aspect is centre-cropped first, never stretched."""
+    from engine.streaming.runtime import fit_frames
+
+    g = torch.Generator().manual_seed(0)
+    frames = torch.rand(3, 4, 64, 96, generator=g) * 2 - 1
+    half = fit_frames(frames[..., 16:80], (32, 32))
+    blocks = torch.nn.functional.avg_pool2d(frames[..., 16:80].permute(1, 0, 2, 3), 2).permute(1, 0, 2, 3)
+    assert half.shape == (3, 4, 32, 32) and torch.allclose(half, blocks, atol=1e-6)
+
+    ramp = torch.linspace(-1, 1, 90).expand(3, 4, 90, 90).contiguous()
+    fitted = fit_frames(ramp, (40, 40))  # 2.25x: windows of fractional width
+    assert torch.allclose(fitted.mean(), ramp.mean(), atol=1e-3)
+    # The exact area average of a ramp is the ramp at each output pixel's centre (OpenCV's weights
+    # are rounded: within 0.2 of a level).
+    centres = (torch.arange(40) + 0.5) * 2.25 - 0.5
+    assert torch.allclose(fitted[0, 0, 0], -1 + 2 / 89 * centres, atol=3e-3)
+
+    small = torch.rand(3, 4, 24, 40, generator=g) * 2 - 1
+    up = fit_frames(small, (64, 48))  # 40x24 is wider than 4:3: the centre 32x24 is kept
+    expected = torch.nn.functional.interpolate(small[..., 4:36].permute(1, 0, 2, 3), size=(48, 64), mode="bilinear")
+    assert up.shape == (3, 4, 48, 64) and torch.allclose(up, expected.permute(1, 0, 2, 3), atol=1e-5)
