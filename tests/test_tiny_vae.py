@@ -206,3 +206,13 @@ def test_a_per_group_guided_map_is_one_map_for_the_four_frames_of_a_latent_frame
         term = guided - plain
         same = all(torch.allclose(term[:, :, 0], term[:, :, k], atol=1e-5) for k in range(1, 4))
         assert same == per_group
+
+
+@pytest.mark.parametrize(("src", "size"), [((14, 18), (112, 144)), ((7, 5), (56, 40)), ((9, 12), (5, 7)), ((3, 3), (3, 3))])
+def test_separable_bilinear_equals_torchs_interpolation(src: tuple[int, int], size: tuple[int, int]) -> None:
+    """The guided map's upsampling as two matrix products, against torch's bilinear kernel (up, down, same)."""
+    from engine.models.tiny_vae import _bilinear
+
+    x = torch.randn(2, 5, *src, generator=torch.Generator().manual_seed(0))
+    expected = torch.nn.functional.interpolate(x, size=size, mode="bilinear", align_corners=False)
+    assert torch.allclose(_bilinear(x, size), expected, atol=1e-5)
