@@ -72,6 +72,7 @@ class Result:
     latency_p95_ms: float
     dropped_ratio: float
     server_chunk_ms: float
+    input_dropped_ratio: float = float("nan")  # of dropped_ratio: camera frames the engine never took
     aggregate_fps: float = float("nan")  # new frames per second at the clients, all streams together
     server_cpu_ms_per_frame: float = float("nan")  # server process CPU / frames delivered
     client_cpu_ms_per_frame: float = float("nan")  # the clients' CPU (this process) / frames delivered
@@ -222,6 +223,7 @@ async def run_streams(url: str, count: int, seconds: float, fps: float, policy: 
         latency_p50_ms=float(np.percentile(lat, 50)) if lat.size else float("nan"),
         latency_p95_ms=float(np.percentile(lat, 95)) if lat.size else float("nan"),
         dropped_ratio=dropped / received if received else float("nan"),
+        input_dropped_ratio=sum(s["dropped_input_frames"] for s in stats) / received if received else float("nan"),
         server_chunk_ms=float(np.mean([s["chunk_ms"] for s in stats])),
         aggregate_fps=float(np.sum(fps_values)),
         server_cpu_ms_per_frame=1000 * float(server_cpu) / delivered if delivered else float("nan"),
@@ -350,7 +352,8 @@ def table(results: list[Result], model: str) -> str:
     lines.append("ladder points the policy chose (share of per-second samples):")
     for r in results:
         chosen = ", ".join(f"{label} {share:.0%}" for label, share in r.points.items())
-        lines.append(f"  {r.policy} x{r.streams}: {chosen}")
+        lines.append(f"  {r.policy} x{r.streams}: {chosen}; dropped at the input {r.input_dropped_ratio:.1%}, "
+                     f"at the output {r.dropped_ratio - r.input_dropped_ratio:.1%}")
     return "\n".join(lines)
 
 

@@ -36,6 +36,35 @@ async def test_assembler_keeps_newest_frames_and_counts_drops() -> None:
     assert assembler.dropped == 6 and assembler.received == 10
 
 
+def test_assembler_backlog_keeps_a_late_frame_for_the_next_chunk_and_bounds_the_delay() -> None:
+    """With a backlog of one frame: a chunk taken a frame late is the oldest four (chunks follow one
+    another frame by frame) and the fifth starts the next chunk, nothing dropped; further behind, the
+    oldest frames go, so at most one frame waits after a take; a smaller take (the 1-frame first
+    chunk) drops what lies beyond its own backlog."""
+    clock = FakeClock()
+    assembler = ChunkAssembler(capacity=4, clock=clock, backlog=1)
+    for i in range(5):
+        assembler.push(np.full((2, 2, 3), i, np.uint8))
+    assert [f.meta.seq for f in assembler.take(4)] == [0, 1, 2, 3] and assembler.dropped == 0
+    assert not assembler.ready(4) and assembler.ready(1)
+    for i in range(5, 8):
+        assembler.push(np.full((2, 2, 3), i, np.uint8))
+    assert [f.meta.seq for f in assembler.take(4)] == [4, 5, 6, 7] and assembler.dropped == 0
+
+    for i in range(8, 18):  # the engine falls 10 frames behind: only a chunk and the backlog stay
+        assembler.push(np.full((2, 2, 3), i, np.uint8))
+    assert assembler.dropped == 5
+    assert [f.meta.seq for f in assembler.take(4)] == [13, 14, 15, 16] and assembler.ready(1)
+    assert [f.meta.seq for f in assembler.take(1)] == [17] and assembler.received == 18 and assembler.dropped == 5
+
+    first = ChunkAssembler(capacity=4, backlog=1)
+    for i in range(5):
+        first.push(np.full((2, 2, 3), i, np.uint8))
+    assert [f.meta.seq for f in first.take(1)] == [3] and first.dropped == 3 and first.ready(1)
+    with pytest.raises(ValueError, match="backlog >= 0"):
+        ChunkAssembler(capacity=4, backlog=-1)
+
+
 async def test_assembler_waits_for_new_frames() -> None:
     assembler = ChunkAssembler(capacity=5)
     assembler.push(np.zeros((2, 2, 3), np.uint8))

@@ -1,6 +1,6 @@
-"""The per-stream frame path: latest-frames-win input, chunk assembly, engine thread, playout clock.
+"""The per-stream frame path: bounded input, chunk assembly, engine thread, playout clock.
 
-    camera frames ──push──▶ ChunkAssembler (holds at most one chunk of the newest frames)
+    camera frames ──push──▶ ChunkAssembler (holds at most a chunk and a small backlog of frames)
                                │ take(n) when the engine core dispatches the stream's next chunk
                                ▼
                            StreamRunner ──engine thread (app/server/executors.py)──▶ the engine
@@ -8,8 +8,9 @@
                                ▼
                            Playout (bounded buffer) ──tick at the production rate──▶ output tracks
 
-Delay cannot accumulate anywhere: the assembler overwrites old frames while the engine is busy
-(counted as dropped), and the playout buffer holds at most a few chunks (overflow is dropped too).
+Delay cannot accumulate anywhere: the assembler drops the oldest frames once it holds a chunk and
+its backlog while the engine is busy (counted as dropped), and the playout buffer holds at most a
+few chunks (overflow is dropped too).
 """
 
 from __future__ import annotations
@@ -118,10 +119,20 @@ def encode_jpeg(image: np.ndarray, quality: int) -> bytes:
 
 
 class ChunkAssembler:
-    """Latest-frames-win input buffer: keeps at most ``capacity`` frames received since the last take."""
+    """Input buffer: the frames received since the last take, at most ``capacity`` (the largest chunk)
+    plus ``backlog``.
 
-    def __init__(self, capacity: int, clock: Clock = time.monotonic) -> None:
+    A take gets the oldest frames, so chunks follow one another frame by frame, and leaves up to
+    ``backlog`` newer ones to start the next chunk: an engine that comes for a chunk a frame or two
+    late (its lane was running another stream's step) loses nothing, and catches up since the next
+    chunk is that much nearer complete. Beyond that the newest frames win: the oldest are dropped, so
+    delay stays bounded by ``backlog`` frames however far behind the engine falls."""
+
+    def __init__(self, capacity: int, clock: Clock = time.monotonic, backlog: int = 0) -> None:
+        if capacity < 1 or backlog < 0:
+            raise ValueError(f"an assembler needs capacity >= 1 and backlog >= 0, got {capacity} and {backlog}")
         self._capacity = capacity
+        self._backlog = backlog
         self._clock = clock
         self._frames: deque[InputFrame] = deque()
         self._changed = asyncio.Event()
@@ -136,7 +147,7 @@ class ChunkAssembler:
         self.received += 1
         if not self.accepting:  # paused: nothing will be generated from this frame
             return meta
-        if len(self._frames) == self._capacity:
+        if len(self._frames) == self._capacity + self._backlog:
             self._frames.popleft()
             self.dropped += 1
         self._frames.append(InputFrame(source, meta))
@@ -155,13 +166,14 @@ class ChunkAssembler:
             await self._changed.wait()
 
     def take(self, n: int) -> list[InputFrame]:
-        """The newest ``n`` frames (call when `ready`); the older ones count as dropped."""
+        """The oldest ``n`` of the newest ``n + backlog`` frames (call when `ready`); frames older than
+        those count as dropped, newer ones stay for the next chunk."""
         if not self.ready(n):
             raise RuntimeError(f"take({n}) with only {len(self._frames)} frames buffered")
-        chunk = list(self._frames)[-n:]
-        self.dropped += len(self._frames) - n
-        self._frames.clear()
-        return chunk
+        while len(self._frames) > n + self._backlog:
+            self._frames.popleft()
+            self.dropped += 1
+        return [self._frames.popleft() for _ in range(n)]
 
     def clear(self) -> None:
         self._frames.clear()
