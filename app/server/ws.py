@@ -7,6 +7,7 @@ and stats as the WebRTC data channel. Stream options come as query parameters.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
@@ -32,7 +33,10 @@ async def serve_websocket(
 
     async def send_text(text: str) -> None:
         async with send_lock:
-            await websocket.send_text(text)
+            # A client that vanishes mid-send is not a failure of its stream: the receive loop sees the
+            # disconnect and ends the session (a crash would log an error with a traceback).
+            with contextlib.suppress(WebSocketDisconnect):
+                await websocket.send_text(text)
 
     try:
         session = await manager.open("ws", settings_from_query)
@@ -55,7 +59,10 @@ async def serve_websocket(
             last = out
             data = await asyncio.to_thread(encode_jpeg, out.image, config.jpeg_quality)
             async with send_lock:
-                await websocket.send_bytes(data)
+                try:
+                    await websocket.send_bytes(data)
+                except WebSocketDisconnect:
+                    return  # the client left mid-send: the receive loop ends the session
 
     frames = frame_guard(config.max_frame_bytes, config.max_fps)
     session.spawn(send_output(), "ws-output")
