@@ -15,6 +15,7 @@ from aiortc.mediastreams import MediaStreamError
 
 from app.server.audio import AudioPlayout, DelayedAudioTrack, offers_audio, wants_audio
 from app.server.config import ServerConfig
+from app.server.encoder import encode_output_frames
 from app.server.engine_bridge import StreamSettings
 from app.server.frame_path import ChunkAssembler, OutputFrame, Playout, video_frames, yuv_frame
 from app.server.ice import rtc_configuration, strip_candidates
@@ -95,6 +96,7 @@ class Gateway:
         try:
             await pc.setRemoteDescription(self._incoming(offer_sdp))
             complete_video_frames_on_marker(pc)  # its transceivers exist now; media flows after the answer
+            encode_output_frames(pc)  # the codecs are negotiated now
             answer = await pc.createAnswer()
         except OperationError as exc:  # no codec in common (e.g. an H264 profile aiortc lacks)
             raise OfferError("no codec in the offer can be negotiated: the server receives VP8 or H264 "

@@ -1,0 +1,94 @@
+"""The VP8 encoder of the server's stylized video: aiortc's, tuned for frames the engine drew.
+
+aiortc's VP8 encoder is set up for a camera: libvpx's temporal denoiser on (``noise-sensitivity``
+4) at speed ``cpu-used`` -6. The server's outgoing frames are the engine's, already steadied by the
+temporal stabilizer: there is no sensor noise to remove, and the denoiser smears their detail into
+the next frames. Measured on teacher-stylized held-out clips at 256x256 (`demos/bench_encoder.py`;
+docs/service.md, "The output's VP8 encoder"): without the denoiser and at ``cpu-used`` -8, an encode
+takes 0.53-0.81 ms instead of 0.66-0.99 (250 kbps-1 Mbps) and the decoded frames are 0.5-1.2 dB
+nearer the encoder's input (-10 saves another ~0.08 ms but gives the quality back at aiortc's lowest
+bitrate). Everything else (rate control, packetization, bitrate changes from the receiver's
+estimates) stays aiortc's.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+
+import av
+from aiortc import RTCPeerConnection
+from aiortc.codecs.vpx import Vp8Encoder, number_of_threads
+from av.frame import Frame
+
+log = logging.getLogger(__name__)
+
+# libvpx options that differ from aiortc's (aiortc/codecs/vpx.py, Vp8Encoder.encode).
+OUTPUT_OPTIONS: dict[str, str] = {"noise-sensitivity": "0", "cpu-used": "-8"}
+# Where aiortc's RTCRtpSender keeps its encoder (a name-mangled private attribute; it makes one with
+# get_encoder(codec) when the first frame is sent and this is still None).
+SENDER_ATTRIBUTE = "_RTCRtpSender__encoder"
+
+
+class OutputVp8Encoder(Vp8Encoder):
+    """aiortc's VP8 encoder opening its libvpx context with ``OUTPUT_OPTIONS``."""
+
+    def encode(self, frame: Frame, force_keyframe: bool = False) -> tuple[list[bytes], int]:
+        assert isinstance(frame, av.VideoFrame)
+        if self.codec is None or self._must_reopen(frame):
+            self.codec = self._open(frame)
+        # aiortc's encode finds its context open at this size and bitrate and keeps it.
+        return super().encode(frame, force_keyframe)
+
+    def _must_reopen(self, frame: av.VideoFrame) -> bool:
+        """aiortc's rule for a new context: another frame size, or a bitrate more than 10 % off."""
+        assert self.codec is not None
+        bitrate = self.codec.bit_rate or self.target_bitrate
+        return (frame.width != self.codec.width or frame.height != self.codec.height
+                or abs(self.target_bitrate - bitrate) / bitrate > 0.1)
+
+    def _open(self, frame: av.VideoFrame) -> av.VideoCodecContext:
+        """aiortc's context (constant bitrate, real-time deadline, no lag), with ``OUTPUT_OPTIONS``."""
+        bitrate = self.target_bitrate
+        codec = av.CodecContext.create("libvpx", "w")
+        assert isinstance(codec, av.VideoCodecContext)
+        codec.width = frame.width
+        codec.height = frame.height
+        codec.bit_rate = bitrate
+        codec.pix_fmt = "yuv420p"
+        codec.gop_size = 3000  # kf_max_dist
+        codec.qmin = 2
+        codec.qmax = 56
+        codec.options = {
+            "bufsize": str(bitrate),  # rc_buf_sz 1000 ms
+            "deadline": "realtime",
+            "lag-in-frames": "0",
+            "minrate": str(bitrate),  # minrate = maxrate = bit_rate: constant bitrate
+            "maxrate": str(bitrate),
+            "overshoot-pct": "15",
+            "partitions": "0",
+            "static-thresh": "1",
+            "undershoot-pct": "100",
+            **OUTPUT_OPTIONS,
+        }
+        codec.thread_count = number_of_threads(frame.width * frame.height, multiprocessing.cpu_count())
+        return codec
+
+
+def encode_output_frames(pc: RTCPeerConnection) -> None:
+    """Give every video sender of ``pc`` (the server sends only the stylized output) whose negotiated
+    codec is VP8 an :class:`OutputVp8Encoder` (call after setRemoteDescription, before media flows).
+    H264 keeps aiortc's encoder, as does an aiortc that keeps it elsewhere."""
+    for transceiver in pc.getTransceivers():
+        sender = transceiver.sender
+        codecs = getattr(transceiver, "_codecs", None)
+        if transceiver.kind != "video" or sender.track is None or not codecs:
+            continue
+        if codecs[0].mimeType.lower() != "video/vp8":
+            continue
+        if not hasattr(sender, SENDER_ATTRIBUTE):
+            log.warning("aiortc's sender keeps no encoder at %s: the output keeps aiortc's VP8 settings",
+                        SENDER_ATTRIBUTE)
+            continue
+        if getattr(sender, SENDER_ATTRIBUTE) is None:
+            setattr(sender, SENDER_ATTRIBUTE, OutputVp8Encoder())
