@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -66,6 +67,21 @@ def _video_track(page: Any) -> dict[str, Any]:
     }"""))
 
 
+def _assert_sent_at_the_streams_size(url: str, stream_id: str, camera: tuple[int, int]) -> None:
+    """The page sends the camera scaled down to the stream's size, not below it (web/rtc.js): the
+    frames the server receives are the stream's size up to the camera's aspect, far from the camera's."""
+    deadline = time.monotonic() + 20
+    while True:
+        stats = json.loads(http("GET", f"{url}/api/streams/{stream_id}")[2])
+        sent, stream = (stats["input_width"], stats["input_height"]), (stats["width"], stats["height"])
+        at_stream_size = (stream[0] <= sent[0] and stream[1] <= sent[1]
+                          and min(sent[0] / stream[0], sent[1] / stream[1]) < 1.1)
+        if at_stream_size or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert at_stream_size and sent[0] * sent[1] * 4 < camera[0] * camera[1], (sent, stream, camera)
+
+
 def test_camera_choices(browser: Any, live_server: Callable[..., AbstractContextManager[str]]) -> None:
     page = _page(browser)
     offers: list[str] = []
@@ -100,6 +116,8 @@ def test_camera_choices(browser: Any, live_server: Callable[..., AbstractContext
             page.select_option("#resolution-select", choice)
             _wait(page, f"(s => s.width === {size[0]} && s.height === {size[1]})"
                         "(window.diffcast.camera.track().getSettings())", 15)
+            if size == (1280, 720):
+                _assert_sent_at_the_streams_size(url, stream_id, size)
 
         # Mirror flips both videos on screen.
         page.check("#mirror")

@@ -12,7 +12,15 @@ import pytest
 
 from app.server.config import ServerConfig
 from app.server.executors import ServingLoop, build_serving_loop
-from app.server.frame_path import ChunkAssembler, Playout, StreamRunner, fit_frame, frame_rgb, yuv_frame
+from app.server.frame_path import (
+    ChunkAssembler,
+    Playout,
+    StreamRunner,
+    fit_frame,
+    frame_rgb,
+    to_rgb,
+    yuv_frame,
+)
 from app.server.framecode import MAX_ID, draw_id, read_id
 
 
@@ -225,6 +233,28 @@ def test_fit_frame_centre_crops() -> None:
     image[:, 50:150] = 255  # the centre square
     out = fit_frame(image, (10, 10))
     assert out.shape == (10, 10, 3) and out.min() == 255
+
+
+def test_a_large_camera_frame_is_scaled_in_one_pass_like_rgb_then_area_resize() -> None:
+    from engine.embedded.clips import heldout_specs, render_clip
+
+    texture = render_clip(heldout_specs(frames=1)[0])[0]  # a photograph, 256x256
+    for camera, size in (((640, 480), (288, 224)), ((1280, 720), (288, 224)), ((640, 480), (336, 192)),
+                         ((480, 640), (224, 288)), ((576, 448), (288, 224))):
+        frame = yuv_frame(cv2.resize(texture, camera, interpolation=cv2.INTER_CUBIC))
+        out = to_rgb(frame, size)
+        # The independent path: the whole frame in RGB, centre-cropped, OpenCV's area resize.
+        reference = fit_frame(frame_rgb(frame), size)
+        assert out.shape == reference.shape == (size[1], size[0], 3) and out.flags.c_contiguous
+        mse = np.mean((out.astype(float) - reference.astype(float)) ** 2)
+        psnr = 10 * np.log10(255.0**2 / mse)
+        across = np.mean((out[:, 1:].astype(float) - reference[:, :-1].astype(float)) ** 2)
+        down = np.mean((out[1:].astype(float) - reference[:-1].astype(float)) ** 2)
+        assert psnr > 35 and mse * 2 < min(across, down), (camera, size, psnr)  # the same picture, not a pixel off
+    # The same size and upscales keep the RGB-first path exactly.
+    for camera in ((288, 224), (256, 256)):
+        frame = yuv_frame(cv2.resize(texture, camera))
+        np.testing.assert_array_equal(to_rgb(frame, (288, 224)), fit_frame(frame_rgb(frame), (288, 224)))
 
 
 def test_framecode_roundtrip_and_guard() -> None:

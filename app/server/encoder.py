@@ -3,7 +3,7 @@
 aiortc's VP8 encoder is set up for a camera: libvpx's temporal denoiser on (``noise-sensitivity``
 4) at speed ``cpu-used`` -6. The server's outgoing frames are the engine's, already steadied by the
 temporal stabilizer: there is no sensor noise to remove, and the denoiser smears their detail into
-the next frames. Measured on teacher-stylized held-out clips at 256x256 (`demos/bench_encoder.py`;
+the next frames. Measured on teacher-stylized held-out clips at 256x256 (`demos/bench_media.py`;
 docs/service.md, "The output's VP8 encoder"): without the denoiser and at ``cpu-used`` -8, an encode
 takes 0.53-0.81 ms instead of 0.66-0.99 (250 kbps-1 Mbps) and the decoded frames are 0.5-1.2 dB
 nearer the encoder's input (-10 saves another ~0.08 ms but gives the quality back at aiortc's lowest

@@ -34,7 +34,7 @@ from av.video.reformatter import VideoReformatter
 
 from app.server.engine_bridge import StreamProcessor
 from app.server.framecode import copy_band
-from engine.aspect import fit_frame
+from engine.aspect import crop_box, fit_frame
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,22 @@ class OutputFrame:
 
 
 def to_rgb(source: av.VideoFrame | np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    image = source if isinstance(source, np.ndarray) else frame_rgb(source)
-    return fit_frame(image, size)
+    """A camera frame as uint8 [H, W, 3] RGB at ``size``: centre-cropped to its aspect, never stretched
+    (engine/aspect.py). A decoded frame larger than that is converted and scaled down in one swscale
+    pass (area filter) and only then cropped: at 640x480 -> 288x224 0.57 ms instead of 1.03 (RGB at
+    the camera's size, then OpenCV's area resize), at 1280x720 0.87 instead of 1.89."""
+    if isinstance(source, av.VideoFrame):
+        x, y, crop_w, crop_h = crop_box((source.width, source.height), size)
+        width, height = size
+        if crop_w <= width or crop_h <= height:  # the same size, or up: RGB first, then OpenCV
+            return fit_frame(frame_rgb(source), size)
+        # The whole frame scaled so that its centred crop is exactly ``size``.
+        scaled = _reformatter("rgb24").reformat(
+            source, width=round(source.width * width / crop_w), height=round(source.height * height / crop_h),
+            format="rgb24", interpolation="AREA", threads=1).to_ndarray()
+        left, top = round(x * width / crop_w), round(y * height / crop_h)
+        return np.ascontiguousarray(scaled[top : top + height, left : left + width])
+    return fit_frame(source, size)
 
 
 def decode_jpeg(data: bytes) -> np.ndarray:
@@ -140,11 +154,14 @@ class ChunkAssembler:
         self.accepting = True
         self.received = 0
         self.dropped = 0
+        self.camera_size: tuple[int, int] | None = None  # (width, height) of the last frame received
 
     def push(self, source: av.VideoFrame | np.ndarray) -> FrameMeta:
         meta = FrameMeta(self._seq, self._clock())
         self._seq += 1
         self.received += 1
+        self.camera_size = (source.shape[1], source.shape[0]) if isinstance(source, np.ndarray) \
+            else (source.width, source.height)
         if not self.accepting:  # paused: nothing will be generated from this frame
             return meta
         if len(self._frames) == self._capacity + self._backlog:
@@ -416,6 +433,12 @@ class StreamRunner:
     @property
     def paused(self) -> bool:
         return not self._resumed.is_set()
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) the stream runs and plays out at: the model's default until the first chunk
+        picks it from the camera's aspect."""
+        return self._size
 
     def _notify(self, event: str) -> None:
         if self.on_event is not None:

@@ -251,6 +251,12 @@ class Session:
             "chunk_ms": round(1000 * self.runner.chunk_seconds, 1),
             "paused": self.runner.paused,
             "frames_in": self.assembler.received,
+            # The stream's size, and the camera frames' as they arrive: the page scales what it sends
+            # down to the stream's size (web/rtc.js), so the server decodes no pixels it throws away.
+            "width": self.runner.size[0],
+            "height": self.runner.size[1],
+            "input_width": None if self.assembler.camera_size is None else self.assembler.camera_size[0],
+            "input_height": None if self.assembler.camera_size is None else self.assembler.camera_size[1],
             "frames_out": self.playout.frames_shown,
             "dropped_frames": self.dropped_frames,
             "dropped_input_frames": self.assembler.dropped,  # camera frames the engine never took
