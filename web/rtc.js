@@ -39,7 +39,7 @@ export function logIn() {
 
 // The camera's frames go out scaled down to the stream's size (the stats' width and height), never
 // below it: the server would decode every pixel beyond it only to throw it away (a 640x480 camera
-// for a 288x224 stream: 1.8 ms of the server's CPU per frame instead of 0.25; docs/service.md,
+// for a 288x224 stream: 1.7 ms of the server's CPU per frame instead of 0.44; docs/service.md,
 // "Sending at the stream's size"), and the browser encodes and sends a fifth of the pixels. Checked
 // at every stats message, so a camera switch or a resolution change is followed within a second.
 export async function sendAtStreamSize(pc, width, height) {

@@ -101,8 +101,8 @@ class OutputFrame:
 def to_rgb(source: av.VideoFrame | np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """A camera frame as uint8 [H, W, 3] RGB at ``size``: centre-cropped to its aspect, never stretched
     (engine/aspect.py). A decoded frame larger than that is converted and scaled down in one swscale
-    pass (area filter) and only then cropped: at 640x480 -> 288x224 0.57 ms instead of 1.03 (RGB at
-    the camera's size, then OpenCV's area resize), at 1280x720 0.87 instead of 1.89."""
+    pass (area filter) and only then cropped: at 640x480 -> 288x224 0.49 ms instead of 0.95 (RGB at
+    the camera's size, then OpenCV's area resize), at 1280x720 0.71 instead of 1.85 (demos/bench_media.py)."""
     if isinstance(source, av.VideoFrame):
         x, y, crop_w, crop_h = crop_box((source.width, source.height), size)
         width, height = size
