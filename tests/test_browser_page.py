@@ -156,6 +156,10 @@ def test_page_falls_back_to_websocket(page: Any, live_server: Callable[..., Abst
         _assert_output_advances(page)
         _assert_output_keeps_the_cameras_aspect(page, "#output-canvas")
         _wait(page, "window.diffcast.stats && window.diffcast.stats.kind === 'ws' && window.diffcast.stats.frames_out > 0")
+        # Once the stats say the stream's size, the JPEGs come at it (320x240 camera, 288x224 stream:
+        # 299x224), no smaller in either side (the server crops, it does not scale up).
+        _wait(page, "(s => s.input_width >= s.width && s.input_height >= s.height"
+                    " && s.input_width * s.input_height < 1.1 * s.width * s.height)(window.diffcast.stats)", 15)
         page.fill("#prompt", "charcoal drawing")
         page.click("#apply")
         _wait(page, "window.diffcast.stats.prompt === 'charcoal drawing'", 15)

@@ -8,8 +8,10 @@ export function connectWebSocket({ cameraVideo, config, options, canvas, onFrame
   }
   const ws = new WebSocket(url);
   ws.binaryType = "blob";
-  // Frames go out at the camera's aspect with about the model's pixels (config.width x config.height);
-  // the server crops the few pixels its size grid cannot hit, like a WebRTC camera's.
+  // Frames go out at the camera's aspect, as small as the stream's size allows (the stats' width and
+  // height, like the WebRTC sender: web/rtc.js), before the first stats with about the model's pixels
+  // (config.width x config.height); the server crops the few pixels its size grid cannot hit.
+  let stream = null; // the stream's { width, height } from its stats
   const grab = document.createElement("canvas");
   const grabContext = grab.getContext("2d");
   const drawContext = canvas.getContext("2d");
@@ -23,7 +25,8 @@ export function connectWebSocket({ cameraVideo, config, options, canvas, onFrame
     if (ws.readyState !== WebSocket.OPEN || ws.bufferedAmount > 64 * 1024) return;
     if (cameraVideo.readyState < 2) return;
     const w = cameraVideo.videoWidth, h = cameraVideo.videoHeight;
-    const scale = Math.min(1, Math.sqrt((config.width * config.height) / (w * h)));
+    const scale = Math.min(1, stream ? Math.max(stream.width / w, stream.height / h)
+      : Math.sqrt((config.width * config.height) / (w * h)));
     const gw = Math.round(w * scale), gh = Math.round(h * scale);
     if (grab.width !== gw) grab.width = gw;
     if (grab.height !== gh) grab.height = gh;
@@ -42,6 +45,9 @@ export function connectWebSocket({ cameraVideo, config, options, canvas, onFrame
   ws.onmessage = async (event) => {
     if (typeof event.data === "string") {
       const message = JSON.parse(event.data);
+      if (message.type === "stats" && message.width && message.height) {
+        stream = { width: message.width, height: message.height };
+      }
       if (message.type === "hello") {
         streamId = message.stream_id;
         viewerToken = message.viewer_token;

@@ -156,12 +156,17 @@ class ChunkAssembler:
         self.dropped = 0
         self.camera_size: tuple[int, int] | None = None  # (width, height) of the last frame received
 
-    def push(self, source: av.VideoFrame | np.ndarray) -> FrameMeta:
+    def push(self, source: av.VideoFrame | np.ndarray, arrived_size: tuple[int, int] | None = None) -> FrameMeta:
+        """A camera frame; ``arrived_size`` is its (width, height) as the client sent it when ``source``
+        is already resized (the WebSocket path decodes JPEGs straight to the stream's size)."""
         meta = FrameMeta(self._seq, self._clock())
         self._seq += 1
         self.received += 1
-        self.camera_size = (source.shape[1], source.shape[0]) if isinstance(source, np.ndarray) \
-            else (source.width, source.height)
+        if arrived_size is not None:
+            self.camera_size = arrived_size
+        else:
+            self.camera_size = (source.shape[1], source.shape[0]) if isinstance(source, np.ndarray) \
+                else (source.width, source.height)
         if not self.accepting:  # paused: nothing will be generated from this frame
             return meta
         if len(self._frames) == self._capacity + self._backlog:
