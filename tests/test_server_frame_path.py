@@ -16,6 +16,7 @@ from app.server.frame_path import (
     ChunkAssembler,
     Playout,
     StreamRunner,
+    _reformatter,
     fit_frame,
     frame_rgb,
     to_rgb,
@@ -154,15 +155,19 @@ def test_reused_converters_match_a_frames_own_conversion_both_ways() -> None:
     import av
 
     rng = np.random.default_rng(0)
-    for size in ((64, 48), (160, 96), (64, 48)):  # a size change rebuilds the thread's converter
+    converters = []
+    for size in ((64, 48), (160, 96), (64, 48)):  # streams of two sizes on one thread
         image = cv2.GaussianBlur(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), (15, 15), 0)
         frame = yuv_frame(image)
+        converters.append(_reformatter("yuv420p", "rgb24", *size))
         assert frame.format.name == "yuv420p" and (frame.width, frame.height) == size
         own = av.VideoFrame.from_ndarray(image, format="rgb24").reformat(format="yuv420p")
         np.testing.assert_array_equal(frame.to_ndarray(), own.to_ndarray())
         rgb = frame_rgb(frame)
         np.testing.assert_array_equal(rgb, frame.to_ndarray(format="rgb24"))
         assert np.abs(rgb.astype(int) - image).mean() < 6  # the picture survives (4:2:0 chroma, rounding)
+    # Each size keeps its own converter (one converter would rebuild its swscale context at every switch).
+    assert converters[0] is converters[2] and converters[0] is not converters[1]
 
 
 class Negate:

@@ -45,28 +45,36 @@ LATENCY_WINDOW_S = 5.0
 _local = threading.local()
 
 
-def _reformatter(target: str) -> VideoReformatter:
-    """This thread's swscale converter to ``target``, reused frame after frame. A frame's own
-    ``reformat`` / ``to_ndarray(format=...)`` builds a converter (with its slice threads) and frees
-    it with the frame: 0.5 ms CPU per 256x256 frame, and the freeing ran on the event loop. One per
-    target format, so that a thread converting both ways does not rebuild it at every call. One slice
+MAX_CONVERTERS = 16  # per thread: a lane's streams at their camera sizes, the playout's stream sizes
+
+
+def _reformatter(*conversion: object) -> VideoReformatter:
+    """This thread's swscale converter for one ``conversion`` (target format, source format and size,
+    target size), reused frame after frame. A frame's own ``reformat`` / ``to_ndarray(format=...)``
+    builds a converter (with its slice threads) and frees it with the frame: 0.5 ms CPU per 256x256
+    frame, and the freeing ran on the event loop. A converter rebuilds itself whenever its conversion
+    changes, so a thread serving streams of different sizes keeps one per conversion. One slice
     thread: a camera frame is too small to split, and the split waits on threads the engine competes for."""
-    converters: dict[str, VideoReformatter] = _local.__dict__.setdefault("reformatters", {})
-    if target not in converters:
-        converters[target] = VideoReformatter()
-    return converters[target]
+    converters: dict[tuple[object, ...], VideoReformatter] = _local.__dict__.setdefault("reformatters", {})
+    converter = converters.get(conversion)
+    if converter is None:
+        if len(converters) >= MAX_CONVERTERS:  # sizes come and go with streams: start over
+            converters.clear()
+        converter = converters[conversion] = VideoReformatter()
+    return converter
 
 
 def frame_rgb(frame: av.VideoFrame) -> np.ndarray:
     """A decoded video frame as uint8 [H, W, 3] RGB."""
-    return _reformatter("rgb24").reformat(frame, format="rgb24", threads=1).to_ndarray()
+    converter = _reformatter("rgb24", frame.format.name, frame.width, frame.height)
+    return converter.reformat(frame, format="rgb24", threads=1).to_ndarray()
 
 
 def yuv_frame(image: np.ndarray) -> av.VideoFrame:
     """uint8 [H, W, 3] RGB as a yuv420p frame, the format aiortc's VP8 and H264 encoders take as it
     is (given RGB they convert it themselves, with a new converter per frame)."""
-    return _reformatter("yuv420p").reformat(av.VideoFrame.from_ndarray(image, format="rgb24"), format="yuv420p",
-                                            threads=1)
+    converter = _reformatter("yuv420p", "rgb24", image.shape[1], image.shape[0])
+    return converter.reformat(av.VideoFrame.from_ndarray(image, format="rgb24"), format="yuv420p", threads=1)
 
 
 async def video_frames(track: MediaStreamTrack) -> AsyncIterator[av.VideoFrame]:
@@ -109,9 +117,10 @@ def to_rgb(source: av.VideoFrame | np.ndarray, size: tuple[int, int]) -> np.ndar
         if crop_w <= width or crop_h <= height:  # the same size, or up: RGB first, then OpenCV
             return fit_frame(frame_rgb(source), size)
         # The whole frame scaled so that its centred crop is exactly ``size``.
-        scaled = _reformatter("rgb24").reformat(
-            source, width=round(source.width * width / crop_w), height=round(source.height * height / crop_h),
-            format="rgb24", interpolation="AREA", threads=1).to_ndarray()
+        scaled_w, scaled_h = round(source.width * width / crop_w), round(source.height * height / crop_h)
+        converter = _reformatter("rgb24", source.format.name, source.width, source.height, scaled_w, scaled_h)
+        scaled = converter.reformat(source, width=scaled_w, height=scaled_h, format="rgb24", interpolation="AREA",
+                                    threads=1).to_ndarray()
         left, top = round(x * width / crop_w), round(y * height / crop_h)
         return np.ascontiguousarray(scaled[top : top + height, left : left + width])
     return fit_frame(source, size)
