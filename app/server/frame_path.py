@@ -122,7 +122,7 @@ def to_rgb(source: av.VideoFrame | np.ndarray, size: tuple[int, int]) -> np.ndar
         scaled = converter.reformat(source, width=scaled_w, height=scaled_h, format="rgb24", interpolation="AREA",
                                     threads=1).to_ndarray()
         left, top = round(x * width / crop_w), round(y * height / crop_h)
-        return np.ascontiguousarray(scaled[top : top + height, left : left + width])
+        return scaled[top : top + height, left : left + width]  # a view: the chunk stacks (copies) it
     return fit_frame(source, size)
 
 
