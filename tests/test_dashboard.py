@@ -137,4 +137,11 @@ def test_dashboard_page_updates_live(chromium_path: Path, two_streams: tuple[str
         assert page.evaluate("window.diffcastDashboard.errors") == 0
         tiers = page.eval_on_selector_all(".tier", "els => els.map(e => e.textContent)")
         assert len(tiers) == 2 and set(tiers) <= {"URGENT", "NORMAL", "RELAXED", "WARMING"}
+        # Each row shows its stream's size as the server reports it, and the 128x128 cameras' frames
+        # where they differ from it.
+        for stream_id in ids:
+            stats = _get(f"{url}/api/streams/{stream_id}")[1]
+            stream = f"{stats['width']}x{stats['height']}"
+            expected = stream if stream == "128x128" else f"{stream} ← 128x128"
+            assert page.text_content(f"tr[data-stream='{stream_id}'] td.size") == expected
         browser.close()

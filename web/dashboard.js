@@ -67,7 +67,12 @@ function renderStreams(streams) {
       const tier = document.createElement("td");
       tier.innerHTML = `<span class="tier" data-tier="${esc(s.tier)}">${esc(s.tier)}</span>`;
       const latency = s.latency_p50_ms === null ? "–" : `${Math.round(s.latency_p50_ms)} / ${Math.round(s.latency_p95_ms)} ms`;
-      row.append(id, cell(s.kind), tier, cell(ms(s.slack_s)), cell(ms(s.credit_s)), cell(Number(s.fps).toFixed(1)),
+      // The stream's size, and the camera frames' as they arrive when they differ (a publisher
+      // sending more pixels than the stream uses: docs/obs.md).
+      const camera = s.input_width && (s.input_width !== s.width || s.input_height !== s.height)
+        ? ` ← ${s.input_width}x${s.input_height}` : "";
+      row.append(id, cell(s.kind), cell(`${s.width}x${s.height}${camera}`, "size"), tier, cell(ms(s.slack_s)),
+        cell(ms(s.credit_s)), cell(Number(s.fps).toFixed(1)),
         cell(latency), cell(s.fidelity), cell(`${Math.round(s.chunk_ms)} ms`), cell(s.dropped_frames), cell(s.viewers),
         cell(s.prompt, "prompt"));
       return row;
