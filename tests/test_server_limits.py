@@ -96,8 +96,9 @@ def _png(image: np.ndarray) -> bytes:
     ids=["1x1", "1-row strip", "1-column strip", "odd 3x7", "grey", "rgba"],
 )
 def test_odd_frames_are_fitted_never_crash(image: np.ndarray) -> None:
-    out = decode_frame(_png(image), (160, 128), max_pixels=1 << 24)
+    out, sent = decode_frame(_png(image), (160, 128), max_pixels=1 << 24)
     assert out.shape == (128, 160, 3) and out.dtype == np.uint8
+    assert sent == (image.shape[1], image.shape[0])  # the size the client sent, not the fitted one
     if image.ndim == 3 and image.shape[2] == 3:
         assert fit_frame(image, (160, 128)).shape == (128, 160, 3)
 
@@ -105,8 +106,8 @@ def test_odd_frames_are_fitted_never_crash(image: np.ndarray) -> None:
 def test_large_frames_are_downscaled_and_bombs_refused() -> None:
     rng = np.random.default_rng(0)
     big = rng.integers(0, 255, (1080, 1920, 3), dtype=np.uint8)
-    out = decode_frame(encode_jpeg(big, 80), (128, 128), max_pixels=4096 * 4096)
-    assert out.shape == (128, 128, 3)
+    out, sent = decode_frame(encode_jpeg(big, 80), (128, 128), max_pixels=4096 * 4096)
+    assert out.shape == (128, 128, 3) and sent == (1920, 1080)
     # Compare with a full decode, crop and resize: the reduced decode shows the same picture.
     full = cv2.imdecode(np.frombuffer(encode_jpeg(big, 80), np.uint8), cv2.IMREAD_COLOR)
     assert full is not None

@@ -91,9 +91,10 @@ def image_size(data: bytes) -> tuple[int, int]:
 
 
 def decode_frame(data: bytes, size: tuple[int, int] | Callable[[tuple[int, int]], tuple[int, int]],
-                 max_pixels: int) -> np.ndarray:
-    """JPEG/PNG bytes -> uint8 RGB at ``size`` = (width, height), the engine's size, or at
-    ``size(image's size)`` (the stream's size from the image's aspect, ``SessionManager.size_for``).
+                 max_pixels: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """JPEG/PNG bytes -> (uint8 RGB at ``size`` = (width, height), the engine's size, or at
+    ``size(image's size)`` (the stream's size from the image's aspect, ``SessionManager.size_for``);
+    the image's own (width, height) as it was sent).
 
     Images over ``max_pixels`` are refused before decoding (a decompression bomb); large JPEGs are
     decoded at a reduced scale that still covers ``size``; any other aspect ratio is centre-cropped."""
@@ -110,7 +111,7 @@ def decode_frame(data: bytes, size: tuple[int, int] | Callable[[tuple[int, int]]
     image = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), flag)
     if image is None:
         raise MessageLimitError(f"binary message of {len(data)} bytes is not a decodable JPEG/PNG image")
-    return fit_frame(cv2.cvtColor(image, cv2.COLOR_BGR2RGB), size)
+    return fit_frame(cv2.cvtColor(image, cv2.COLOR_BGR2RGB), size), (width, height)
 
 
 class InputTimeout(RuntimeError):

@@ -17,7 +17,7 @@ from starlette.websockets import WebSocketState
 from app.server.config import ServerConfig
 from app.server.engine_bridge import StreamSettings
 from app.server.frame_path import encode_jpeg
-from app.server.limits import decode_frame, frame_guard, image_size
+from app.server.limits import decode_frame, frame_guard
 from app.server.session import CapacityError, SessionManager
 
 log = logging.getLogger(__name__)
@@ -75,13 +75,13 @@ async def serve_websocket(
             if message.get("bytes") is not None:
                 try:
                     frames.check(message["bytes"])
-                    image = await asyncio.to_thread(
+                    image, arrived = await asyncio.to_thread(
                         decode_frame, message["bytes"], manager.size_for, config.max_frame_pixels
                     )
                 except ValueError as exc:  # MessageLimitError: over a limit, or not an image
                     await send_text(json.dumps({"type": "error", "message": str(exc)}))
                     continue
-                session.assembler.push(image, arrived_size=image_size(message["bytes"]))
+                session.assembler.push(image, arrived_size=arrived)
             elif message.get("text") is not None:
                 reply = await session.handle_text(message["text"], config.max_prompt_chars)
                 await send_text(json.dumps(reply))
