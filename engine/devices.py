@@ -45,6 +45,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def has_bf16_units(device: torch.device | str) -> bool:
+    """Whether bf16 math is native on ``device``: always on CUDA; on a CPU, AVX512-BF16 or AMX (x86).
+    Elsewhere bf16 runs emulated, slower than fp32 (``engine.fidelity.engine_capabilities``)."""
+    if torch.device(device).type != "cpu":
+        return True
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return next((name for name, d in DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
 

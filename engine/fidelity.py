@@ -20,8 +20,9 @@ class FidelityConfig:
     """Every per-chunk knob the engine exposes; all can change at a chunk boundary.
 
     ``kv_window_frames`` counts latent frames kept in the rolling KV cache (sink frames included);
-    ``precision`` is the attention compute precision (fp8 = SageAttention-style online quantisation,
-    weights stay bf16 so switching needs no reload); ``attention_sparsity`` is the fraction of
+    ``precision`` is the compute precision of the chunk's forwards (bf16: autocast over fp32 weights
+    for the VAE's encode and decode and the DiT; fp8 = SageAttention-style online quantisation of the
+    attention, weights stay bf16 so switching needs no reload); ``attention_sparsity`` is the fraction of
     attention blocks skipped; ``stream_batch`` is how many streams share one forward; ``step_batch``
     runs the denoising steps of a stream's successive chunks in one forward (StreamDiffusionV2's
     "stream batch", engine/streaming/stream_batch.py): one forward per chunk instead of ``steps``, at
@@ -85,14 +86,16 @@ _MISSING = {
 }
 
 
-def engine_capabilities(device_type: str) -> frozenset[str]:
+def engine_capabilities(device_type: str, bf16_units: bool = True) -> frozenset[str]:
     """What this engine runs on a torch device type ("cpu", "cuda", ...).
 
-    The device type itself; bf16 on cpu and cuda; block-sparse attention everywhere (the DiT's
-    pure-torch reference implementation); fp8 attention nowhere yet.
+    The device type itself; bf16 on cpu and cuda, where the processor has bf16 units (``bf16_units``,
+    ``engine.devices.has_bf16_units``: a CPU without them emulates bf16 more slowly than fp32 runs, so
+    bf16 points profiled on one with them would promise a speed it does not have); block-sparse
+    attention everywhere (the DiT's pure-torch reference implementation); fp8 attention nowhere yet.
     """
     caps = {device_type, SPARSE_ATTENTION}
-    if device_type in _BF16_DEVICES:
+    if device_type in _BF16_DEVICES and bf16_units:
         caps.add(BF16)
     return frozenset(caps)
 

@@ -1,7 +1,7 @@
 """Measure every fidelity configuration the engine supports and write a fidelity profile.
 
 For one model at one frame size, each candidate ``FidelityConfig`` (denoising steps within the
-sampler preset, KV window, resolution scale, attention precision) runs the same synthetic camera
+sampler preset, KV window, resolution scale, compute precision) runs the same synthetic camera
 clip with the same seed:
 
 * latency: wall time of one V2V chunk (encode + DiT + decode + the stabilizer where the model enables it, ``Stream.process``;
@@ -297,11 +297,24 @@ class ProfileResult:
         return replace(self, profile=replace(self.profile, points=points, notes=(*self.profile.notes, note)))
 
     def ladder(self, min_speedup: float = 0.05) -> ProfileResult:
-        """Only the ladder of :func:`ladder` (the Pareto front, each rung measurably faster)."""
-        kept = ladder(self.profile.per_stream(), min_speedup)
+        """Only the ladders of :func:`ladders` (the Pareto front, each rung measurably faster, for every
+        set of capabilities the points need)."""
+        kept = ladders(self.profile.per_stream(), min_speedup)
         notes = (*self.profile.notes, f"kept: the Pareto front, each point at least {min_speedup:.0%} faster than "
-                                      f"the one above it ({len(kept)} of {len(self.profile.points)} measured)")
+                                      f"the one above it, for each set of capabilities the points need "
+                                      f"({len(kept)} of {len(self.profile.points)} measured)")
         return replace(self, profile=replace(self.profile, points=kept, notes=notes))
+
+
+def ladders(points: Sequence[ProfilePoint], min_speedup: float = 0.05) -> tuple[ProfilePoint, ...]:
+    """The :func:`ladder` of the points each set of requirements runs, merged (fastest first): a device
+    without one of the capabilities (say bf16 on a CPU without bf16 units) still finds a whole ladder
+    among the points it runs, where the ladder of all points would leave it the few that need nothing."""
+    kept: dict[FidelityConfig, ProfilePoint] = {}
+    for have in {p.requirements for p in points}:
+        for p in ladder([q for q in points if q.requirements <= have], min_speedup):
+            kept[p.config] = p
+    return tuple(sorted(kept.values(), key=lambda p: p.latency_s))
 
 
 def ladder(points: Sequence[ProfilePoint], min_speedup: float = 0.05) -> tuple[ProfilePoint, ...]:

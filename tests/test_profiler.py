@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,15 @@ import pytest
 
 from app.cli import main
 from engine.pipeline import StreamParams
-from engine.profiler import PSNR_CAP, ProfileRun, candidate_configs, ladder, profile_pipeline, synthetic_clip
+from engine.profiler import (
+    PSNR_CAP,
+    ProfileRun,
+    candidate_configs,
+    ladder,
+    ladders,
+    profile_pipeline,
+    synthetic_clip,
+)
 from engine.serving.bmpr import BMPR
 from engine.serving.fidelity import FidelityConfig, ProfilePoint, load_profile
 
@@ -94,6 +103,20 @@ def test_the_ladder_is_the_pareto_front_with_measurable_steps() -> None:
     assert [p.quality for p in rungs] == [20.0, 22.5, 23.0, 24.0]
 
 
+def test_each_capability_set_keeps_a_whole_ladder() -> None:
+    def bf16(latency_ms: float, quality: float, scale: float) -> ProfilePoint:
+        p = _point(latency_ms, quality, scale)
+        return replace(p, config=replace(p.config, precision="bf16"))
+
+    fp32 = [_point(100, 24.0, 1.0), _point(60, 22.5, 0.75), _point(30, 20.0, 0.5)]
+    fast = [bf16(80, 24.0, 1.0), bf16(48, 22.5, 0.75), bf16(24, 20.0, 0.5)]
+    kept = ladders(fp32 + fast)
+    # The ladder of all points is the bf16 one; a device without bf16 still gets the fp32 ladder.
+    assert ladder(fp32 + fast) == tuple(fast[::-1])
+    assert set(kept) == set(fp32 + fast)
+    assert [p.latency_s for p in kept] == sorted(p.latency_s for p in kept)
+
+
 def test_anchoring_keeps_the_ratios_and_sets_the_reference() -> None:
     from engine.profiler import ProfileResult
     from engine.serving.fidelity import FidelityProfile
@@ -134,20 +157,26 @@ def test_teacher_quality_is_psnr_against_the_teachers_on_held_out_clips() -> Non
     assert all(0.2 < result.warp_ratio[c] < 5 for c in (full, half))
 
 
-def test_the_bundled_default_ladder_is_what_the_live_policy_routes_on() -> None:
-    from app.server.executors import bundled_live_profile
+@pytest.mark.parametrize("bf16_units", [True, False], ids=["bf16-cpu", "fp32-only-cpu"])
+def test_the_bundled_default_ladder_is_what_the_live_policy_routes_on(bf16_units: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.server import executors
     from engine.pipeline import Pipeline
 
+    # The server's own filter, on a CPU with bf16 units and on one without (bf16 emulated, slower).
+    monkeypatch.setattr(executors, "has_bf16_units", lambda device: bf16_units)
     pipe = Pipeline.load()
-    profile = bundled_live_profile(None, pipe.default_size)
-    assert profile.model == "default" and profile.source.startswith("measured")
-    assert any("against the teachers" in note for note in profile.notes)
-    points = sorted(profile.points, key=lambda p: p.latency_s)
-    assert len(points) >= 5
-    assert BMPR(profile.per_stream()).frontier == tuple(points)  # every point is on the Pareto front
-    for faster, slower in zip(points[:-1], points[1:], strict=True):
+    bundled = executors.bundled_live_profile(None, pipe.default_size)
+    assert bundled.model == "default" and bundled.source.startswith("measured")
+    assert any("against the teachers" in note for note in bundled.notes)
+    profile = executors.runnable_profile(bundled, "cpu", step_wise=True)
+    assert {p.config.precision for p in profile.points} == ({"bf16", "fp32"} if bf16_units else {"fp32"})
+    rungs = BMPR(profile.per_stream()).frontier  # what the policy routes on
+    assert len(rungs) >= 5
+    for faster, slower in zip(rungs[:-1], rungs[1:], strict=True):
         assert faster.latency_s <= 0.95 * slower.latency_s and faster.quality < slower.quality
-    # Every rung is one the engine runs: a stream switches to it mid-stream and keeps stylizing.
+    # Every point is one the engine runs: a stream switches to it mid-stream and keeps stylizing.
+    points = sorted(profile.points, key=lambda p: p.latency_s)
     frames = synthetic_clip(pipe.default_size, 1 + 4 * len(points), seed=1)
     stream = pipe.open_stream(StreamParams(prompt="oil painting"))
     stream.process(frames[:1])

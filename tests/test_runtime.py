@@ -264,6 +264,38 @@ def test_a_decoder_that_reads_the_input_gets_each_chunks_engine_frames() -> None
         assert (got - unguided).abs().mean() > 0.01
 
 
+@pytest.mark.parametrize("guided_vae", [False, True], ids=["wan-vae", "guided-tiny-vae"])
+def test_a_bf16_chunk_encodes_and_decodes_in_bf16_too(guided_vae: bool) -> None:
+    """Precision bf16 is the whole chunk's: the stream enters the VAE's own encode under torch's bf16
+    autocast (an independent call; no input noise, so x = (1 − s)·z) and gives the VAE's decode under
+    it; an fp32 stream of the same frames gets neither (its VAE computes in fp32)."""
+    from engine.streaming.noise import NoiseControllerConfig
+
+    rt = tiny_runtime(guided_vae=guided_vae, noise=NoiseControllerConfig(input_noise=0.0))
+    for precision in ("bf16", "fp32"):
+        state = rt.open("s", "oil painting", (32, 32), FidelityConfig(steps=1, kv_window_frames=6,
+                                                                      precision=precision), seed=3)
+        for frames in clip(2):
+            encoder, decoder = copy.deepcopy(state.vae_encoder), copy.deepcopy(state.vae_decoder)
+            chunk = rt.enter_chunk(state, frames)
+            entered = chunk.x.clone()
+            rt.run_to_end([chunk])
+            got = rt.decode_chunk(chunk).frames
+            guide = frames[None] if guided_vae else None
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                z16 = rt.vae.encode_chunk(frames[None], copy.deepcopy(encoder)).float()
+                out16 = rt.vae.decode_chunk(chunk.x, copy.deepcopy(decoder), guide)[0].float().clamp(-1, 1)
+            z32 = rt.vae.encode_chunk(frames[None], encoder)
+            out32 = rt.vae.decode_chunk(chunk.x, decoder, guide)[0].float().clamp(-1, 1)
+            s = chunk.noise_rate
+            same, other = ((z16, out16), (z32, out32)) if precision == "bf16" else ((z32, out32), (z16, out16))
+            torch.testing.assert_close(entered, (1 - s) * same[0], rtol=0, atol=1e-6)
+            torch.testing.assert_close(got, same[1], rtol=0, atol=1e-6)
+            assert (entered - (1 - s) * other[0]).abs().max() > 1e-4
+            assert (got - other[1]).abs().max() > 1e-4
+            assert entered.dtype == torch.float32
+
+
 @pytest.mark.parametrize("input_noise", [0.0, 0.5])
 def test_input_noise_scales_only_the_gaussian_term_of_the_v2v_input(input_noise: float) -> None:
     """x = (1 − s)·z + input_noise·s·ε, computed independently: z from a fresh encoder cache, ε the

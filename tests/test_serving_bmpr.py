@@ -84,8 +84,12 @@ def test_the_default_models_ladder_routes_down_to_its_shipping_bar() -> None:
 
     path = BUNDLED_PROFILES / "default_cpu_256.json"
     raw = json.loads(path.read_text())
-    clearing = sorted(p["latency_s"] for p in raw["points"] if p["quality"] >= raw["quality_floor"])
-    assert len(clearing) >= 5
-    policy = SlackPolicy(load_profile(path))
-    reachable = {policy.router.route(budget).point.latency_s for budget in np.linspace(0.0, 1.0, 201)}
-    assert sorted(reachable) == clearing
+    for capabilities in ({"cpu", "bf16"}, {"cpu"}):  # a CPU with bf16 units, one without
+        points = [p for p in raw["points"] if set(p["needs"]) <= capabilities]
+        # By hand: the points no other point beats on both latency and quality, at or above the bar.
+        clearing = sorted(p["latency_s"] for p in points if p["quality"] >= raw["quality_floor"] and not any(
+            q["latency_s"] <= p["latency_s"] and q["quality"] >= p["quality"] and q is not p for q in points))
+        assert len(clearing) >= 5
+        policy = SlackPolicy(load_profile(path).runnable(capabilities))
+        reachable = {policy.router.route(budget).point.latency_s for budget in np.linspace(0.0, 1.0, 201)}
+        assert sorted(reachable) == clearing

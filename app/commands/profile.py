@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scales", type=_floats, default=None, help="resolution scales (default 1,0.75,0.5)")
     parser.add_argument("--steps", type=_ints, default=None, help="denoising steps (default: 1..the preset's)")
     parser.add_argument("--precisions", default=None,
-                        help="attention precisions (default fp32,bf16 with fp32 weights; bf16 with bf16 weights, "
+                        help="compute precisions (default fp32,bf16 with fp32 weights; bf16 with bf16 weights, "
                              "which have no fp32 compute to measure)")
     parser.add_argument("--sparsity", type=_floats, default=(), metavar="S,...",
                         help="also measure block-sparse attention at these sparsities (default window, fp32)")

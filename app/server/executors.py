@@ -47,6 +47,7 @@ from app.server.engine_bridge import (
 )
 from app.server.frame_path import InputFrame, Playout, StreamRunner
 from app.server.session import CapacityError
+from engine.devices import has_bf16_units
 from engine.fidelity import FidelityConfig, engine_capabilities
 from engine.serving.core import Clock, EngineCore, StepOrder, StepResult, Work
 from engine.serving.fidelity import (
@@ -585,7 +586,10 @@ def runnable_profile(profile: FidelityProfile, device: str, step_wise: bool,
     """Only the points this engine runs: capabilities of its device; one device per worker; for
     engines that say what they run (``unsupported``: the pipeline ranks) only those points; and, for
     other engines behind ``process``, whatever fidelity the stream opened with (their single reference)."""
-    kept = profile.runnable(engine_capabilities(device.split(":")[0])).filtered(lambda c: c.gpus == 1)
+    bf16_units = has_bf16_units(device)
+    if not bf16_units and any(p.config.precision == "bf16" for p in profile.per_stream()):
+        log.info("profile: bf16 points dropped, this CPU has no bf16 units (AVX512-BF16 or AMX)")
+    kept = profile.runnable(engine_capabilities(device.split(":")[0], bf16_units)).filtered(lambda c: c.gpus == 1)
     if unsupported is not None:
         kept = kept.filtered(lambda c: unsupported(replace(c, stream_batch=1)) is None)
     elif not step_wise:

@@ -273,7 +273,8 @@ class TinyVAE(nn.Module):
             feats = feats + self.dec_guide_in(F.pixel_unshuffle(g, 8))
         feats = feats.unflatten(0, (b, t))
         mem = self.dec_memory(feats.flatten(0, 1), _previous_frames(feats, prev).flatten(0, 1))
-        pixels = F.pixel_shuffle(self.dec_lin(flat) + self.dec_body(mem), 8)
+        # In the latents' dtype: under bf16 autocast the convolutions compute in bf16, the pixels add up in fp32.
+        pixels = F.pixel_shuffle(self.dec_lin(flat) + self.dec_body(mem), 8).to(flat.dtype)
         if g is not None:
             pixels = pixels + self._guided_map(mem, g)
         return pixels.unflatten(0, (b, t)).transpose(1, 2), feats[:, -1]
@@ -299,6 +300,7 @@ class TinyVAE(nn.Module):
         # Serving: out_c = offset_c + sum_k gain_ck * plane_k accumulated in place, plane by plane, which
         # on a CPU reads each full-resolution plane once (several times faster than the product above).
         planes = [b[:, i] for b in basis for i in range(b.shape[1])]
+        coef = coef.to(g.dtype)  # bf16 under autocast: the sums below stay in the frames' precision
         out = coef[:, -3:].clone()
         for c in range(3):
             for k, plane in enumerate(planes):

@@ -192,12 +192,12 @@ class Stage:
                     self._sink_partials(r, x.shape[2], sink)
             if self.last:
                 v = self.dit.head_out(tokens, e, grid)
-                self._tail(rows, x, v, ts, out, sink, ret)
+                self._tail(rows, x, v, ts, out, sink, ret, group["precision"])
             else:
                 out.update({f"tok.{gi}": tokens, f"e.{gi}": e, f"e0.{gi}": e0, f"x.{gi}": x})
 
     def _tail(self, rows: list[dict[str, Any]], x: Tensor, v: Tensor, ts: dict[str, Tensor],
-              out: dict[str, Tensor], sink: dict[int, list[Any]], ret: dict[str, Any]) -> None:
+              out: dict[str, Tensor], sink: dict[int, list[Any]], ret: dict[str, Any], precision: str) -> None:
         """Last rank: x̂₀, re-noise the rows that go on, decode the rows that are done, sink decisions."""
         rt = self.rt
         t = torch.tensor([r["t"] for r in rows], dtype=torch.float32, device=self.device)
@@ -211,7 +211,8 @@ class Stage:
                 ret["continue"].append(key)
             else:
                 decoder = self.decoders.setdefault(r["sid"], rt.vae.new_decoder_cache())
-                out[f"frames.{key}"] = rt.decode_latents(x0[i : i + 1], decoder, r["deblock"], ts.get(f"guide.{key}"))
+                out[f"frames.{key}"] = rt.decode_latents(x0[i : i + 1], decoder, r["deblock"], ts.get(f"guide.{key}"),
+                                                         precision)
                 ret["finished"].append(key)
             if key in sink:
                 decision = _sink_decision(sink[key], r["tau"])

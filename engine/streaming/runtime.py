@@ -358,7 +358,9 @@ class StreamRuntime:
         controller = MotionAwareNoiseController(self._noise_config(state))
         rate = controller.step(engine_frames, state.noise_controller)
         pixels = engine_frames.unsqueeze(0).to(self.device, self.dit.dtype)
-        z = self.vae.encode_chunk(pixels, state.vae_encoder)
+        with self.precision(state.fidelity.precision):
+            # In the DiT's dtype whatever the encoder computed in, so the chunk's noise draws are too.
+            z = self.vae.encode_chunk(pixels, state.vae_encoder).to(self.dit.dtype)
         chunk = self.enter_latents(state, z, rate, engine_frames, restart, local_caches)
         if self.vae.reads_input:
             chunk.guide = pixels
@@ -469,17 +471,20 @@ class StreamRuntime:
         if not chunk.done:
             raise ValueError(f"chunk of stream {chunk.state.stream_id} has {chunk.steps_left} steps left")
         state = chunk.state
-        frames = self.decode_latents(chunk.x, state.vae_decoder, self.deblock_strength(state), chunk.guide)
+        frames = self.decode_latents(chunk.x, state.vae_decoder, self.deblock_strength(state), chunk.guide,
+                                     chunk.fidelity.precision)
         self.account(chunk)
         return ChunkResult(frames, chunk.noise_rate, chunk.timesteps[0], chunk.refreshed)
 
     def decode_latents(self, x0: torch.Tensor, decoder: object, deblock_strength: float = 0.0,
-                       guide: torch.Tensor | None = None) -> torch.Tensor:
+                       guide: torch.Tensor | None = None, precision: str = "fp32") -> torch.Tensor:
         """x̂₀ [1, C, F, h, w] -> frames [3, T, H, W] in [-1, 1] at the engine size, deblocked at
         ``deblock_strength`` (the stream's :meth:`deblock_strength`; a pipeline's last rank calls this
         with its own decoder caches); ``guide``: the chunk's input frames for a decoder that reads them
-        (:attr:`ChunkInFlight.guide`)."""
-        frames = self.vae.decode_chunk(x0, decoder, guide)[0].float().clamp(-1, 1)
+        (:attr:`ChunkInFlight.guide`); ``precision``: the chunk's (:meth:`precision`)."""
+        with self.precision(precision):
+            frames = self.vae.decode_chunk(x0, decoder, guide)[0]
+        frames = frames.float().clamp(-1, 1)
         if self.config.deblock is not None and deblock_strength > 0:
             t = self.clock()
             # At the engine size, where the blocks sit on the grid (a resize would move them off it).
@@ -665,7 +670,9 @@ class StreamRuntime:
 
     @contextlib.contextmanager
     def precision(self, precision: str) -> Iterator[None]:
-        """The attention/matmul precision of a forward: bf16 autocast over fp32 weights."""
+        """The compute precision of a chunk's model forwards (the VAE's encode and decode, the DiT's
+        steps): bf16 autocast over fp32 weights (convolutions and matrix products in bf16, the
+        reductions and the outputs' sums as autocast keeps them, in fp32)."""
         if precision == "bf16" and self.dit.dtype == torch.float32:
             with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
                 yield
