@@ -300,8 +300,9 @@ class TinyVAE(nn.Module):
         # Serving: out_c = offset_c + sum_k gain_ck * plane_k accumulated in place, plane by plane, which
         # on a CPU reads each full-resolution plane once (several times faster than the product above).
         planes = [b[:, i] for b in basis for i in range(b.shape[1])]
-        coef = coef.to(g.dtype)  # bf16 under autocast: the sums below stay in the frames' precision
-        out = coef[:, -3:].clone()
+        # In the frames' precision: under bf16 autocast the coefficients and filters come in bf16 and
+        # the sums below still add up in fp32 (a cast of the 30 coefficient planes would cost more).
+        out = coef[:, -3:].to(g.dtype, copy=True)
         for c in range(3):
             for k, plane in enumerate(planes):
                 out[:, c].addcmul_(coef[:, c * len(planes) + k], plane)

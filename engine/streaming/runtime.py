@@ -31,6 +31,7 @@ import torch
 
 from engine.aspect import crop_box, fit_size
 from engine.fidelity import FidelityConfig, unsupported_reason
+from engine.models.bf16_weights import keep_bf16_weights
 from engine.models.lora import LoRABank, check_strengths
 from engine.models.wan_dit import CausalWanDiT, KVCache, PromptCache
 from engine.sampling import NoiseSource, SamplerPreset, renoise, v2v_input, x0_from_velocity
@@ -190,6 +191,9 @@ class StreamRuntime:
         self.dit = dit
         self.loras = LoRABank.of(dit)  # the LoRAs loaded on ``dit`` (docs/lora.md); streams pick strengths
         self.vae = vae
+        for model in (dit, vae):
+            if isinstance(model, torch.nn.Module):
+                keep_bf16_weights(model)  # bf16 chunks (:meth:`precision`) cast the weights once, not per chunk
         self.prompts = prompts
         self.preset = preset
         self.schedule = preset.schedule
