@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from engine.fidelity import PRECISION_CHOICES
+
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -52,6 +54,17 @@ def has_bf16_units(device: torch.device | str) -> bool:
         return True
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def resolve_precision(name: str, device: torch.device | str) -> str:
+    """A chunk precision for a command's ``--precision``: ``auto`` = bf16 where the device does bf16
+    natively (:func:`has_bf16_units`; the same quality against the embedded model's teachers, docs/
+    default-model.md), else fp32; ``fp32`` or ``bf16`` as given."""
+    if name == "auto":
+        return "bf16" if has_bf16_units(device) else "fp32"
+    if name not in PRECISION_CHOICES:
+        raise ValueError(f"precision must be one of {', '.join(PRECISION_CHOICES)}, got {name!r}")
+    return name
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRECISIONS = ("fp32", "bf16", "fp8")
+# What a command's --precision takes: auto (engine.devices.resolve_precision) or a precision every device runs.
+PRECISION_CHOICES = ("auto", "fp32", "bf16")
 
 
 @dataclass(frozen=True, slots=True)

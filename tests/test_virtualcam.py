@@ -20,6 +20,7 @@ from pyvirtualcam.util import encode_fourcc
 from app.cli import main
 from app.client import CodedCamera, open_session, pattern_frame
 from app.virtualcam import setup_message
+from engine.devices import resolve_precision
 from engine.pipeline import Pipeline, StreamParams
 from engine.video_io import VideoWriter, read_frames
 
@@ -91,8 +92,10 @@ def test_file_to_virtual_camera(recorder: type[RecordingBackend], tmp_path: Path
     got = np.stack([frame.reshape(64, 96, 3) for frame in camera.frames])
     # A stylisation of the file: not black, not the file, not frozen, not noise (independent of the engine).
     assert_stylized(got, np.stack(inputs))
-    # And the frames reach the camera whole and in order: the engine's output for this file.
-    stream = Pipeline.load().open_stream(StreamParams(prompt="oil painting", size=size))
+    # And the frames reach the camera whole and in order: the engine's output for this file, at the
+    # precision the command's default (auto) resolves to on this processor.
+    precision = resolve_precision("auto", "cpu")
+    stream = Pipeline.load().open_stream(StreamParams(prompt="oil painting", size=size, precision=precision))
     expected = np.concatenate([stream.process(np.stack(c)) for c in (inputs[:1], inputs[1:5], inputs[5:9])])
     assert np.abs(got.astype(int) - expected.astype(int)).max() <= 1
     # Paced at the camera's rate (the schedule itself: test_sink_paces_at_the_camera_rate). Wall-clock

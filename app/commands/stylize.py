@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 from app.server.config import add_lora_arguments, lora_specs
+from engine.fidelity import PRECISION_CHOICES
 
 NAME = "stylize"
 HELP = "Stylize a video file with the streaming video-to-video recipe."
@@ -28,6 +29,15 @@ def parse_size(text: str) -> tuple[int, int]:
     return w, h
 
 
+def chunk_precision(args: argparse.Namespace) -> str:
+    """``--precision`` for ``--device`` (auto: bf16 where the processor has bf16 units, else fp32)."""
+    from engine.devices import resolve_precision
+
+    precision = resolve_precision(args.precision, args.device)
+    log.info("precision %s", precision)
+    return precision
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", type=Path, help="input video file")
     parser.add_argument("output", type=Path, help="output video file (.mp4, .webm, .mkv, ...)")
@@ -40,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-stabilize", dest="stabilize", action="store_false",
                         help="turn off the temporal stabilizer (where the model's config enables it)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", choices=PRECISION_CHOICES, default="auto",
+                        help="compute precision (default auto: bf16 where the processor has bf16 units, else fp32)")
     add_lora_arguments(parser)
 
 
@@ -62,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         pipe.capabilities.require("v2v")
         # Unset steps / noise scale: the model's own operating point (Pipeline.capabilities).
         params = StreamParams(prompt=args.prompt, seed=args.seed, steps=args.steps, noise_scale=args.noise_scale,
-                              stabilize=args.stabilize)
+                              stabilize=args.stabilize, precision=chunk_precision(args))
         frames = stylize_file(pipe, args.input, args.output, params, size=args.size, progress=True)
     except (VideoInputError, UnsupportedModeError, ValueError) as exc:
         log.error("%s", exc)

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.commands.stylize import parse_size
+from app.commands.stylize import chunk_precision, parse_size
+from engine.fidelity import PRECISION_CHOICES
 
 if TYPE_CHECKING:
     import numpy as np
@@ -37,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=None, help="style prompt (camera and file sources)")
     parser.add_argument("--model", default=None, help="model path or 'tiny-random'; default: the embedded model")
     parser.add_argument("--device", default="cpu", help="torch device for the engine (default cpu)")
+    parser.add_argument("--precision", choices=PRECISION_CHOICES, default="auto",
+                        help="compute precision (default auto: bf16 where the processor has bf16 units, else fp32)")
     parser.add_argument("--fps", type=float, default=15.0, help="virtual camera frame rate (default 15)")
     parser.add_argument("--size", type=parse_size, default=None,
                         help="virtual camera WxH (default: the stream's size, the source's aspect at the model's "
@@ -157,6 +160,7 @@ def _frames(
     if pipe is None:  # stream: source, stylized by the server already
         return whep_frames(args.server, source[len(STREAM_PREFIX):], args.token)
     stream = pipe.open_stream(
-        StreamParams(prompt=args.prompt, steps=args.steps, noise_scale=args.noise_scale, seed=args.seed, size=size)
+        StreamParams(prompt=args.prompt, steps=args.steps, noise_scale=args.noise_scale, seed=args.seed, size=size,
+                     precision=chunk_precision(args))
     )
     return stylized_frames(source_frames if source_frames is not None else _source_frames(args, source, size), stream)
