@@ -44,9 +44,12 @@ def test_kept_copies_give_what_autocast_gives_and_follow_weight_changes() -> Non
         for net in (plain, kept):
             net[0].weight.mul_(-1.5)
     assert torch.equal(_bf16(kept, x), _bf16(plain, x))
-    new = torch.randn_like(plain[4].weight)
+    new, bias = torch.randn_like(plain[4].weight), torch.randn_like(plain[4].bias)
     for net in (plain, kept):
         net[4].weight = nn.Parameter(new.clone())
+    assert torch.equal(_bf16(kept, x), _bf16(plain, x))
+    for net in (plain, kept):
+        net[4].bias = nn.Parameter(bias.clone())
     assert torch.equal(_bf16(kept, x), _bf16(plain, x))
 
 

@@ -18,6 +18,7 @@ several threads read the same copies; a deep copy or a pickle of the model start
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,10 +29,11 @@ from torch.nn.modules.conv import _ConvNd
 
 
 class _Copies:
-    """One module's bf16 weight and bias, and the versions of the tensors they were made from."""
+    """One module's bf16 weight and bias, and the tensors (and their versions) they were made from."""
 
     def __init__(self) -> None:
-        self.key: tuple[int, int, int] | None = None
+        self.sources: tuple[weakref.ref[Tensor] | None, ...] = ()
+        self.versions: tuple[int, ...] = ()
         self.weight: Tensor | None = None
         self.bias: Tensor | None = None
         self.lock = threading.Lock()
@@ -43,12 +45,18 @@ class _Copies:
         return _Copies, ()
 
     def get(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        key = (weight.data_ptr(), weight._version, -1 if bias is None else bias._version)
+        tensors = (weight, bias)
+        versions = tuple(-1 if t is None else t._version for t in tensors)
         with self.lock:
-            if key != self.key or self.weight is None:
+            # The same tensor objects (a freed one's address may be reused) at the same versions.
+            same = (len(self.sources) == 2 and versions == self.versions
+                    and all((r is None and t is None) or (r is not None and r() is t)
+                            for r, t in zip(self.sources, tensors, strict=True)))
+            if not same or self.weight is None:
                 self.weight = weight.detach().to(torch.bfloat16)
                 self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
-                self.key = key
+                self.sources = tuple(None if t is None else weakref.ref(t) for t in tensors)
+                self.versions = versions
             return self.weight, self.bias
 
 
