@@ -192,8 +192,12 @@ class Playground:
     cache, whose ``delete_cache`` ages them out); ``max_prompt_chars`` as for control messages."""
 
     def __init__(self, pipe: Pipeline | None, executor: Executor, out_dir: Path, max_prompt_chars: int) -> None:
+        from engine.devices import resolve_precision
+
         self.pipe = EngineThreadPipeline(pipe, executor) if pipe is not None else None
         self.capabilities = pipe.capabilities if pipe is not None else None
+        # As `diffcast stylize --precision auto`: bf16 where the processor has bf16 units.
+        self.precision = resolve_precision("auto", pipe.runtime.device) if pipe is not None else "fp32"
         self.out_dir = out_dir
         self.max_prompt_chars = max_prompt_chars
 
@@ -226,7 +230,7 @@ class Playground:
             raise ValueError("upload a video file first")
         if not Path(video).is_file():
             raise ValueError("the uploaded video is gone (an upload is deleted once a job used it): upload it again")
-        params = controls.params(self.max_prompt_chars)
+        params = controls.params(self.max_prompt_chars).with_(precision=self.precision)
         dst = self._out_path(".mp4")
         try:
             frames = stylize_file(cast("Pipeline", pipe), Path(video), dst, params, progress=True)
@@ -242,7 +246,7 @@ class Playground:
         pipe = self._require("t2v")
         if not 1 <= chunks <= MAX_T2V_CHUNKS:
             raise ValueError(f"chunks must be between 1 and {MAX_T2V_CHUNKS}, got {chunks}")
-        stream = pipe.open_stream(controls.params(self.max_prompt_chars).with_(mode="t2v"))
+        stream = pipe.open_stream(controls.params(self.max_prompt_chars).with_(mode="t2v", precision=self.precision))
         dst = self._out_path(".mp4")
         writer = VideoWriter(dst, 16.0, pipe.default_size)
         last = np.zeros((pipe.default_size[1], pipe.default_size[0], 3), np.uint8)

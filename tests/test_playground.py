@@ -14,8 +14,10 @@ import pytest
 import test_browser_page
 from _output_checks import aspect_views, assert_stylized
 
+from app.cli import main
 from app.client import http, pattern_frame
 from app.playground import Controls
+from engine.devices import has_bf16_units
 from engine.pipeline import StreamParams
 from engine.video_io import VideoWriter
 
@@ -209,6 +211,19 @@ def test_stylize_deletes_its_upload_when_done(tmp_path: Path) -> None:
         out = Path(playground.stylize(str(clip), controls))
         assert out.is_file() and out.is_relative_to(tmp_path / "cache") and not clip.exists()
         with av.open(str(out)) as container:  # the shipped model's look of the upload
-            assert_stylized(np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]), source)
+            got = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+        assert_stylized(got, source)
         with pytest.raises(ValueError, match="upload it again"):
             playground.stylize(str(clip), controls)
+    # The file tab renders what `diffcast stylize` renders with the same controls (precision auto),
+    # not what the other precision renders (the two differ by far less than a look does).
+    other = "fp32" if has_bf16_units("cpu") else "bf16"
+    clip = _write_clip(tmp_path / "again.mp4", frames=5, size=(64, 48))
+    gap = {}
+    for precision in ("auto", other):
+        assert main(["stylize", str(clip), str(tmp_path / f"{precision}.mp4"), "--prompt", "oil painting",
+                     "--noise-scale", "0.2", "--steps", "1", "--seed", "0", "--precision", precision]) == 0
+        with av.open(str(tmp_path / f"{precision}.mp4")) as container:
+            cli = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+        gap[precision] = np.abs(cli.astype(float) - got).mean()
+    assert gap["auto"] < 0.3 * gap[other]

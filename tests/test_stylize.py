@@ -88,7 +88,9 @@ def test_stylize_runs_the_precision_it_is_given(tmp_path: Path) -> None:
     source = np.stack(list(read_frames(src, (128, 128))[0])).astype(np.float64)
     gap = np.abs(outs["bf16"] - outs["fp32"]).mean()
     assert 0 < gap < 0.1 * np.abs(outs["fp32"] - source).mean()
-    assert np.array_equal(outs["auto"], outs["bf16" if has_bf16_units("cpu") else "fp32"])
+    chosen, other = ("bf16", "fp32") if has_bf16_units("cpu") else ("fp32", "bf16")
+    # Nearer the processor's precision than the other by far (fp32 renders vary run to run by ~0.05).
+    assert np.abs(outs["auto"] - outs[chosen]).mean() < 0.3 * np.abs(outs["auto"] - outs[other]).mean()
 
 
 def test_stylize_keeps_the_files_aspect(tmp_path: Path) -> None:
