@@ -14,10 +14,9 @@ import pytest
 import test_browser_page
 from _output_checks import aspect_views, assert_stylized
 
-from app.cli import main
 from app.client import http, pattern_frame
 from app.playground import Controls
-from engine.devices import has_bf16_units
+from engine.devices import resolve_precision
 from engine.pipeline import StreamParams
 from engine.video_io import VideoWriter
 
@@ -192,13 +191,26 @@ def test_text_to_video_is_off_with_its_reason_on_a_model_without_it(tmp_path: Pa
     assert components["dc-stylize"].get("interactive") is not False
 
 
-def test_stylize_deletes_its_upload_when_done(tmp_path: Path) -> None:
+def test_stylize_deletes_its_upload_when_done(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An upload is the job's input, kept no longer than the job (Gradio's cache sweep would keep
-    it for upload_ttl_s): a re-run asks for a new upload, and the output stays for download."""
+    it for upload_ttl_s): a re-run asks for a new upload, and the output stays for download. The job
+    runs at the precision `diffcast stylize --precision auto` picks on this processor."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import engine.video_io
     from app.playground import Playground
     from engine.pipeline import Pipeline
+
+    # (Its output is not compared with the command's: bf16 convolutions round differently with
+    # another OpenMP thread count, and the tab runs on its engine thread.)
+    precisions = []
+    stylize_file = engine.video_io.stylize_file
+
+    def recording(pipe: Any, src: Path, dst: Path, params: StreamParams, **kwargs: Any) -> int:
+        precisions.append(params.precision)
+        return stylize_file(pipe, src, dst, params, **kwargs)
+
+    monkeypatch.setattr(engine.video_io, "stylize_file", recording)
 
     clip = _write_clip(tmp_path / "upload.mp4", frames=5, size=(64, 48))
     source = np.stack([pattern_frame(i, (64, 48)) for i in range(5)])
@@ -215,15 +227,4 @@ def test_stylize_deletes_its_upload_when_done(tmp_path: Path) -> None:
         assert_stylized(got, source)
         with pytest.raises(ValueError, match="upload it again"):
             playground.stylize(str(clip), controls)
-    # The file tab renders what `diffcast stylize` renders with the same controls (precision auto),
-    # not what the other precision renders (the two differ by far less than a look does).
-    other = "fp32" if has_bf16_units("cpu") else "bf16"
-    clip = _write_clip(tmp_path / "again.mp4", frames=5, size=(64, 48))
-    gap = {}
-    for precision in ("auto", other):
-        assert main(["stylize", str(clip), str(tmp_path / f"{precision}.mp4"), "--prompt", "oil painting",
-                     "--noise-scale", "0.2", "--steps", "1", "--seed", "0", "--precision", precision]) == 0
-        with av.open(str(tmp_path / f"{precision}.mp4")) as container:
-            cli = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
-        gap[precision] = np.abs(cli.astype(float) - got).mean()
-    assert gap["auto"] < 0.3 * gap[other]
+    assert precisions == [resolve_precision("auto", "cpu")]
