@@ -32,7 +32,7 @@ class _Copies:
     """One module's bf16 weight and bias, and the tensors (and their versions) they were made from."""
 
     def __init__(self) -> None:
-        self.sources: tuple[weakref.ref[Tensor] | None, ...] = ()
+        self.sources: tuple[weakref.ref[Tensor] | None, ...] = (None, None)
         self.versions: tuple[int, ...] = ()
         self.weight: Tensor | None = None
         self.bias: Tensor | None = None
@@ -49,10 +49,9 @@ class _Copies:
         versions = tuple(-1 if t is None else t._version for t in tensors)
         with self.lock:
             # The same tensor objects (a freed one's address may be reused) at the same versions.
-            same = (len(self.sources) == 2 and versions == self.versions
-                    and all((r is None and t is None) or (r is not None and r() is t)
-                            for r, t in zip(self.sources, tensors, strict=True)))
-            if not same or self.weight is None:
+            sources = tuple(None if r is None else r() for r in self.sources)
+            if self.weight is None or versions != self.versions or any(
+                    a is not b for a, b in zip(sources, tensors, strict=True)):
                 self.weight = weight.detach().to(torch.bfloat16)
                 self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
                 self.sources = tuple(None if t is None else weakref.ref(t) for t in tensors)
@@ -63,9 +62,9 @@ class _Copies:
 def _bf16_copies(module: nn.Linear | _ConvNd, x: Tensor) -> tuple[Tensor, Tensor | None] | None:
     """The module's bf16 weight and bias when this forward runs under inference-mode bf16 autocast."""
     device = x.device.type
-    if (module.weight.dtype != torch.float32 or torch.is_grad_enabled() or not torch.is_autocast_enabled(device)
-            or torch.get_autocast_dtype(device) != torch.bfloat16):
-        return None
+    if (not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) != torch.bfloat16
+            or torch.is_grad_enabled() or module.weight.dtype != torch.float32):
+        return None  # the cheapest test first: every fp32 forward of these modules passes here
     copies: _Copies = module.__dict__["_bf16_copies"]
     return copies.get(module.weight, module.bias)
 
@@ -109,11 +108,12 @@ _CACHED: dict[type[nn.Module], type[nn.Module]] = {
 def keep_bf16_weights(model: nn.Module) -> int:
     """Switch ``model``'s plain linear and convolution modules to the cached-copy classes (idempotent);
     returns how many modules have them."""
+    kept = tuple(_CACHED.values())
     count = 0
     for module in model.modules():
         cached = _CACHED.get(type(module))
         if cached is not None:
             module.__class__ = cached
             module.__dict__["_bf16_copies"] = _Copies()
-        count += isinstance(module, tuple(_CACHED.values()))
+        count += isinstance(module, kept)
     return count
