@@ -27,6 +27,7 @@ front, each point measurably faster than the one above it.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import logging
@@ -77,6 +78,9 @@ class ProfileRun:
     # cache per step).
     sparsities: tuple[float, ...] = ()
     step_batch: bool = False
+    # Streams alive at once: configs run interleaved in groups of this many, each group's states freed
+    # before the next (a full-size model's state is GBs: all points at once do not fit a GPU). None: all.
+    group: int | None = None
 
     def __post_init__(self) -> None:
         if self.chunks < 1:
@@ -87,6 +91,8 @@ class ProfileRun:
             raise ValueError(f"fps must be positive, got {self.fps}")
         if not self.precisions:
             raise ValueError("precisions must name at least one precision")
+        if self.group is not None and self.group < 1:
+            raise ValueError(f"group must be >= 1, got {self.group}")
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -199,25 +205,38 @@ def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = N
     probe = _Measured(pipe, configs[0], size, run.seed)
     probe.process(first_input)
     probe.process(rest[:chunk_n])
+    group = run.group or len(configs)
+    if run.group is None and pipe.runtime.device.type == "cuda":
+        group = streams_that_fit(pipe.runtime.device, probe.stream.state.nbytes())
+    del probe
 
     first_times: dict[FidelityConfig, list[float]] = {c: [] for c in configs}
     for _ in range(run.first_repeats):
         for c in configs:
             first_times[c].append(_Measured(pipe, c, size, run.seed).process(first_input)[0])
+    release(pipe.runtime.device)
 
-    streams = {c: _Measured(pipe, c, size, run.seed) for c in configs}
-    outputs: dict[FidelityConfig, list[np.ndarray]] = {c: streams[c].process(first_input)[1] for c in configs}
+    outputs: dict[FidelityConfig, list[np.ndarray]] = {}
     chunk_times: dict[FidelityConfig, list[float]] = {c: [] for c in configs}
+    state_bytes: dict[FidelityConfig, float] = {}
     total = warmup + run.chunks
-    for k in tqdm(range(total), desc=f"profiling {len(configs)} configs", unit="chunk"):
-        frames = rest[k * chunk_n : (k + 1) * chunk_n]
-        for c in configs:  # interleaved: background load hits every config alike
-            seconds, out = streams[c].process(frames)
-            outputs[c].extend(out)
-            if k >= warmup:
-                chunk_times[c].append(seconds)
-    for c in configs:
-        outputs[c].extend(streams[c].drain())
+    groups = [configs[i : i + group] for i in range(0, len(configs), group)]
+    for n, members in enumerate(groups):
+        streams = {c: _Measured(pipe, c, size, run.seed) for c in members}
+        outputs.update({c: streams[c].process(first_input)[1] for c in members})
+        label = f"profiling {len(members)} configs" + (f" (group {n + 1}/{len(groups)})" if len(groups) > 1 else "")
+        for k in tqdm(range(total), desc=label, unit="chunk"):
+            frames = rest[k * chunk_n : (k + 1) * chunk_n]
+            for c in members:  # interleaved: background load hits every config alike
+                seconds, out = streams[c].process(frames)
+                outputs[c].extend(out)
+                if k >= warmup:
+                    chunk_times[c].append(seconds)
+        for c in members:
+            outputs[c].extend(streams[c].drain())
+            state_bytes[c] = float(streams[c].stream.state.nbytes())
+        del streams
+        release(pipe.runtime.device)
 
     clips = {c: np.concatenate(outputs[c]) for c in configs}
     reference = clips[configs[0]]
@@ -229,7 +248,7 @@ def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = N
             latency_s=statistics.median(chunk_times[c]),
             first_chunk_latency_s=statistics.median(first_times[c]),
             quality=scores[c].psnr if scores else psnr(clips[c], reference),
-            state_bytes=float(streams[c].stream.state.nbytes()),
+            state_bytes=state_bytes[c],
             source="measured",
             needs=tuple(sorted({pipe.runtime.device.type} | required_capabilities(c))),
         ))
@@ -260,6 +279,21 @@ def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = N
     )
     return ProfileResult(profile, {c: ssim(clips[c], reference) for c in configs},
                          {c: score.warp_ratio for c, score in scores.items()})
+
+
+def streams_that_fit(device: torch.device, state_bytes: int, share: float = 0.7) -> int:
+    """How many streams of ``state_bytes`` fit ``share`` of the device's free memory, at least one (the
+    rest is the chunks' activations and the allocator's slack)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, int(share * free / max(state_bytes, 1)))
+
+
+def release(device: torch.device) -> None:
+    """Give freed memory back: states dropped by the caller are collected and, on CUDA, the caching
+    allocator returns their blocks (so the next group, or another process, gets them)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True)

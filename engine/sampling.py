@@ -192,9 +192,13 @@ class NoiseSource:
             "rng_state": self.generator.get_state(),
         }
 
-    # torch.Generator does not pickle; its state does (so copy.deepcopy and torch.save work too).
+    # torch.Generator does not pickle; its state does (so copy.deepcopy, torch.save and parcels work too).
+    # Pickled as bytes, not a tensor: a generator's state is host data (torch restores it only from a CPU
+    # ByteTensor, for a CUDA generator too), so no device mapping of the tensors around it may move it.
     def __getstate__(self) -> dict[str, Any]:
-        return self.state_dict()
+        state = self.state_dict()
+        state["rng_state"] = state["rng_state"].numpy().tobytes()
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         restored = NoiseSource.from_state_dict(state)
@@ -211,5 +215,8 @@ class NoiseSource:
                 f"noise state was saved from a {state['device_type']} generator; it cannot restore onto {target.type}"
             )
         source = cls(state["seed"], target)
-        source.generator.set_state(state["rng_state"])
+        rng_state = state["rng_state"]
+        if isinstance(rng_state, bytes | bytearray):
+            rng_state = torch.frombuffer(bytearray(rng_state), dtype=torch.uint8)
+        source.generator.set_state(rng_state.to("cpu", torch.uint8))
         return source

@@ -185,3 +185,38 @@ def test_the_bundled_default_ladder_is_what_the_live_policy_routes_on(bf16_units
         out = stream.process(frames[1 + 4 * k : 5 + 4 * k])
         assert out.shape == (4, pipe.default_size[1], pipe.default_size[0], 3) and out.std() > 4
         assert stream.state.fidelity == point.config
+
+
+def test_grouped_points_free_their_states_and_measure_the_same_outputs(engine_factory: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``group`` 2, at most two measured streams live at once whatever the number of points (the
+    CUDA run kept every point's state until the end and ran out of memory), and each point's output is
+    the one the all-at-once run gives (the same clip, seed and config: grouping changes only timing)."""
+    import weakref
+
+    import engine.profiler as profiler
+
+    pipe = engine_factory.pipeline
+    configs = [REFERENCE, CHEAP, replace(CHEAP, steps=2), replace(REFERENCE, steps=1)]
+    alive: set[int] = set()
+    most = 0
+    made = profiler._Measured.__init__
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        nonlocal most
+        made(self, *args, **kwargs)
+        key = id(self.stream.state)
+        alive.add(key)
+        weakref.finalize(self.stream.state, alive.discard, key)
+        most = max(most, len(alive))
+
+    run = ProfileRun(chunks=2, warmup=1, first_repeats=1)
+    together = profile_pipeline(pipe, run, configs=configs)
+    monkeypatch.setattr(profiler._Measured, "__init__", counting)
+    grouped = profile_pipeline(pipe, replace(run, group=2), configs=configs)
+    assert most <= 2 + 1, f"{most} measured streams were alive at once"  # + the first-chunk probe's
+    for c in configs:
+        assert grouped.profile.find(c).quality == together.profile.find(c).quality
+        assert grouped.profile.find(c).state_bytes == together.profile.find(c).state_bytes > 0
+    with pytest.raises(ValueError, match="group"):
+        ProfileRun(group=0)

@@ -4,6 +4,7 @@ the temporal stabilizer stage."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -11,9 +12,9 @@ from _runtime_fixtures import clip, fidelity, tiny_runtime
 
 from engine.fidelity import FidelityConfig
 from engine.models.wan_dit import KVCache
+from engine.streaming.parcel import park, unpark
 from engine.streaming.runtime import RopeOverflowError, refresh_sinks
 from engine.streaming.stabilizer import StabilizerConfig, StabilizerState, TemporalStabilizer
-from engine.streaming.state import StreamState
 from engine.streaming.stream_batch import StreamBatch
 
 
@@ -149,19 +150,19 @@ def test_fidelity_change_applies_from_that_chunk_only() -> None:
     assert (out_a - out_b).abs().max() > 1e-4
 
 
-def test_state_to_host_and_serialised_round_trip_is_bit_identical() -> None:
+def test_parked_pickled_and_copied_states_go_on_bit_identical() -> None:
     rt = tiny_runtime()
     chunks = clip(6)
     a = rt.open("a", "thermal", (32, 32), fidelity(), seed=7)
     for c in chunks[:3]:
         rt.step(a, c)
-    moved = a.to("cpu")
-    restored = StreamState.from_bytes(a.to_bytes())
-    twin = copy.deepcopy(moved)
+    restored = unpark(park(a))
+    carried = unpark(pickle.loads(pickle.dumps(park(a))))  # as Ray carries a parcel
+    twin = copy.deepcopy(a)
     for c in chunks[3:]:
         expected = rt.step(a, c).frames
-        torch.testing.assert_close(rt.step(moved, c).frames, expected, rtol=0, atol=0)
         torch.testing.assert_close(rt.step(restored, c).frames, expected, rtol=0, atol=0)
+        torch.testing.assert_close(rt.step(carried, c).frames, expected, rtol=0, atol=0)
         torch.testing.assert_close(rt.step(twin, c).frames, expected, rtol=0, atol=0)
     assert restored.nbytes() > 0
 
@@ -230,7 +231,7 @@ def test_hard_prompt_switch_drops_the_stabilizer_history_and_state_moves_with_it
     for c in chunks[:3]:
         raw_rt.step(raw, c)
         rt.step(a, c)
-    restored = StreamState.from_bytes(a.to_bytes())
+    restored = unpark(park(a))
     torch.testing.assert_close(rt.step(restored, chunks[3]).frames, rt.step(a, chunks[3]).frames, rtol=0, atol=0)
     raw_rt.step(raw, chunks[3])
     for runtime, state in ((raw_rt, raw), (rt, a)):

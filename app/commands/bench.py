@@ -104,7 +104,8 @@ def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks:
 
     from engine.frames import frames_to_tensor
     from engine.pipeline import StreamParams
-    from engine.streaming.state import pack, unpack
+    from engine.profiler import release
+    from engine.streaming.parcel import park, unpark
     from engine.streaming.stream_batch import StreamBatch
 
     rt = pipe.runtime
@@ -115,9 +116,11 @@ def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks:
     fidelity = replace(pipe.fidelity_for(params), attention_sparsity=sparsity)
 
     states = [rt.open(f"bench{i}", "oil painting", size, fidelity, seed=i) for i in range(streams)]
-    unstarted = pack(states)  # fresh copies for the first-chunk timing, without encoding the prompt again
+    unstarted = park(states)  # fresh copies for the first-chunk timing, without encoding the prompt again
     per = pipe.chunk_frames
-    total = pipe.first_chunk_frames + per * (chunks + 2 + steps)
+    # Steady state: the KV window full (its sinks written, every later chunk rolls it) before timing.
+    warm = warmup_chunks(fidelity.kv_window_frames, rt.config.chunk_latent_frames) + (steps if stream_batch else 0)
+    total = pipe.first_chunk_frames + per * (chunks + warm)
     clips = [_clip(total, size[0], size[1], i) for i in range(streams)]
 
     def chunk(k: int, i: int) -> torch.Tensor:
@@ -126,7 +129,6 @@ def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks:
         return frames_to_tensor(np.stack(clips[i][lo:hi]))
 
     latencies, stages = [], []
-    warm = 2 + (steps if stream_batch else 0)
     if stream_batch:
         batch = StreamBatch(rt, states)
         for k in range(warm + chunks):
@@ -149,6 +151,7 @@ def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks:
         "sparsity": sparsity,
         "kv_window": fidelity.kv_window_frames,
         "mode": "stream-batch" if stream_batch else "sequential",
+        "warmup_chunks": warm,
         "chunk_ms": _ms(chunk_s),
         "chunk_ms_p90": _ms(sorted(latencies)[int(0.9 * (len(latencies) - 1))]),
         "fps_per_stream": round(per / chunk_s, 2),
@@ -161,20 +164,46 @@ def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks:
         row["deblock_ms"] = _ms(statistics.median(s.deblock_s for s in stages))
         row["stabilize_ms"] = _ms(statistics.median(s.stabilize_s for s in stages))
         # Time to the first frame of fresh streams (one input frame in, one out), everything warm.
-        fresh = unpack(unstarted, rt.device)
+        fresh = unpark(unstarted, rt.device)
         t = rt.clock()
         rt.step_batch(fresh, [chunk(0, i) for i in range(streams)])
         row["first_chunk_ms"] = _ms(rt.clock() - t)
-        # What parking a stream in host memory and bringing it back costs (the serving policy's eviction).
-        t = rt.clock()
-        parked = pack(states[0])
-        t_park = rt.clock()
-        unpack(parked, rt.device)
-        row["park_ms"], row["restore_ms"] = _ms(t_park - t), _ms(rt.clock() - t_park)
+        del fresh
+        row.update(_park_restore(rt, states[0]))
     row["state_mb"] = round(states[0].nbytes() / 2**20, 2)
     if cuda:
         row["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated(rt.device) / 2**20, 1)
+    del states, unstarted
+    release(rt.device)  # the next row starts from what the model alone holds
     return row
+
+
+def warmup_chunks(kv_window_frames: int, chunk_latent_frames: int) -> int:
+    """Chunks before timing: the first, then enough to fill the KV window, then one that rolls it."""
+    return 1 + -(-kv_window_frames // chunk_latent_frames) + 1
+
+
+def _park_restore(rt: Any, state: Any, repeats: int = 2) -> dict[str, float]:
+    """What parking a stream in host memory and bringing it back costs (the serving policy's eviction,
+    a migration's copy): the best of ``repeats`` round trips (the first also allocates the pinned
+    buffers). GB/s are the state's bytes over each direction's wall time."""
+    from engine.streaming.parcel import park, unpark
+
+    park_s, restore_s, nbytes = [], [], 0
+    for _ in range(repeats):
+        t0 = rt.clock()
+        parcel = park(state)
+        parcel.wait()
+        t1 = rt.clock()
+        back = unpark(parcel, rt.device)
+        t2 = rt.clock()
+        park_s.append(t1 - t0)
+        restore_s.append(t2 - t1)
+        nbytes = parcel.nbytes
+        del parcel, back
+    park_best, restore_best = min(park_s), min(restore_s)
+    return {"park_ms": _ms(park_best), "restore_ms": _ms(restore_best),
+            "park_gbps": round(nbytes / park_best / 1e9, 2), "restore_gbps": round(nbytes / restore_best / 1e9, 2)}
 
 
 def _prompt_switch(pipe: Any, repeats: int = 3) -> dict[str, Any]:
@@ -248,13 +277,14 @@ def _run_engine(args: argparse.Namespace) -> int:
     table = Table(title=f"diffcast engine bench: {pipe.name} ({report['dtype']}, {report['attention']}) on "
                         f"{report['device_name']} ({report['threads']} threads)")
     for col in ("size", "steps", "streams", "window", "sparsity", "mode", "chunk ms", "p90 ms", "first ms",
-                "FPS/stream", "FPS total", "enc/DiT/dec/deblock/stab ms"):
+                "FPS/stream", "FPS total", "enc/DiT/dec/deblock/stab ms", "state MB", "park/restore GB/s"):
         table.add_column(col)
     for r in rows:
         stage = "/".join(str(r.get(k, "-")) for k in ("encode_ms", "dit_ms", "decode_ms", "deblock_ms", "stabilize_ms"))
         table.add_row(f"{r['size'][0]}x{r['size'][1]}", str(r["steps"]), str(r["streams"]), str(r["kv_window"]),
                       f"{r['sparsity']:g}", r["mode"], str(r["chunk_ms"]), str(r["chunk_ms_p90"]),
-                      str(r.get("first_chunk_ms", "-")), str(r["fps_per_stream"]), str(r["fps_total"]), stage)
+                      str(r.get("first_chunk_ms", "-")), str(r["fps_per_stream"]), str(r["fps_total"]), stage,
+                      str(r["state_mb"]), f"{r.get('park_gbps', '-')}/{r.get('restore_gbps', '-')}")
     console = Console()
     console.print(table)
     ps = prompt_switch

@@ -72,8 +72,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--anchor-ms", type=float, default=None,
                         help="scale every latency so the reference point's chunk takes this many ms (a quiet "
                              "machine's figure): on a busy machine the side-by-side run still gives the ratios")
+    parser.add_argument("--group", type=int, default=None,
+                        help="streams alive at once: configs run interleaved in groups of N, each group's states "
+                             "freed before the next (default: all on a CPU; on CUDA as many as fit 70%% of the free "
+                             "memory)")
+    parser.add_argument("--reduced", action="store_true",
+                        help="a reduced grid: the runtime's default KV window only (not also the smallest), so a "
+                             "full-size model's profile fits a few minutes on one GPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+
+
+def _default_window(pipe: object) -> tuple[int, ...]:
+    return (int(pipe.runtime.config.kv_window_frames),)  # type: ignore[attr-defined]
 
 
 def teacher_prompts(model: str, quality: str) -> dict[str, str] | None:
@@ -110,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         precisions = args.precisions or ("fp32,bf16" if dtype == torch.float32 else dtype_name(dtype))
         pipe = Pipeline.load(model, device=str(device), dtype=dtype)
         spec = ProfileRun(size=args.size, chunks=args.chunks, warmup=args.warmup, fps=args.fps, seed=args.seed,
-                          windows=args.windows, scales=args.scales, steps=args.steps,
+                          windows=args.windows or (_default_window(pipe) if args.reduced else None),
+                          scales=args.scales, steps=args.steps, group=args.group,
                           precisions=tuple(p.strip() for p in precisions.split(",") if p.strip()),
                           sparsities=args.sparsity, step_batch=args.step_batch)
         teachers = teacher_prompts(model, args.quality)

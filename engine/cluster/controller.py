@@ -38,6 +38,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from engine.cluster.worker import MoveReport, StepCall, StepOutcome, StreamWorker, WorkerInfo
 from engine.pipeline import StreamParams
 from engine.serving.snapshot import Admission, Dispatch, TickPlan, WorkerView
+from engine.streaming.parcel import Parcel
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class ClusterConfig:
     max_workers: int = 0  # the most the autoscaler may run (a local cluster gets CPUs for them); 0 = workers
     device: str = "cpu"
     threads_per_worker: int = 1  # torch threads in each actor
+    dtype: str = "auto"  # weight dtype of each actor's model (engine.devices.resolve_dtype)
     loras: tuple[tuple[str, str, float], ...] = ()  # (name, path, default strength) every actor loads
     cpus_per_worker: float = 1.0  # Ray scheduling resources of one actor
     gpus_per_worker: float = 0.0
@@ -107,7 +109,7 @@ class _Stream:
     suspended: bool = False
     # The state as the policy last parked it in its worker's host memory, while it stays parked: a
     # copy that outlives the worker, so a re-admission keeps the stream's state.
-    parked: bytes | None = None
+    parked: Parcel | None = None
 
 
 def connect(address: str | None = None, num_cpus: int | None = None, object_store_mb: int | None = None) -> None:
@@ -174,7 +176,8 @@ class ClusterController:
         with self._table:
             ids = list(range(self._next_worker, self._next_worker + count))
             self._next_worker += count
-        actors = {wid: self._actor_cls.remote(cfg.model, cfg.device, cfg.threads_per_worker, cfg.loras) for wid in ids}
+        actors = {wid: self._actor_cls.remote(cfg.model, cfg.device, cfg.threads_per_worker, cfg.loras, cfg.dtype)
+                  for wid in ids}
         infos = ray.get([a.info.remote() for a in actors.values()])
         with self._table:
             self._workers.update(actors)

@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.devices import resolve_device, resolve_dtype
 from engine.fidelity import FidelityConfig
 from engine.pipeline import Pipeline, Stream, StreamParams
+from engine.streaming.parcel import Parcel, park, unpark
 from engine.streaming.state import StreamState
 from engine.streaming.step_processor import InProcessProcessor, StepRow, run_step
 
@@ -41,16 +43,17 @@ class WorkerInfo:
 
 @dataclass(frozen=True)
 class StreamHandoff:
-    """One stream in flight between workers: its current controls and its serialised state.
+    """One stream in flight between workers: its current controls and its parked state.
 
-    ``state`` is ``StreamState.to_bytes()`` viewed as a uint8 array: Ray serialises numpy arrays out of
-    band, so the state is copied once into the object store and the destination reads it in place. The
-    handoff goes from the source actor straight to the destination actor, never through the controller.
+    ``state`` is a `Parcel` (engine/streaming/parcel.py): its tensors' bytes travel as numpy arrays, which
+    Ray serialises out of band, so the state is copied once into the object store and the destination
+    reads it in place. The handoff goes from the source actor straight to the destination actor, never
+    through the controller.
     """
 
     stream_id: int
     params: StreamParams
-    state: np.ndarray
+    state: Parcel
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ class StepOutcome:
     finished: dict[int, list[np.ndarray]]
     forwards: int
     seconds: float
-    parked: dict[int, bytes] = field(default_factory=dict)
+    parked: dict[int, Parcel] = field(default_factory=dict)
 
 
 class UnknownStreamError(LookupError):
@@ -106,13 +109,13 @@ class StreamWorker:
     frozen (exported for a migration; dropped once the controller confirms the move)."""
 
     def __init__(self, model: str | None, device: str = "cpu", threads: int = 1,
-                 loras: tuple[tuple[str, str, float], ...] = ()) -> None:
+                 loras: tuple[tuple[str, str, float], ...] = (), dtype: str = "auto") -> None:
         if threads > 0:
             # One thread per actor: actors share the machine's cores, and fixed threading keeps the
             # floating-point reduction order, hence a migrated stream's output, bit-identical.
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
-        self.pipe = Pipeline.load(model, device=device)
+        self.pipe = Pipeline.load(model, device=device, dtype=resolve_dtype(dtype, resolve_device(device)))
         for name, path, strength in loras:
             self.pipe.load_lora(name, path, strength)
         self.device = device
@@ -133,7 +136,8 @@ class StreamWorker:
 
     def ping(self) -> dict[str, int]:
         """Health check; also the counts the controller reports."""
-        parked = sum(1 for p in self._steppers.values() if p.offloaded)
+        # A suspended stream's state is parked too; count it once, as suspended.
+        parked = sum(1 for sid, p in self._steppers.items() if p.offloaded and sid not in self._suspended)
         return {"resident": len(self._streams) - len(self._suspended) - parked, "suspended": len(self._suspended),
                 "parked": parked}
 
@@ -225,7 +229,7 @@ class StreamWorker:
             self._steppers[stream_id].drop_chunks()
             self._lengths[stream_id].clear()
 
-    def adopt(self, stream_id: int, params: StreamParams, parked: bytes) -> None:
+    def adopt(self, stream_id: int, params: StreamParams, parked: Parcel) -> None:
         """Open a stream from a parked copy of its state (re-admission after its worker died)."""
         self.open(stream_id, params)
         self._steppers[stream_id].adopt(parked)
@@ -233,18 +237,16 @@ class StreamWorker:
     # -- offload --------------------------------------------------------------------------------------
 
     def suspend(self, stream_id: int) -> int:
-        """Move the stream's state to host memory (frees accelerator memory); returns its size in bytes."""
-        stream = self._runnable(stream_id)
-        self._steppers[stream_id].restore()
-        stream.state = stream.state.to("cpu")
+        """Park the stream's state in host memory (frees accelerator memory); returns its size in bytes."""
+        self._runnable(stream_id)
+        nbytes = self._steppers[stream_id].offload()
         self._suspended.add(stream_id)
-        return stream.state.nbytes()
+        return nbytes
 
     def resume(self, stream_id: int) -> None:
-        stream = self._streams.get(stream_id)
-        if stream is None or stream_id not in self._suspended:
+        if stream_id not in self._streams or stream_id not in self._suspended:
             raise UnknownStreamError(f"stream {stream_id} is not suspended on this worker")
-        stream.state = stream.state.to(self.device)
+        self._steppers[stream_id].restore()
         self._suspended.discard(stream_id)
 
     # -- migration ------------------------------------------------------------------------------------
@@ -261,9 +263,11 @@ class StreamWorker:
         # caches hold, and the destination's next forward would write past a cache's end.
         self.drop_chunks(stream_id)
         t0 = time.perf_counter()
-        data = np.frombuffer(stream.state.to_bytes(), dtype=np.uint8)
+        parcel = park(stream.state)
+        parcel.wait()  # the handoff is read by Ray's serialiser as soon as this returns
         self._frozen.add(stream_id)
-        return MoveReport(stream_id, data.nbytes, time.perf_counter() - t0), StreamHandoff(stream_id, stream.params, data)
+        return (MoveReport(stream_id, parcel.nbytes, time.perf_counter() - t0),
+                StreamHandoff(stream_id, stream.params, parcel))
 
     def thaw(self, stream_id: int) -> None:
         self._frozen.discard(stream_id)
@@ -277,7 +281,9 @@ class StreamWorker:
         t0 = time.perf_counter()
         if handoff.stream_id in self._streams:
             raise ValueError(f"stream {handoff.stream_id} is already open on this worker")
-        state = StreamState.from_bytes(handoff.state.tobytes(), self.device)
+        state = unpark(handoff.state, self.device)
+        if not isinstance(state, StreamState):
+            raise ValueError(f"the handoff holds a {type(state).__name__}, not a stream's state")
         # Cheap after ``prepare`` (prompt cached); the fresh state it makes is replaced whole.
         stream = self.pipe.open_stream(handoff.params, str(handoff.stream_id))
         stream.state = state

@@ -14,6 +14,7 @@ s_min = noise_scale - 0.1; the first denoising timestep is 1000 * s - 100.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -61,6 +62,8 @@ class NoiseControllerConfig:
 
 @dataclass
 class NoiseControllerState:
+    host_fields: ClassVar[tuple[str, ...]] = ("last_frame",)  # the input frames' side: stays on the host (parcel.py)
+
     noise_rate: float | None = None  # s_{t-1}; None before the first chunk
     last_frame: torch.Tensor | None = None  # last pixel frame of the previous chunk, [3, H, W] in [-1, 1]
     last_motion: float = 0.0

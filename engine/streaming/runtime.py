@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import cv2
 import numpy as np
@@ -141,6 +142,8 @@ class ChunkResult:
 class ChunkInFlight:
     """A chunk between entering (:meth:`StreamRuntime.enter_chunk`) and finishing: its latents at the
     current step, the schedule and noise drawn for it, and where it sits in its stream."""
+
+    host_fields: ClassVar[tuple[str, ...]] = ("inputs",)  # the stabilizer reads them with OpenCV (parcel.py)
 
     state: StreamState
     x: torch.Tensor  # [1, C, F, h, w] at step ``step`` (x̂₀ once done)

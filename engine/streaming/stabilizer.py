@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import cv2
 import numpy as np
@@ -126,6 +126,8 @@ class LookStabilizers:
 @dataclass
 class StabilizerState:
     """The last input frame (uint8 [H, W, 3]) and the last stabilised output (float32 [H, W, 3], 0–255)."""
+
+    host_fields: ClassVar[tuple[str, ...]] = ("prev_in", "prev_out")  # OpenCV reads them: host memory (parcel.py)
 
     prev_in: torch.Tensor | None = None
     prev_out: torch.Tensor | None = None

@@ -1,15 +1,14 @@
 """Everything one live stream owns, as one object that can be moved, offloaded and serialised.
 
-Moving a stream between workers, suspending it to host memory, or checkpointing it all go through
-this object; the next chunks after a round trip are bit-identical because every piece of state
-(caches, RNG, controller memory, counters) travels with it.
+Moving a stream between workers or parking it in host memory go through this object (as a `Parcel`,
+engine/streaming/parcel.py); the next chunks after a round trip are bit-identical because every piece
+of state (caches, RNG, controller memory, counters) travels with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,72 +61,21 @@ class StreamState:
         restart, self.restart_stabilizer = self.restart_stabilizer, False
         return restart
 
-    def to(self, device: torch.device | str) -> StreamState:
-        """A copy with every tensor on ``device`` (e.g. "cpu" to offload to host memory)."""
-        copy: StreamState = map_tensors(self, lambda t: t.to(device, copy=True))
-        return copy
-
     def nbytes(self) -> int:
-        sizes: list[int] = []
-
-        def count(t: torch.Tensor) -> torch.Tensor:
-            sizes.append(t.numel() * t.element_size())
-            return t
-
-        map_tensors(self, count)
-        return sum(sizes)
-
-    def to_bytes(self) -> bytes:
-        """Serialise (tensors on CPU). Only for our own workers: the format is a torch pickle."""
-        return pack(self)
-
-    @staticmethod
-    def from_bytes(data: bytes, device: torch.device | str = "cpu") -> StreamState:
-        state = unpack(data, device)
-        if not isinstance(state, StreamState):
-            raise ValueError(f"serialised data holds a {type(state).__name__}, not a StreamState")
-        return state
-
-    def __getstate__(self) -> dict[str, Any]:
-        # torch.Generator does not pickle; its state does.
-        fields = dict(self.__dict__)
-        fields["noise"] = self.noise.state_dict()
-        return fields
-
-    def __setstate__(self, fields: dict[str, Any]) -> None:
-        fields = dict(fields)
-        fields["noise"] = NoiseSource.from_state_dict(fields["noise"])
-        self.__dict__.update(fields)
+        """Bytes of every tensor the state holds (what parking it copies; views counted whole)."""
+        return sum(t.numel() * t.element_size() for t in tensors_in(self))
 
 
-def pack(obj: Any) -> bytes:
-    """A stream's state, or a tuple holding it and a chunk in flight, as bytes in host memory (the
-    tensors copied to the CPU). Objects that share the state keep sharing it after :func:`unpack`."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def unpack(data: bytes, device: torch.device | str = "cpu") -> Any:
-    """The inverse of :func:`pack`, with every tensor on ``device``; bit-identical."""
-    obj = torch.load(io.BytesIO(data), weights_only=False, map_location=device)
-    return obj
-
-
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``fn`` to every tensor inside dataclasses, lists, tuples and dicts (rebuilding them)."""
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside dataclasses, lists, tuples and dicts."""
     if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, NoiseSource):
-        # A copy, never a shared generator; it stays on CPU so the noise is the same on every worker.
-        return NoiseSource.from_state_dict(obj.state_dict())
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init}
-        return dataclasses.replace(obj, **changes)
-    if isinstance(obj, list):
-        return [map_tensors(x, fn) for x in obj]
-    if isinstance(obj, tuple):
-        return tuple(map_tensors(x, fn) for x in obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
-    return obj
+        yield obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from tensors_in(getattr(obj, f.name))
+    elif isinstance(obj, list | tuple):
+        for x in obj:
+            yield from tensors_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from tensors_in(x)

@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from engine.serving.fidelity import FidelityConfig
+from engine.streaming.parcel import Parcel, park, unpark
 
 
 @runtime_checkable
@@ -92,7 +93,7 @@ class InProcessProcessor:
         self._chunk = chunk_frames
         self._queue: list[Any] = []  # the runtime's ChunkInFlight objects, oldest first
         self._drained: list[np.ndarray] = []  # frames of chunks finished while making room
-        self._parked: bytes | None = None  # state and chunks in flight while offloaded to host memory
+        self._parked: Parcel | None = None  # state and chunks in flight while offloaded to host memory
         self.lock = threading.RLock()  # run_step holds it over a whole step; control calls take it too
 
     @property
@@ -187,12 +188,10 @@ class InProcessProcessor:
         self._drained.extend(finished)
 
     def offload(self) -> int:
-        from engine.streaming.state import pack
-
         if self._parked is None:
-            self._parked = pack((self._stream.state, self._queue))
+            self._parked = park((self._stream.state, self._queue))
             self._stream.state, self._queue = None, []
-        return len(self._parked)
+        return self._parked.nbytes
 
     def restore(self) -> None:
         self._resident()
@@ -202,11 +201,11 @@ class InProcessProcessor:
         return self._parked is not None
 
     @property
-    def parked(self) -> bytes | None:
+    def parked(self) -> Parcel | None:
         """The state (and chunks in flight) as parked in host memory, while offloaded."""
         return self._parked
 
-    def adopt(self, parked: bytes) -> None:
+    def adopt(self, parked: Parcel) -> None:
         """Take over a parked copy of this stream's state (from another replica), without its chunks
         in flight: the stream goes on from the chunk boundary the copy was made at."""
         self._parked = parked
@@ -220,11 +219,9 @@ class InProcessProcessor:
         return self._stream
 
     def _resident(self) -> None:
-        from engine.streaming.state import unpack
-
         if self._parked is None:
             return
-        self._stream.state, self._queue = unpack(self._parked, self._stream.runtime.device)
+        self._stream.state, self._queue = unpark(self._parked, self._stream.runtime.device)
         self._parked = None
 
 
