@@ -36,7 +36,9 @@ def test_repeatable_flags_become_tuples() -> None:
      (["--state-slots", "-1"], "state_slots must be >= 0, got -1"),
      (["--lanes", "-1"], "--lanes must be between 0 \\(auto\\) and 64, got -1"),
      (["--lanes", "2", "--ray"], "--lanes is for the in-process engine"),
-     (["--lanes", "2", "--gpus", "2"], "--lanes is for the in-process engine")],
+     (["--lanes", "2", "--gpus", "2"], "--lanes is for the in-process engine"),
+     (["--device", "cuda"], "CUDA is not available on this machine"),
+     (["--device", "tpu"], "use cpu, cuda or cuda:N")],
 )
 def test_bad_values_exit_with_a_plain_message(argv: list[str], message: str) -> None:
     args = build_parser().parse_args(["serve", *argv])
@@ -114,3 +116,17 @@ def test_serve_sets_the_openmp_wait_policy_before_torch_loads(argv: list[str], p
     out = subprocess.run([sys.executable, "-c", _TORCH_SEES, *argv], capture_output=True, text=True, env=env,
                          check=True).stdout
     assert out.strip().splitlines()[-1] == policy
+
+
+@pytest.mark.parametrize(("argv", "dtype"), [([], "float32"), (["--dtype", "bf16"], "bfloat16"),
+                                            (["--dtype", "fp32"], "float32")])
+def test_the_weight_dtype_reaches_the_served_engine(argv: list[str], dtype: str) -> None:
+    """`serve --dtype` is what the engine's weights are (auto: fp32 on a CPU, bf16 on CUDA, as the
+    benchmarks measure), through the same loader the server uses."""
+    from app.server.engine_bridge import InProcessFactory
+
+    config = ServerConfig.from_args(build_parser().parse_args(["serve", "--model", "tiny-random", *argv]))
+    factory = InProcessFactory.load(config.model, config.device, config.loras, 1, config.dtype)
+    runtime = factory.pipeline.runtime
+    assert str(runtime.dit.dtype).removeprefix("torch.") == dtype
+    assert {str(p.dtype).removeprefix("torch.") for p in runtime.dit.parameters()} == {dtype}

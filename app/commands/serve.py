@@ -27,7 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model: omitted = the embedded default; 'tiny-random' = random-weight test model; "
              "'random:wan2.1-1.3b' = full-size random weights, no download; or a path",
     )
-    parser.add_argument("--device", default="cpu", help="torch device for the engine (default cpu)")
+    parser.add_argument("--device", default="cpu", help="torch device for the engine: cpu (default), cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                        help="weight dtype (default auto: bf16 on cuda, fp32 on cpu), as `diffcast bench engine` "
+                             "measures it; in-process, --ray workers and --gpus ranks alike")
     add_lora_arguments(parser)
     parser.add_argument("--max-streams", type=int, default=4, help="concurrent streams before 503 (default 4)")
     parser.add_argument("--max-viewers", type=int, default=8, help="WHEP viewers per stream before 503 (default 8)")
@@ -184,12 +187,14 @@ def run(args: argparse.Namespace) -> int:
     from app.server.config import ServerConfig
     from app.server.osc import OscBindError
     from app.server.tls import with_certificate
+    from engine.devices import resolve_device, resolve_dtype
     from engine.models.lora import LoRAError
     from engine.pipeline import ModelNotAvailableError
 
     try:
-        # Before the model loads: a bad certificate is said at once (CertificateError is a ValueError).
+        # Before the model loads: a bad certificate or device is said at once (CertificateError is a ValueError).
         config = with_certificate(ServerConfig.from_args(args))
+        resolve_dtype(config.dtype, resolve_device(config.device))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if args.threads > 0:
@@ -222,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
             from app.server.engine_bridge import RayFactory
 
             factory = RayFactory.start(args.model, args.device, args.workers, args.ray_address, max(args.threads, 1),
-                                       config.loras, args.max_workers)
+                                       config.loras, args.max_workers, config.dtype)
         serve(config, factory)
     except (ModelNotAvailableError, OscBindError, LoRAError) as exc:
         log.error("%s", exc)

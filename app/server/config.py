@@ -71,6 +71,7 @@ class ServerConfig:
     # LoRAs loaded with the model (--lora); streams set their strengths (docs/lora.md).
     loras: tuple[LoRASpec, ...] = ()
     device: str = "cpu"
+    dtype: str = "auto"  # weight dtype (engine.devices.resolve_dtype): auto = bf16 on CUDA, fp32 on a CPU
     # Engine lanes of the in-process engine: steps of different streams side by side, each lane a
     # worker of the serving policy (engine/streaming/lanes.py). 0 = auto: one per thread on a CPU, up
     # to 2; one on an accelerator.
@@ -202,6 +203,7 @@ class ServerConfig:
             model=args.model,
             loras=lora_specs(args.lora, args.lora_strength),
             device=args.device,
+            dtype=getattr(args, "dtype", "auto"),
             max_streams=args.max_streams,
             max_viewers=args.max_viewers,
             ice_servers=tuple(args.ice_server),
