@@ -52,9 +52,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.client import CodedCamera, http, open_session  # noqa: E402
-from app.server.executors import bundled_live_profile  # noqa: E402
 from app.server.framecode import MAX_ID  # noqa: E402
 from app.server.ice import allow_loopback_candidates  # noqa: E402
+from engine.serving.live import bundled_live_profile  # noqa: E402
 
 WARMUP_S = 3.0  # excluded from FPS and latency: the first chunk and the playout clock settling
 ENGINE_WARMUP_CHUNKS = 3  # engine-only: chunks run before the clock starts (first chunk, caches filling)

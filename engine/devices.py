@@ -89,3 +89,18 @@ def available_memory_bytes(device: torch.device | str) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return None
+
+
+def weight_bytes(*models: object) -> int:
+    """Bytes of the parameters and buffers of those of ``models`` that are torch modules."""
+    return sum(t.numel() * t.element_size() for m in models if isinstance(m, torch.nn.Module)
+               for t in (*m.parameters(), *m.buffers()))
+
+
+def stream_memory(runtime: object) -> tuple[int | None, int]:
+    """For admission (engine/serving/device_memory.py): the bytes free on the runtime's device for
+    stream states, None on a CPU (host memory is not budgeted unless the operator sets one), and the
+    bytes its model's weights take there."""
+    device = runtime.device  # type: ignore[attr-defined]
+    weights = weight_bytes(runtime.dit, runtime.vae)  # type: ignore[attr-defined]
+    return (available_memory_bytes(device) if device.type == "cuda" else None), weights

@@ -34,7 +34,8 @@ import logging
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,7 @@ def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = N
     outputs: dict[FidelityConfig, list[np.ndarray]] = {}
     chunk_times: dict[FidelityConfig, list[float]] = {c: [] for c in configs}
     state_bytes: dict[FidelityConfig, float] = {}
+    workspace: dict[FidelityConfig, float] = {}
     total = warmup + run.chunks
     groups = [configs[i : i + group] for i in range(0, len(configs), group)]
     for n, members in enumerate(groups):
@@ -228,7 +230,8 @@ def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = N
         for k in tqdm(range(total), desc=label, unit="chunk"):
             frames = rest[k * chunk_n : (k + 1) * chunk_n]
             for c in members:  # interleaved: background load hits every config alike
-                seconds, out = streams[c].process(frames)
+                with _peak_above_resident(pipe.runtime.device, workspace, c, k == total - 1):
+                    seconds, out = streams[c].process(frames)
                 outputs[c].extend(out)
                 if k >= warmup:
                     chunk_times[c].append(seconds)
@@ -249,6 +252,7 @@ def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = N
             first_chunk_latency_s=statistics.median(first_times[c]),
             quality=scores[c].psnr if scores else psnr(clips[c], reference),
             state_bytes=state_bytes[c],
+            workspace_bytes=workspace.get(c, 0.0),
             source="measured",
             needs=tuple(sorted({pipe.runtime.device.type} | required_capabilities(c))),
         ))
@@ -279,6 +283,22 @@ def profile_pipeline(pipe: Pipeline, run: ProfileRun, model_name: str | None = N
     )
     return ProfileResult(profile, {c: ssim(clips[c], reference) for c in configs},
                          {c: score.warp_ratio for c, score in scores.items()})
+
+
+@contextmanager
+def _peak_above_resident(device: torch.device, into: dict[FidelityConfig, float], config: FidelityConfig,
+                         measure: bool) -> Iterator[None]:
+    """On CUDA, where ``measure``: the chunk's peak memory above what was allocated before it (weights and
+    every live state) into ``into[config]``: the workspace admission keeps free beside the states."""
+    if not (measure and device.type == "cuda"):
+        yield
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    yield
+    torch.cuda.synchronize(device)
+    into[config] = float(max(0, torch.cuda.max_memory_allocated(device) - before))
 
 
 def streams_that_fit(device: torch.device, state_bytes: int, share: float = 0.7) -> int:

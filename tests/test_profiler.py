@@ -158,18 +158,16 @@ def test_teacher_quality_is_psnr_against_the_teachers_on_held_out_clips() -> Non
 
 
 @pytest.mark.parametrize("bf16_units", [True, False], ids=["bf16-cpu", "fp32-only-cpu"])
-def test_the_bundled_default_ladder_is_what_the_live_policy_routes_on(bf16_units: bool,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.server import executors
+def test_the_bundled_default_ladder_is_what_the_live_policy_routes_on(bf16_units: bool) -> None:
     from engine.pipeline import Pipeline
+    from engine.serving.live import bundled_live_profile, runnable_profile
 
     # The server's own filter, on a CPU with bf16 units and on one without (bf16 emulated, slower).
-    monkeypatch.setattr(executors, "has_bf16_units", lambda device: bf16_units)
     pipe = Pipeline.load()
-    bundled = executors.bundled_live_profile(None, pipe.default_size)
+    bundled = bundled_live_profile(None, pipe.default_size)
     assert bundled.model == "default" and bundled.source.startswith("measured")
     assert any("against the teachers" in note for note in bundled.notes)
-    profile = executors.runnable_profile(bundled, "cpu", step_wise=True)
+    profile = runnable_profile(bundled, "cpu", step_wise=True, bf16_units=bf16_units)
     assert {p.config.precision for p in profile.points} == ({"bf16", "fp32"} if bf16_units else {"fp32"})
     rungs = BMPR(profile.per_stream()).frontier  # what the policy routes on
     assert len(rungs) >= 5

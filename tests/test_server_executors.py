@@ -483,3 +483,41 @@ async def test_two_lanes_run_two_streams_side_by_side_with_undisturbed_results()
         assert np.abs(a.outputs[-1].astype(int) - b.outputs[-1].astype(int)).mean() > 5
     finally:
         pool.shutdown(wait=True)
+
+
+async def test_device_memory_bounds_resident_states_and_refuses_when_none_fit(
+    engine_factory: Any, executor: ThreadPoolExecutor
+) -> None:
+    """A device memory budget (``--device-memory-gib``, on a CPU here; the GPU's free memory on CUDA)
+    becomes state slots: room for one state parks the other stream between its chunks (bit-identical
+    after), and room for none refuses at admission with a reason, never a failure mid-stream."""
+    from engine.serving.device_memory import GIB, USABLE_SHARE
+
+    free, weights = engine_factory.device_memory()
+    assert free is None, "a CPU engine has no device budget of its own"
+    state = max(p.state_bytes for p in make_loop(engine_factory, executor, FakeClock()).policy.profile.per_stream())
+    assert state > 0
+    one = (weights + 1.5 * state / USABLE_SHARE) / GIB  # room for one state and a half
+    clock = FakeClock()
+    loop = make_loop(engine_factory, executor, clock, device_memory_gib=one, policy="fifo")
+    assert [v.state_slots for v in loop.executor.worker_views()] == [1]
+    a = Stream(loop, engine_factory, clock, executor, steps=1, seed=1)
+    b = Stream(loop, engine_factory, clock, executor, steps=1, seed=2)
+    for k in range(3):
+        for s in (a, b):
+            s.push(1 if k == 0 else 4)
+        clock.now += 1.0
+        await settle(loop)
+        await settle(loop)
+    assert loop.counters()["evictions"] >= 4
+    assert a.processor.offloaded != b.processor.offloaded, "two states resident with room for one"
+    for s in (a, b):
+        for got, want in zip(s.outputs, s.twin_outputs(engine_factory), strict=True):
+            np.testing.assert_array_equal(got, want)
+
+    none = (weights + 0.5 * state / USABLE_SHARE) / GIB
+    full = make_loop(engine_factory, executor, FakeClock(), device_memory_gib=none)
+    with pytest.raises(AdmissionError, match="device memory is full"):
+        full.admit()
+    with pytest.raises(ValueError, match="device-memory-gib"):
+        ServerConfig(device_memory_gib=float("nan"))

@@ -105,7 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--state-slots", type=int, default=0,
         help="stream states resident in the engine at once; the policy parks the others in host memory "
-             "(credit-aware eviction) and restores them bit-identically when they run (default 0 = no limit)",
+             "(credit-aware eviction) and restores them bit-identically when they run (default 0 = no limit; "
+             "on CUDA also no more than fit the GPU's free memory)",
+    )
+    parser.add_argument(
+        "--device-memory-gib", type=float, default=None,
+        help="device memory the engine may use, weights included: stream states beyond what fits are parked "
+             "in host memory or refused at admission (default: the GPU's free memory on CUDA; no bound on a CPU)",
     )
     parser.add_argument(
         "--profile", default=None, metavar="FILE",

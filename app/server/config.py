@@ -143,6 +143,9 @@ class ServerConfig:
     # Stream states resident in the engine at once; more streams are parked in host memory and
     # brought back when they run (credit-aware eviction). 0 = no limit.
     state_slots: int = 0
+    # Device memory the engine may use, weights included (None: the GPU's free memory on CUDA, no bound
+    # on a CPU); states beyond it are parked or refused at admission (engine/serving/device_memory.py).
+    device_memory_gib: float | None = None
     # Fidelity profile for the policy (diffcast-fidelity-profile/1); None = the bundled measured one.
     profile: str | None = None
     # Most streams one batched forward may carry under the slack policy.
@@ -234,6 +237,7 @@ class ServerConfig:
             scale_in_cooldown_s=getattr(args, "scale_in_cooldown_s", 60.0),
             policy=args.policy,
             state_slots=args.state_slots,
+            device_memory_gib=getattr(args, "device_memory_gib", None),
             profile=args.profile,
             max_batch=args.max_batch,
             trace_stamp=args.trace_stamp,
@@ -260,6 +264,8 @@ class ServerConfig:
         resolve_preset(self.policy)  # ValueError naming the presets
         if self.state_slots < 0:
             raise ValueError(f"state_slots must be >= 0, got {self.state_slots}")
+        if self.device_memory_gib is not None and not 0 < self.device_memory_gib < 1e6:
+            raise ValueError(f"--device-memory-gib must be a positive number of GiB, got {self.device_memory_gib}")
         if not self.record_max_gb > 0:
             raise ValueError(f"--record-max-gb must be more than 0, got {self.record_max_gb}")
         if self.max_batch < 1:

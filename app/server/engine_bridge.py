@@ -93,6 +93,13 @@ def parallel_chunks(factory: ProcessorFactory) -> int:
     return max(1, int(getattr(factory, "parallel_chunks", 1)))
 
 
+def device_memory(factory: ProcessorFactory) -> tuple[int | None, int] | None:
+    """A factory may report its device's memory (``device_memory()``: bytes free for stream states, None
+    on a CPU, and its weights' bytes); None where it does not."""
+    report = getattr(factory, "device_memory", None)
+    return None if report is None else report()
+
+
 def per_chunk_fidelity(factory: ProcessorFactory) -> bool:
     """Whether the factory's processors are `StepProcessor`s (a factory declares it): the engine core
     then sets their fidelity per chunk, batches them and runs them step by step
@@ -141,6 +148,12 @@ class InProcessFactory:
         """The loaded LoRAs (name, rank, layers, targets, default strength), for /api/config."""
         info: list[dict[str, Any]] = self._pipe.lora_info()
         return info
+
+    def device_memory(self) -> tuple[int | None, int]:
+        """Device bytes free for stream states (None on a CPU) and the weights' bytes (admission)."""
+        from engine.devices import stream_memory
+
+        return stream_memory(self._pipe.runtime)
 
     @property
     def pipeline(self) -> Any:
@@ -292,6 +305,13 @@ class RankFactory:
     def size_for(self, camera: tuple[int, int]) -> tuple[int, int]:
         return self.pipeline.stream_size(camera)
 
+    def device_memory(self) -> tuple[int | None, int]:
+        """Rank 0's device bytes free for stream states and its weights' bytes: a stream's caches are
+        split over the ranks, so counting its whole state on rank 0 is the safe side."""
+        from engine.devices import stream_memory
+
+        return stream_memory(self.pipeline.runtime)
+
     def open(self, settings: StreamSettings) -> RankProcessor:
         from engine.pipeline import StreamParams
 
@@ -436,6 +456,11 @@ class RayFactory:
     def loras(self) -> list[dict[str, Any]]:
         """The LoRAs every worker loaded (name, rank, layers, targets, default strength)."""
         return [dict(info) for info in self.controller.info.loras]
+
+    def device_memory(self) -> tuple[int | None, int]:
+        """One worker's device bytes free for stream states (each actor has its own device) and weights."""
+        info = self.controller.info
+        return info.free_memory_bytes, int(info.weight_bytes)
 
     @property
     def parallel_chunks(self) -> int:

@@ -42,23 +42,29 @@ from app.server.engine_bridge import (
     ChunkBatchFactory,
     ProcessorFactory,
     StepProcessor,
+    device_memory,
     parallel_chunks,
     per_chunk_fidelity,
 )
 from app.server.frame_path import InputFrame, Playout, StreamRunner
 from app.server.session import CapacityError
 from engine.devices import has_bf16_units
-from engine.fidelity import FidelityConfig, engine_capabilities
+from engine.fidelity import FidelityConfig
 from engine.serving.core import Clock, EngineCore, StepOrder, StepResult, Work
+from engine.serving.device_memory import GIB, DeviceMemory
 from engine.serving.fidelity import (
-    BUNDLED_PROFILES,
     FidelityProfile,
-    ProfilePoint,
-    bundled_profile,
     load_profile,
 )
 from engine.serving.ledger import StreamLedger
-from engine.serving.policy import Ordering, PolicyConfig, SlackPolicy, resolve_preset
+from engine.serving.live import (
+    LIVE_CONTENT_S,
+    bundled_live_profile,
+    live_policy_config,
+    runnable_profile,
+    with_emulated_delay,
+)
+from engine.serving.policy import SlackPolicy
 from engine.serving.scaler import Scaler
 from engine.serving.snapshot import Rehome, WorkerView
 from engine.sim.runner import advisory_autoscale
@@ -67,17 +73,12 @@ from engine.streaming.step_processor import StepRow, run_step
 
 log = logging.getLogger(__name__)
 
-LIVE_CONTENT_S = 365 * 86400.0  # a live stream has no known end
-LIVE_PROFILE = "tiny-random_cpu_128"  # measured on this repository's CPU box (docs/service.md, "Live policy")
 POLL_S = 0.005  # idle wait for input when no stream has a chunk ready
 TICK_S = 0.5  # control tick: credits and tiers for the stats, re-homes
 LEDGER_LOG_ROWS = 1000  # per-stream tracker log kept: a live stream may run for days
 UNLIMITED_SLOTS = 1 << 20
 LOAD_WINDOW_S = 5.0  # a worker's load: the share of the last seconds its engine was busy
 ACTIONS_KEPT = 50  # the policy's recent actions, for the dashboard
-# Share of each worker's time the policy plans live streams' chunks into (PolicyConfig.live_load): the
-# rest absorbs a step that runs long and the media threads' bursts on a CPU.
-LIVE_LOAD = 0.85
 
 
 class AdmissionError(CapacityError):
@@ -526,75 +527,17 @@ def _reraise(exc: BaseException) -> None:
 # ---- building the loop for a server ----------------------------------------------------------------
 
 
-def bundled_live_profile(model: str | None, size: tuple[int, int]) -> FidelityProfile:
-    """The bundled measured profile of ``model`` (None = the embedded default) at ``size``, else the
-    tiny-random one (the policy then plans with the wrong latencies; the caller warns)."""
-    name = model or "default"
-    for path in sorted(BUNDLED_PROFILES.glob("*.json")):
-        profile = load_profile(path)
-        if profile.model == name and tuple(profile.resolution) == tuple(size) and profile.source.startswith("measured"):
-            return profile
-    return bundled_profile(LIVE_PROFILE)
-
-
-def with_emulated_delay(profile: FidelityProfile, delay_s: float, step_delay_s: float) -> FidelityProfile:
-    """The profile of an engine slowed by the server's test knobs (``--engine-delay-ms`` per chunk,
-    ``--engine-step-delay-ms`` per denoising step): the policy must know what the engine costs."""
-    if delay_s == 0.0 and step_delay_s == 0.0:
-        return profile
-
-    def slow(p: ProfilePoint) -> ProfilePoint:
-        # The step delay is per forward (StepExecutor sleeps once per batch group): a step batch's
-        # chunk takes one forward, a sequential chunk one per step.
-        extra = delay_s + step_delay_s * p.config.sequential_steps
-        return replace(p, latency_s=p.latency_s + extra, first_chunk_latency_s=p.first_chunk_latency_s + extra)
-
-    return replace(profile, points=tuple(slow(p) for p in profile.points),
-                   notes=(*profile.notes, f"emulated delay {delay_s:g} s + {step_delay_s:g} s/step added"))
-
-
-def live_policy_config(name: str, max_batch: int, step_wise: bool, chunk_batches: bool = False,
-                       workers: int = 1) -> PolicyConfig:
-    """A preset as it runs live. Each worker (the in-process engine, a Ray worker actor, the ranks) is
-    one device (or one lane of the in-process engine), so a preset's ``gpus_per_worker`` (a simulated
-    worker's GPU count) does not apply; the preset re-homes streams between ``workers`` where there are
-    several. Presets that route fidelity plan each live stream's chunk into its share of its worker's
-    time (``LIVE_LOAD``, `PolicyConfig.live_load`). ``--max-batch`` bounds the
-    cross-user batch of presets that route fidelity (BMPR) and FIFO's stream batch. Engines that run
-    whole chunks behind ``process`` (Ray) keep each stream's own fidelity, unbatched, with no step
-    preemption: those need the step-wise executor. Engines that run batches of whole chunks at
-    per-chunk fidelity (``chunk_batches``: the pipeline ranks) keep routing and batches, but a chunk
-    runs to its end (no step preemption) and states stay where they are (no eviction)."""
-    preset = resolve_preset(name)
-    if preset.bmpr:
-        batch = max_batch  # cross-user batches of streams routed to the same point
-    elif preset.ordering is Ordering.FIFO:
-        batch = min(preset.max_batch, max_batch)  # StreamDiffusionV2's stream batching
-    else:
-        batch = preset.max_batch
-    live = replace(preset, gpus_per_worker=1, max_batch=batch, rehoming=preset.rehoming and workers > 1,
-                   live_load=LIVE_LOAD if preset.bmpr else None)
-    if chunk_batches:
-        live = replace(live, step_preemption=False)
-    elif not step_wise:
-        live = replace(live, bmpr=False, step_preemption=False, max_batch=1)
-    return live
-
-
-def runnable_profile(profile: FidelityProfile, device: str, step_wise: bool,
-                     unsupported: Callable[[FidelityConfig], str | None] | None = None) -> FidelityProfile:
-    """Only the points this engine runs: capabilities of its device; one device per worker; for
-    engines that say what they run (``unsupported``: the pipeline ranks) only those points; and, for
-    other engines behind ``process``, whatever fidelity the stream opened with (their single reference)."""
-    bf16_units = has_bf16_units(device)
-    if not bf16_units and any(p.config.precision == "bf16" for p in profile.per_stream()):
-        log.info("profile: bf16 points dropped, this CPU has no bf16 units (AVX512-BF16 or AMX)")
-    kept = profile.runnable(engine_capabilities(device.split(":")[0], bf16_units)).filtered(lambda c: c.gpus == 1)
-    if unsupported is not None:
-        kept = kept.filtered(lambda c: unsupported(replace(c, stream_batch=1)) is None)
-    elif not step_wise:
-        kept = kept.filtered(lambda c: c == kept.reference().config or c.stream_batch > 1)
-    return kept
+def stream_memory_budget(config: ServerConfig, factory: ProcessorFactory,
+                         profile: FidelityProfile) -> DeviceMemory | None:
+    """What one worker's device holds for stream states (engine/serving/device_memory.py): its free bytes
+    after the model loaded (CUDA), or ``--device-memory-gib`` less the weights; None where unbounded."""
+    report = device_memory(factory)
+    if report is None:
+        return None
+    free, weights = report
+    if config.device_memory_gib is not None:
+        free = max(0, int(config.device_memory_gib * GIB) - weights)
+    return None if free is None else DeviceMemory.for_profile(free, profile)
 
 
 def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads: ThreadExecutor,
@@ -607,7 +550,8 @@ def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads:
         log.warning("fidelity profile %s was measured at %s but the engine runs at %s: latencies are off; "
                     "measure one with `diffcast profile --out FILE` and pass --profile FILE",
                     profile.model, profile.resolution, factory.size)
-    profile = runnable_profile(profile, config.device, step_wise, batches.unsupported if batches else None)
+    profile = runnable_profile(profile, config.device, step_wise, batches.unsupported if batches else None,
+                               has_bf16_units(config.device))
     # Content time on this server runs at the playout clock's rate, not the profile's video rate.
     profile = replace(with_emulated_delay(profile, config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0),
                       fps=config.max_fps)
@@ -615,9 +559,17 @@ def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads:
     # Ray: its worker actors; in process: the engine's lanes (each a worker with streams of its own).
     workers = len(controller.worker_ids) if controller is not None else parallel_chunks(factory) if step_wise else 1
     most = max(workers, config.max_workers if controller is not None else 1)
-    policy = SlackPolicy(profile, live_policy_config(config.policy, config.max_batch, step_wise, batches is not None,
-                                                     workers=most))
     slots = (config.state_slots or UNLIMITED_SLOTS) if step_wise else UNLIMITED_SLOTS  # only states it can park
+    max_batch = config.max_batch
+    memory = stream_memory_budget(config, factory, profile)
+    fit = None if memory is None else memory.slots
+    if memory is not None and fit is not None:
+        log.info("device memory: %s", memory.describe())
+        if step_wise:  # states past the slots are parked in host memory; a batch's states are all resident
+            slots = min(slots, fit // workers if controller is None else fit)
+            max_batch = max(1, min(max_batch, slots))
+    policy = SlackPolicy(profile, live_policy_config(config.policy, max_batch, step_wise, batches is not None,
+                                                     workers=most))
     delays = (config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0)
     executor: _LiveExecutor
     scaler: Scaler | None = None
@@ -643,6 +595,8 @@ def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads:
     else:
         executor = ChunkExecutor(parallel_chunks(factory), threads, clock, slots, config.max_fps, *delays)
     executor.device = config.device
+    if fit is not None and not step_wise:  # an engine that cannot park holds every stream's state
+        executor.views = [replace(v, max_streams=fit) for v in executor.views]
     ledger = StreamLedger(max_lookahead_s=None, max_log=LEDGER_LOG_ROWS)
     core = EngineCore(policy, executor, clock, ledger, calibrate=True, scaler=scaler)
     loop = ServingLoop(core, executor, config.max_fps)

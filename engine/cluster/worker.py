@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.devices import resolve_device, resolve_dtype
+from engine.devices import resolve_device, resolve_dtype, stream_memory
 from engine.fidelity import FidelityConfig
 from engine.pipeline import Pipeline, Stream, StreamParams
 from engine.streaming.parcel import Parcel, park, unpark
@@ -39,6 +39,10 @@ class WorkerInfo:
     default_size: tuple[int, int]
     loras: tuple[dict[str, Any], ...] = ()  # Pipeline.lora_info() of the replica
     size_granularity: int = 16  # Pipeline.size_granularity: a stream's sides are multiples of it
+    # engine.devices.stream_memory of the replica once loaded: device bytes free for states (None on a
+    # CPU) and its weights' bytes; the replicas run alike, so the first one's stands for all.
+    free_memory_bytes: int | None = None
+    weight_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,8 +135,9 @@ class StreamWorker:
     def info(self) -> WorkerInfo:
         pipe = self.pipe
         width, height = pipe.default_size
+        free, weights = stream_memory(pipe.runtime)
         return WorkerInfo(pipe.name, os.getpid(), pipe.first_chunk_frames, pipe.chunk_frames, (int(width), int(height)),
-                          tuple(pipe.lora_info()), int(pipe.size_granularity))
+                          tuple(pipe.lora_info()), int(pipe.size_granularity), free, weights)
 
     def ping(self) -> dict[str, int]:
         """Health check; also the counts the controller reports."""

@@ -47,12 +47,16 @@ class ProfilePoint:
     state_bytes: float
     source: str = "measured"
     needs: tuple[str, ...] = ()  # capabilities beyond the config's own (see requirements)
+    # Device memory one chunk takes beyond the states (activations, allocator slack), measured on CUDA;
+    # 0 where unmeasured. Admission keeps it free (engine/serving/device_memory.py).
+    workspace_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.latency_s <= 0 or self.first_chunk_latency_s <= 0:
             raise ValueError(f"latencies must be positive, got {self.latency_s}, {self.first_chunk_latency_s}")
-        if self.state_bytes < 0:
-            raise ValueError(f"state_bytes must be >= 0, got {self.state_bytes}")
+        if not (self.state_bytes >= 0 and self.workspace_bytes >= 0):
+            raise ValueError(f"state_bytes and workspace_bytes must be >= 0, got {self.state_bytes}, "
+                             f"{self.workspace_bytes}")
         if not all(isinstance(n, str) and n for n in self.needs):
             raise ValueError(f"needs must be non-empty capability names, got {self.needs!r}")
 
@@ -160,6 +164,7 @@ class FidelityProfile:
                     "first_chunk_latency_s": round(p.first_chunk_latency_s, 6),
                     "quality": round(p.quality, 4),
                     "state_bytes": float(p.state_bytes),
+                    **({"workspace_bytes": float(p.workspace_bytes)} if p.workspace_bytes else {}),
                     "source": p.source,
                     "needs": list(p.needs),
                 }
@@ -199,6 +204,7 @@ def profile_from_json(data: dict[str, Any], where: str = "profile") -> FidelityP
                     first_chunk_latency_s=float(raw.get("first_chunk_latency_s", latency)),
                     quality=float(_require(raw, "quality", at)),
                     state_bytes=float(raw.get("state_bytes", 0.0)),
+                    workspace_bytes=float(raw.get("workspace_bytes", 0.0)),
                     source=str(raw.get("source", "measured")),
                     needs=tuple(_needs(raw.get("needs", []))),
                 )

@@ -260,7 +260,13 @@ class SlackPolicy:
                     ahead += v.inflight_remaining_s if v.inflight_point is not None else sc.point.latency_s
             return ahead
 
-        home = min(live, key=lambda w: (len(by_worker[w.worker_id]), wait(w), w.worker_id))
+        roomy = [w for w in live if w.state_slots > 0
+                 and (w.max_streams is None or len(by_worker[w.worker_id]) < w.max_streams)]
+        if not roomy:
+            return Admission(req.stream_id, False, None, s0,
+                             "device memory is full: every worker holds as many stream states as fit "
+                             f"({max(w.max_streams or w.state_slots for w in live)} each)")
+        home = min(roomy, key=lambda w: (len(by_worker[w.worker_id]), wait(w), w.worker_id))
         if self.config.admission_control:
             est = wait(home) + first_time
             if est > s0:

@@ -51,6 +51,9 @@ class WorkerView:
     node_id: int = 0
     state_slots: int = 4
     draining: bool = False
+    # Streams it can host at all, None: no bound. Set where states cannot be parked (then every stream's
+    # state stays on the device: engine/serving/device_memory.py).
+    max_streams: int | None = None
 
 
 @dataclass(frozen=True)
