@@ -15,7 +15,7 @@ import logging
 import statistics
 from typing import Any
 
-from app.commands.stylize import parse_size
+from app.commands.arguments import parse_size
 
 NAME = "bench"
 HELP = "Benchmark the engine (per-chunk latency, FPS, stage times) or work out its memory per stream."
@@ -95,8 +95,11 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000, 2)
 
 
-def _measure(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks: int, stream_batch: bool,
-             sparsity: float = 0.0, kv_window: int | None = None) -> dict[str, Any]:
+def measure_row(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks: int, stream_batch: bool,
+                sparsity: float = 0.0, kv_window: int | None = None) -> dict[str, Any]:
+    """One row of `diffcast bench engine`: ``streams`` streams batched at ``size`` and ``steps``, a full KV
+    window of warm-up chunks, then ``chunks`` timed ones (the median is the row's chunk time); stage
+    times, the first chunk of fresh streams, park/restore of one state, its bytes and the CUDA peak."""
     from dataclasses import replace
 
     import numpy as np
@@ -257,7 +260,7 @@ def _run_engine(args: argparse.Namespace) -> int:
                         continue
                     # Sparsity innermost: dense and sparse rows of one setting run back to back.
                     for sparsity in args.sparsity:
-                        rows.append(_measure(pipe, size, steps, streams, args.chunks, stream_batch, sparsity,
+                        rows.append(measure_row(pipe, size, steps, streams, args.chunks, stream_batch, sparsity,
                                              args.kv_window))
                         log.debug("%s", rows[-1])
     report = {

@@ -6,20 +6,12 @@ import argparse
 import logging
 from pathlib import Path
 
+from app.commands.arguments import parse_size
+
 NAME = "profile"
 HELP = "measure latency and quality of every fidelity configuration and write a profile for the serving policy"
 
 log = logging.getLogger(__name__)
-
-
-def _size(text: str) -> tuple[int, int]:
-    try:
-        width, height = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size must be WIDTHxHEIGHT, e.g. 128x128, got {text!r}") from None
-    if width <= 0 or height <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return width, height
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -45,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N; cuda fails clearly without CUDA")
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                         help="weight dtype (default auto: bf16 on cuda, fp32 on cpu)")
-    parser.add_argument("--size", type=_size, default=None, help="frame size WxH (default: the model's size)")
+    parser.add_argument("--size", type=parse_size, default=None, help="frame size WxH (default: the model's size)")
     parser.add_argument("--out", type=Path, default=None, help="profile JSON to write (default: print a summary only)")
     parser.add_argument("--chunks", type=int, default=8, help="timed chunks per config after warm-up (default 8)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed chunks first (default: the largest window)")

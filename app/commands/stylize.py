@@ -10,6 +10,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from app.commands.arguments import parse_size
 from app.server.config import add_lora_arguments, lora_specs
 from engine.fidelity import PRECISION_CHOICES
 
@@ -17,16 +18,6 @@ NAME = "stylize"
 HELP = "Stylize a video file with the streaming video-to-video recipe."
 
 log = logging.getLogger(__name__)
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    try:
-        w, h = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--size must look like 256x256, got {text!r}") from None
-    if w <= 0 or h <= 0:
-        raise argparse.ArgumentTypeError(f"--size must be positive, got {text!r}")
-    return w, h
 
 
 def chunk_precision(args: argparse.Namespace) -> str:

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.commands.stylize import chunk_precision, parse_size
+from app.commands.arguments import parse_size
+from app.commands.stylize import chunk_precision
 from engine.fidelity import PRECISION_CHOICES
 
 if TYPE_CHECKING:

@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""One-shot GPU check: every serving path of the engine on one GPU, in at most five minutes, into one JSON file.
+
+It needs Python, torch, numpy and opencv (and the engine's light dependencies: tqdm, safetensors,
+scikit-image, all on the GPU machines' image) and imports nothing of the media or web stack (aiortc,
+av, the server), which those machines do not have. Phases, each written to the JSON as it ends (a run
+cut short keeps what it measured; a phase that fails records its error and the next one runs):
+
+  env        torch, CUDA and the GPU
+  fast_path  tests/test_gpu_fast_path.py under pytest
+  bench      `diffcast bench engine` rows (app/commands/bench.py ``measure_row``, the same code): 832x480 and
+             512x512 at 1-4 steps, one stream, a full KV window of warm-up then ``--chunks`` measured, with
+             the park and restore GB/s of one stream's state
+  batched    1/2/4/8 streams in one batch at 832x480, 1 step
+  profile    a reduced CUDA profile (engine/profiler.py: the runtime's default KV window, steps 1-4 at
+             scales 1 and 0.5, the weights' precision), written beside the JSON
+  serving    the serving loop without media (engine/serving/headless.py: the server's engine core, live
+             slack policy and step processors, device-memory admission from the GPU's free memory) with N
+             synthetic 16 fps cameras for N = 1, 2, 4, 8, planning with the profile just measured: each
+             stream's on-time chunk ratio, so streams per GPU is measured
+
+``--quick`` runs the same phases on the CPU with the tiny random model at its tiny size (CI runs it).
+
+    python demos/gpu_check.py --out docs/gpu/h100-check.json     # on one GPU
+    python demos/gpu_check.py --quick --out /tmp/check.json      # anywhere, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from app.commands.bench import measure_row  # noqa: E402
+from engine.devices import dtype_name, has_bf16_units, resolve_device, resolve_dtype, stream_memory  # noqa: E402
+from engine.pipeline import Pipeline  # noqa: E402
+from engine.profiler import ProfileRun, profile_pipeline, release  # noqa: E402
+from engine.serving.device_memory import DeviceMemory  # noqa: E402
+from engine.serving.headless import serve_headless  # noqa: E402
+from engine.serving.live import runnable_profile  # noqa: E402
+
+log = logging.getLogger("gpu_check")
+
+# What the media and web stack is: importing any of it here would fail on the GPU machines.
+MEDIA_STACK = ("aiortc", "av", "aiohttp", "uvicorn", "fastapi", "starlette", "gradio", "app.server")
+
+
+class Plan:
+    """The phases' sizes: the full run on a GPU, or ``--quick`` on a CPU."""
+
+    def __init__(self, quick: bool) -> None:
+        self.quick = quick
+        self.model = "tiny-random" if quick else "random:wan2.1-1.3b"
+        self.device = "cpu" if quick else "cuda"
+        self.sizes = [(128, 128), (96, 96)] if quick else [(832, 480), (512, 512)]
+        self.steps = [1, 2] if quick else [1, 2, 3, 4]
+        self.chunks = 2 if quick else 20
+        self.batched = [1, 2] if quick else [1, 2, 4, 8]
+        self.batched_chunks = 2 if quick else 6
+        self.profile_steps = (1, 2) if quick else (1, 2, 3, 4)
+        self.profile_scales = (1.0, 0.5)
+        self.profile_chunks = 2 if quick else 6
+        self.serving = [1, 2] if quick else [1, 2, 4, 8]
+        self.serving_s = 3.0 if quick else 15.0
+        self.fps = 6.0 if quick else 16.0
+
+
+class Check:
+    """The JSON being built: every phase's result or error, written after each phase."""
+
+    def __init__(self, out: Path, budget_s: float) -> None:
+        self.out = out
+        self.start = time.monotonic()
+        self.deadline = self.start + budget_s
+        self.doc: dict[str, Any] = {"format": "diffcast-gpu-check/1", "started": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                                                 time.gmtime())}
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def phase(self, name: str, need_s: float, run: Callable[[], Any]) -> None:
+        if self.left_s() < need_s:
+            self.doc[name] = {"skipped": f"{self.left_s():.0f} s of the budget left, the phase needs ~{need_s:.0f} s"}
+        else:
+            t0 = time.monotonic()
+            try:
+                self.doc[name] = {"result": run()}
+            except Exception as exc:  # one phase's failure is a finding; the others still run
+                log.exception("phase %s failed", name)
+                self.doc[name] = {"error": f"{type(exc).__name__}: {exc}",
+                                  "traceback": traceback.format_exc(limit=8)}
+            self.doc[name]["seconds"] = round(time.monotonic() - t0, 1)
+        self.doc["elapsed_s"] = round(time.monotonic() - self.start, 1)
+        self.doc["media_stack_imported"] = sorted(m for m, module in sys.modules.items() if module is not None
+                                                  and (m.split(".")[0] in MEDIA_STACK or m.startswith("app.server")))
+        self.out.write_text(json.dumps(self.doc, indent=1) + "\n")
+        log.info("%s: %s (%.0f s elapsed)", name, "error" if "error" in self.doc[name] else "done",
+                 self.doc["elapsed_s"])
+
+
+def env(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                    memory_gib=round(props.total_memory / 2**30, 1), multiprocessors=props.multi_processor_count,
+                    capability=f"{props.major}.{props.minor}", cudnn=torch.backends.cudnn.version())
+    else:
+        info.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+    return info
+
+
+def fast_path_tests(timeout_s: float) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_fast_path.py"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    return {"returncode": proc.returncode, "summary": lines[-1] if lines else "", "tail": lines[-15:]}
+
+
+def bench_rows(pipe: Pipeline, plan: Plan) -> list[dict[str, Any]]:
+    rows = []
+    for size in plan.sizes:
+        for steps in plan.steps:
+            rows.append(measure_row(pipe, size, steps, 1, plan.chunks, stream_batch=False))
+            log.info("bench %s", rows[-1])
+    return rows
+
+
+def batched_rows(pipe: Pipeline, plan: Plan) -> list[dict[str, Any]]:
+    rows = []
+    for streams in plan.batched:
+        rows.append(measure_row(pipe, plan.sizes[0], 1, streams, plan.batched_chunks, stream_batch=False))
+        log.info("batched %s", rows[-1])
+    one = rows[0]["fps_total"]
+    for row in rows:
+        row["throughput_vs_one"] = round(row["fps_total"] / one, 2) if one else None
+    return rows
+
+
+def reduced_profile(pipe: Pipeline, plan: Plan, path: Path) -> Any:
+    precision = dtype_name(pipe.runtime.dit.dtype) if pipe.runtime.device.type == "cuda" else "fp32"
+    run = ProfileRun(size=plan.sizes[0], chunks=plan.profile_chunks, first_repeats=1,
+                     windows=(pipe.runtime.config.kv_window_frames,), scales=plan.profile_scales,
+                     steps=plan.profile_steps, precisions=(precision,))
+    result = profile_pipeline(pipe, run, model_name=plan.model)
+    result.save(path)
+    release(pipe.runtime.device)
+    return result.profile
+
+
+def serving(pipe: Pipeline, plan: Plan, profile: Any, check: Check) -> list[dict[str, Any]]:
+    device = pipe.runtime.device
+    runnable = replace(runnable_profile(profile, device.type, step_wise=True, bf16_units=has_bf16_units(device)),
+                       fps=plan.fps)
+    runs = []
+    for n in plan.serving:
+        if check.left_s() < plan.serving_s + 10:
+            runs.append({"streams": n, "skipped": "out of budget"})
+            continue
+        free, _ = stream_memory(pipe.runtime)
+        memory = DeviceMemory.for_profile(free, runnable) if free is not None else None
+        report, _ = serve_headless(pipe, runnable, n, plan.serving_s, fps=plan.fps, memory=memory)
+        release(device)
+        runs.append({"streams": n, "fps": plan.fps, "state_slots": memory.slots if memory else None,
+                     **report.to_json()})
+        log.info("serving %d streams: late %.3f (steady %.3f), min on-time %.3f", n, report.late_share,
+                 report.steady_late_share, report.min_on_time_ratio)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model on the CPU at tiny sizes (CI)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "gpu_check.json",
+                        help="the JSON file (default $OUT/gpu_check.json, else ./gpu_check.json)")
+    parser.add_argument("--budget-s", type=float, default=290.0,
+                        help="phases that would not finish inside this many seconds are skipped (default 290)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    plan = Plan(args.quick)
+    if plan.quick:
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    check = Check(args.out, args.budget_s)
+    device = resolve_device(plan.device)
+    check.phase("env", 0, lambda: env(device))
+    check.phase("fast_path", 20, lambda: fast_path_tests(max(10.0, min(90.0, check.left_s() - 200))))
+    t0 = time.monotonic()
+    pipe = Pipeline.load(plan.model, device=str(device), dtype=resolve_dtype("auto", device))
+    check.doc["model"] = {"name": plan.model, "dtype": dtype_name(pipe.runtime.dit.dtype),
+                          "load_s": round(time.monotonic() - t0, 1)}
+    check.phase("bench", 30, lambda: bench_rows(pipe, plan))
+    check.phase("batched", 30, lambda: batched_rows(pipe, plan))
+    profile_path = args.out.with_name(args.out.stem + "_profile.json")
+    made: dict[str, Any] = {}
+
+    def profile_phase() -> dict[str, Any]:
+        made["profile"] = reduced_profile(pipe, plan, profile_path)
+        return {"path": profile_path.name, "points": [
+            {"config": p.config.label(), "chunk_ms": round(1000 * p.latency_s, 1), "quality": round(p.quality, 2),
+             "state_mb": round(p.state_bytes / 2**20, 1), "workspace_mb": round(p.workspace_bytes / 2**20, 1)}
+            for p in made["profile"].points]}
+
+    check.phase("profile", 30, profile_phase)
+    if "profile" in made:
+        check.phase("serving", plan.serving_s + 10, lambda: serving(pipe, plan, made["profile"], check))
+    else:
+        check.doc["serving"] = {"skipped": "no profile was measured"}
+    check.phase("done", 0, lambda: {"ok": not any("error" in v for v in check.doc.values() if isinstance(v, dict))})
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
