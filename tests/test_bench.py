@@ -43,7 +43,15 @@ def test_engine_report_has_rows_and_a_separate_prompt_switch(capsys: pytest.Capt
         assert row["size"] == [64, 64] and row["chunk_ms"] > 0 and row["first_chunk_ms"] > 0
         assert row["park_ms"] >= 0 and row["restore_ms"] >= 0 and row["state_mb"] > 0
         assert "cuda_peak_mb" not in row
-    assert report["results"][1]["state_mb"] > report["results"][0]["state_mb"]  # a KV cache per step
+    one, two = report["results"]
+    assert two["state_mb"] > one["state_mb"]  # a KV cache per step
+    # The parts add up to the whole, and the second step's cache is the whole difference.
+    for row in (one, two):
+        assert sum(row["state_parts_mb"].values()) == pytest.approx(row["state_mb"], abs=0.05)
+    assert (one["kv_caches"], two["kv_caches"]) == (1, 2)
+    assert two["state_parts_mb"]["kv"] == pytest.approx(2 * one["state_parts_mb"]["kv"], abs=0.011)  # rounded MB
+    assert two["state_mb"] - one["state_mb"] == pytest.approx(one["state_parts_mb"]["kv"], abs=0.05)
+    assert one["park_gbps"] > 0 and one["warmup_chunks"] >= one["kv_window"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")

@@ -174,6 +174,9 @@ def measure_row(pipe: Any, size: tuple[int, int], steps: int, streams: int, chun
         del fresh
         row.update(_park_restore(rt, states[0]))
     row["state_mb"] = round(states[0].nbytes() / 2**20, 2)
+    # Which part of a stream's state takes what (KV caches: one per step in per-step mode).
+    row["state_parts_mb"] = {k: round(v / 2**20, 2) for k, v in states[0].nbytes_by_part().items()}
+    row["kv_caches"] = len(states[0].kv)
     if cuda:
         row["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated(rt.device) / 2**20, 1)
     del states, unstarted

@@ -65,6 +65,16 @@ class StreamState:
         """Bytes of every tensor the state holds (what parking it copies; views counted whole)."""
         return sum(t.numel() * t.element_size() for t in tensors_in(self))
 
+    def nbytes_by_part(self) -> dict[str, int]:
+        """:meth:`nbytes` split by what holds it: ``kv`` (every KV cache: one per denoising step in
+        per-step mode), ``prompt`` (cross-attention K/V), ``embedding``, ``vae_encoder``, ``vae_decoder``,
+        and ``other`` (stabilizer history, motion controller, prompt transition)."""
+        parts = {"kv": self.kv, "prompt": self.prompt, "embedding": self.embedding,
+                 "vae_encoder": self.vae_encoder, "vae_decoder": self.vae_decoder}
+        out = {name: sum(t.numel() * t.element_size() for t in tensors_in(part)) for name, part in parts.items()}
+        out["other"] = self.nbytes() - sum(out.values())
+        return out
+
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor inside dataclasses, lists, tuples and dicts."""
