@@ -12,6 +12,8 @@ cut short keeps what it measured; a phase that fails records its error and the n
              512x512 at 1-4 steps, one stream, a full KV window of warm-up then ``--chunks`` measured, with
              the park and restore GB/s of one stream's state
   batched    1/2/4/8 streams in one batch at 832x480, 1 step
+  vae_layout the Wan VAE's convolutions contiguous against channels-last (CUDA's default here), one
+             stream at 832x480, 1 step: encode and decode ms side by side
   profile    a reduced CUDA profile (engine/profiler.py: the runtime's default KV window, steps 1-4 at
              scales 1 and 0.5, the weights' precision), written beside the JSON
   serving    the serving loop without media (engine/serving/headless.py: the server's engine core, live
@@ -152,6 +154,20 @@ def batched_rows(pipe: Pipeline, plan: Plan) -> list[dict[str, Any]]:
     return rows
 
 
+def vae_layouts(pipe: Pipeline, plan: Plan) -> list[dict[str, Any]]:
+    vae = pipe.runtime.vae
+    if not hasattr(vae, "use_channels_last"):
+        return [{"skipped": f"{type(vae).__name__} has one layout"}]
+    default = vae.memory_format
+    rows = []
+    for channels_last in (False, True, False, True):  # alternated: drift hits both alike
+        vae.use_channels_last(channels_last)
+        row = measure_row(pipe, plan.sizes[0], 1, 1, plan.batched_chunks, stream_batch=False)
+        rows.append({"channels_last": channels_last, **{k: row[k] for k in ("chunk_ms", "encode_ms", "decode_ms")}})
+    vae.use_channels_last(default == torch.channels_last_3d)
+    return rows
+
+
 def reduced_profile(pipe: Pipeline, plan: Plan, path: Path) -> Any:
     precision = dtype_name(pipe.runtime.dit.dtype) if pipe.runtime.device.type == "cuda" else "fp32"
     run = ProfileRun(size=plan.sizes[0], chunks=plan.profile_chunks, first_repeats=1,
@@ -206,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                           "load_s": round(time.monotonic() - t0, 1)}
     check.phase("bench", 30, lambda: bench_rows(pipe, plan))
     check.phase("batched", 30, lambda: batched_rows(pipe, plan))
+    check.phase("vae_layout", 20, lambda: vae_layouts(pipe, plan))
     profile_path = args.out.with_name(args.out.stem + "_profile.json")
     made: dict[str, Any] = {}
 

@@ -24,8 +24,9 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from engine.models.taehv import TAEHV, TAEHVConfig
 from engine.models.wan_dit import CONFIGS, CausalWanDiT, LayerNorm, RMSNorm, WanDiTConfig
-from engine.models.wan_vae import WanVAE, WanVAEConfig
+from engine.models.wan_vae import WanVAE, WanVAEConfig, for_device
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class RandomModel:
     dit: WanDiTConfig
     vae: WanVAEConfig
     size: tuple[int, int]  # (width, height)
+    taehv: TAEHVConfig = TAEHVConfig()  # the tiny VAE ``--vae tiny-random`` builds beside the Wan VAE
 
     @property
     def spec(self) -> str:
@@ -51,7 +53,7 @@ RANDOM_MODELS: dict[str, RandomModel] = {
     for m in (
         RandomModel("wan2.1-1.3b", CONFIGS["wan-1.3b"], WanVAEConfig(), (832, 480)),
         RandomModel("wan2.1-14b", CONFIGS["wan-14b"], WanVAEConfig(), (832, 480)),
-        RandomModel("tiny", CONFIGS["tiny"], WanVAEConfig.tiny(), (64, 64)),
+        RandomModel("tiny", CONFIGS["tiny"], WanVAEConfig.tiny(), (64, 64), TAEHVConfig.tiny()),
     )
 }
 
@@ -91,6 +93,17 @@ def build_vae(config: WanVAEConfig, device: torch.device | str = "meta", dtype: 
     model = _materialise(model, device, dtype)
     if model.latents_mean.device.type != "meta":
         _fill_vae(model, _generator(model.latents_mean.device, seed))
+    return for_device(model.eval().requires_grad_(False))
+
+
+def build_taehv(config: TAEHVConfig, device: torch.device | str = "meta", dtype: torch.dtype = torch.float32,
+                seed: int = 2) -> TAEHV:
+    """The TAEHV tiny VAE (engine/models/taehv.py) with random weights in ``dtype`` on ``device``."""
+    with torch.device("meta"):
+        model = TAEHV(config)
+    model = _materialise(model, device, dtype)
+    if model.encoder[0].weight.device.type != "meta":
+        _fill_taehv(model, _generator(model.encoder[0].weight.device, seed))
     return model.eval().requires_grad_(False)
 
 
@@ -152,6 +165,18 @@ def _fill_vae(model: WanVAE, generator: torch.Generator) -> None:
     like = model.latents_mean
     model.latents_mean = torch.tensor(cfg.latents_mean, dtype=like.dtype, device=like.device).reshape(shape)
     model.latents_std = torch.tensor(cfg.latents_std, dtype=like.dtype, device=like.device).reshape(shape)
+
+
+@torch.no_grad()
+def _fill_taehv(model: TAEHV, generator: torch.Generator) -> None:
+    """Weights at LeCun scale (variance 1/fan_in) and zero biases: the norm-free ReLU stack then neither
+    dies nor saturates over its depth, so random-weight frames vary like real ones do (a measure of
+    speed and memory, not of quality)."""
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.zero_()
+        else:
+            _uniform_(p, p[0].numel() ** -0.5, generator)
 
 
 # -- sizes -------------------------------------------------------------------------------------------

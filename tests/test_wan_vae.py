@@ -166,3 +166,34 @@ def test_wrong_checkpoints_give_clear_errors(models: tuple[WanVAE, AutoencoderKL
     cfg_file.write_text(cfg_file.read_text().replace('"is_residual": false', '"is_residual": true'))
     with pytest.raises(ValueError, match="is_residual"):
         load_wan_vae(tmp_path / "v")
+
+
+def test_channels_last_layout_gives_the_same_stream(models: tuple[WanVAE, AutoencoderKLWan]) -> None:
+    """The layout CUDA runs the VAE in (engine.models.wan_vae.for_device): the same latents and frames as
+    diffusers' reference, chunk by chunk, with the caches parked and unparked between chunks (on a CPU
+    the convolutions' outputs come back contiguous; cuDNN keeps them channels-last); switching back
+    restores the weights' layout."""
+    import copy
+
+    from engine.streaming.parcel import park, unpark
+
+    ours, ref = models
+    fast = copy.deepcopy(ours).use_channels_last()
+    conv = fast.decoder.conv1
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    x = _clip(9)
+    enc, dec = fast.new_encoder_cache(), fast.new_decoder_cache()
+    latents, frames = [], []
+    for a, b in ((0, 1), (1, 5), (5, 9)):
+        z = fast.encode_chunk(x[:, :, a:b], enc)
+        assert z.is_contiguous()
+        latents.append(z)
+        frames.append(fast.decode_chunk(z, dec))
+        enc, dec = unpark(park((enc, dec)))
+    with torch.no_grad():
+        mu = ref.encode(x).latent_dist.mode()
+        expected = ref.decode(mu).sample
+    _close(torch.cat(latents, 2), (mu - ours.latents_mean) / ours.latents_std)
+    _close(torch.cat(frames, 2), expected.clamp(-1, 1))
+    fast.use_channels_last(False)
+    assert conv.weight.is_contiguous()

@@ -340,6 +340,21 @@ class WanVAE(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, CausalConv3d):
                 module.cache_key = name
+        self.memory_format = torch.contiguous_format
+
+    def use_channels_last(self, enabled: bool = True) -> WanVAE:
+        """Keep the 3-D convolutions' weights and activations channels-last (NDHWC), the layout cuDNN's
+        bf16 3-D convolutions run in: in NCDHW, every convolution of a chunk is wrapped in two layout
+        transposes (9 % of an H100 chunk's GPU time, beside the convolutions' 41 %). The same numbers
+        either way; the streams' caches keep the layout they were made in."""
+        self.memory_format = torch.channels_last_3d if enabled else torch.contiguous_format
+        for module in self.modules():
+            if isinstance(module, nn.Conv3d):
+                module.weight.data = module.weight.data.contiguous(memory_format=self.memory_format)
+            elif isinstance(module, nn.Conv2d):
+                layout = torch.channels_last if enabled else torch.contiguous_format
+                module.weight.data = module.weight.data.contiguous(memory_format=layout)
+        return self
 
     def new_encoder_cache(self) -> WanVAECache:
         return WanVAECache("encoder")
@@ -364,10 +379,10 @@ class WanVAE(nn.Module):
         if t == 0 or (t % tc != 1 if first else t % tc != 0):
             want = f"1 + {tc}k frames on a stream's first chunk" if first else f"a multiple of {tc} frames"
             raise ValueError(f"encode_chunk needs {want} (frames seen so far: {cache.frames_seen}), got {t}")
-        x = frames.to(self._dtype)
+        x = frames.to(self._dtype).contiguous(memory_format=self.memory_format)
         mu = self.conv1(self.encoder(x, cache.tensors))[:, : self.latent_channels]
         cache.frames_seen += t
-        return ((mu - self.latents_mean) / self.latents_std).to(frames.dtype)
+        return ((mu - self.latents_mean) / self.latents_std).to(frames.dtype).contiguous()
 
     reads_input = False  # Wan's decoder sees the latents only
 
@@ -385,9 +400,9 @@ class WanVAE(nn.Module):
                 f"latents must be [B, {self.latent_channels}, t>0, h, w], got {tuple(latents.shape)}"
             )
         z = latents.to(self._dtype) * self.latents_std + self.latents_mean
-        out = self.decoder(self.conv2(z), cache.tensors)
+        out = self.decoder(self.conv2(z.contiguous(memory_format=self.memory_format)), cache.tensors)
         cache.frames_seen += latents.shape[2]
-        return out.clamp(-1.0, 1.0).to(latents.dtype)
+        return out.clamp(-1.0, 1.0).to(latents.dtype).contiguous()
 
     def encode(self, frames: torch.Tensor) -> torch.Tensor:
         """Whole clip (1 + 4k frames) in one call."""
@@ -499,7 +514,7 @@ def config_from_diffusers(cfg: Mapping[str, Any]) -> WanVAEConfig:
     return WanVAEConfig(**kwargs)
 
 
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -510,7 +525,9 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _check_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], source: Path) -> None:
+def check_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], source: Path,
+                     what: str = "the Wan 2.1 VAE") -> None:
+    """A ValueError naming every missing, unexpected and mis-shaped key of ``state`` for ``model``."""
     expected = model.state_dict()
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
@@ -525,7 +542,7 @@ def _check_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], sourc
         if items
     ]
     if problems:
-        raise ValueError(f"{source} does not match the Wan 2.1 VAE: " + "; ".join(problems))
+        raise ValueError(f"{source} does not match {what}: " + "; ".join(problems))
 
 
 def load_wan_vae(
@@ -555,16 +572,27 @@ def load_wan_vae(
     else:
         raise FileNotFoundError(f"no VAE weights at {path}")
     cfg = config or WanVAEConfig()
-    state = _read_weights(weights)
+    state = read_weights(weights)
     if any(k.startswith(("quant_conv.", "encoder.down_blocks.", "decoder.up_blocks.")) for k in state):
         state = diffusers_to_original(state, cfg)
     with torch.device("meta"):
         model = WanVAE(cfg)
-    _check_state_dict(model, state, weights)
+    check_state_dict(model, state, weights)
     model.load_state_dict(state, strict=True, assign=True)
     # Buffers were built on meta; rebuild them from the config.
     shape = (1, cfg.z_dim, 1, 1, 1)
     model.latents_mean = torch.tensor(cfg.latents_mean).reshape(shape)
     model.latents_std = torch.tensor(cfg.latents_std).reshape(shape)
     log.info("loaded Wan 2.1 VAE from %s (%d tensors)", weights, len(state))
-    return model.to(device=device, dtype=dtype).eval()
+    return for_device(model.to(device=device, dtype=dtype).eval())
+
+
+def for_device(vae: WanVAE) -> WanVAE:
+    """The layout and kernels the VAE's device wants: on CUDA channels-last convolutions
+    (:meth:`WanVAE.use_channels_last`) and cuDNN's autotuner (it times its algorithms once per new
+    convolution shape, on a stream's first chunks at a size, and keeps the fastest); unchanged on a CPU,
+    where channels-last measured no faster."""
+    if vae.latents_mean.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        vae.use_channels_last()
+    return vae
