@@ -52,6 +52,7 @@ from engine.streaming.runtime import ChunkResult, PromptEncoder, StreamRuntime
 from engine.streaming.stabilizer import LookStabilizers, StabilizerConfig
 from engine.streaming.state import StreamState
 from engine.vae import StreamVAE
+from engine.vae_choice import VAEChoice
 
 log = logging.getLogger(__name__)
 
@@ -187,12 +188,29 @@ class Pipeline:
     # -- loading ----------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, model: str | Path | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Pipeline:
+    def load(cls, model: str | Path | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32,
+             vae: str | None = None) -> Pipeline:
         """``None``: the embedded default; ``"tiny-random"``: a tiny random-weight model (tests);
         ``"random:wan2.1-1.3b"`` / ``"random:wan2.1-14b"`` / ``"random:tiny"``: the Wan 2.1 architecture
         with random weights and no download (engine/random_model.py; on ``device="meta"`` shapes only);
         a ``.safetensors`` file with a ``.json`` beside it (diffcast format); or a model directory
-        with a ``diffcast.json`` manifest pointing at real Wan/CausVid/StreamDiffusionV2 files."""
+        with a ``diffcast.json`` manifest pointing at real Wan/CausVid/StreamDiffusionV2 files.
+
+        ``vae`` (Wan models only): the stream VAE, as ``--vae`` takes it (engine/vae_choice.py: ``wan``, a
+        taew2_1 file for Wan's encoder with the tiny decoder, ``tiny:FILE``, ``tiny-random``); a model
+        string may carry it as ``MODEL?vae=SPEC``."""
+        from engine.vae_choice import model_with_vae, split_model_spec
+
+        if model is not None:
+            model, carried = split_model_spec(str(model))
+            if vae is not None and carried is not None and vae != carried:
+                raise ModelNotAvailableError(f"two VAE choices for one model: {carried!r} and {vae!r}")
+            vae = vae or carried
+        try:
+            model_with_vae(None if model is None else str(model), vae)  # refuses a VAE choice for other models
+            choice = None if vae is None else VAEChoice.parse(vae)
+        except ValueError as exc:
+            raise ModelNotAvailableError(str(exc)) from None
         if model is None or str(model) == "default":
             if not DEFAULT_MODEL.is_file():
                 raise ModelNotAvailableError(
@@ -204,12 +222,12 @@ class Pipeline:
         if str(model) == "tiny-random":
             return _tiny_random(device, dtype)
         if str(model).startswith("random:"):
-            return _random_weights(str(model), device, dtype)
+            return _random_weights(str(model), device, dtype, choice)
         path = Path(model)
         if path.is_file() and path.suffix == ".safetensors" and path.with_suffix(".json").is_file():
             return _load_diffcast_file(path, device, dtype)
         if path.is_dir() and (path / "diffcast.json").is_file():
-            return _load_manifest(path, device, dtype)
+            return _load_manifest(path, device, dtype, choice)
         raise ModelNotAvailableError(
             f"cannot load model {model!r}: expected 'default', 'tiny-random', 'random:wan2.1-1.3b' (or another "
             "random: model), a diffcast .safetensors file "
@@ -470,9 +488,10 @@ def _tiny_random(device: str, dtype: torch.dtype) -> Pipeline:
     return Pipeline(dit, vae, text, STREAMDIFFUSION_V2, runtime, (128, 128), "tiny-random")
 
 
-def _random_weights(spec: str, device: str, dtype: torch.dtype) -> Pipeline:
+def _random_weights(spec: str, device: str, dtype: torch.dtype, vae_choice: VAEChoice | None = None) -> Pipeline:
     """A ``random:`` model: the real Wan 2.1 DiT and VAE at full size with random weights, the hashed
     umT5-shaped text stand-in, StreamDiffusionV2's recipe (the manifest defaults) at the model's size.
+    ``vae_choice``: the stream VAE where it is not the Wan VAE (its tiny VAE from a file, or random).
 
     Refused up front, before anything is allocated, where the weights do not fit the device's free memory.
     """
@@ -490,12 +509,17 @@ def _random_weights(spec: str, device: str, dtype: torch.dtype) -> Pipeline:
     if problem is not None:
         raise ModelNotAvailableError(problem)
     dit = build_dit(model.dit, device, dtype)
-    vae = build_vae(model.vae, device, dtype)
+    choice = vae_choice or VAEChoice()
+    try:
+        vae = choice.build(lambda: build_vae(model.vae, device, dtype), model.taehv, device, dtype)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ModelNotAvailableError(str(exc)) from None
     # The stand-in's rows go where the DiT reads them (meta has no data: the text stays on the CPU there).
     text_device = "cpu" if torch.device(device).type == "meta" else device
     text = CachedTextEncoder(HashedTextEncoder(model.dit.text_dim, model.dit.text_len, text_device))
-    log.info("built %s with random weights (%s on %s)", spec, dtype, device)
-    return Pipeline(dit, vae, text, STREAMDIFFUSION_V2, RuntimeConfig(), model.size, spec)
+    name = spec if choice.mode == "wan" else f"{spec} ({choice.mode} VAE: {choice.tiny})"
+    log.info("built %s with random weights (%s on %s)", name, dtype, device)
+    return Pipeline(dit, vae, text, STREAMDIFFUSION_V2, RuntimeConfig(), model.size, name)
 
 
 def _runtime_from_json(data: dict[str, Any]) -> RuntimeConfig:
@@ -630,11 +654,15 @@ class Manifest:
     size: tuple[int, int] = (832, 480)
     ema: bool | None = None
     runtime: dict[str, Any] = field(default_factory=dict)
+    tiny_vae: str | None = None  # a taew2_1 file in the directory (engine/vae_choice.py)
+    vae_mode: str | None = None  # "wan" | "tiny" | "wan-encoder-tiny-decoder"; default: the last with tiny_vae
 
 
-def _load_manifest(root: Path, device: str, dtype: torch.dtype) -> Pipeline:
+def _load_manifest(root: Path, device: str, dtype: torch.dtype, vae_choice: VAEChoice | None = None) -> Pipeline:
+    """``vae_choice`` (``--vae``) overrides the manifest's ``tiny_vae`` / ``vae_mode``."""
     from engine import sampling
     from engine.checkpoint import load_wan_dit
+    from engine.models.taehv import TAEHVConfig
     from engine.models.wan_vae import load_wan_vae
     from engine.text import load_text_encoder
 
@@ -646,8 +674,16 @@ def _load_manifest(root: Path, device: str, dtype: torch.dtype) -> Pipeline:
     presets = sampling.PRESETS
     if manifest.preset not in presets:
         raise ModelNotAvailableError(f"unknown sampler preset {manifest.preset!r}; choose from {sorted(presets)}")
+    try:
+        choice = vae_choice or VAEChoice.from_manifest(manifest.tiny_vae, manifest.vae_mode, root)
+    except ValueError as exc:
+        raise ModelNotAvailableError(str(exc)) from None
     dit = load_wan_dit(root / manifest.dit, manifest.dit_config, device=device, dtype=dtype, ema=manifest.ema).eval()
-    vae = load_wan_vae(root / manifest.vae, device=device, dtype=dtype).eval()
+    try:
+        vae = choice.build(lambda: load_wan_vae(root / manifest.vae, device=device, dtype=dtype).eval(),
+                           TAEHVConfig(), device, dtype)
+    except (FileNotFoundError, ValueError) as exc:  # a VAE file missing or not of its layout
+        raise ModelNotAvailableError(str(exc)) from None
     spec = manifest.text_encoder if manifest.text_encoder == "minilm" else str(root / manifest.text_encoder)
     text = load_text_encoder(spec, device=device)
     runtime = _runtime_from_json(manifest.runtime)

@@ -102,8 +102,9 @@ def build_taehv(config: TAEHVConfig, device: torch.device | str = "meta", dtype:
     with torch.device("meta"):
         model = TAEHV(config)
     model = _materialise(model, device, dtype)
-    if model.encoder[0].weight.device.type != "meta":
-        _fill_taehv(model, _generator(model.encoder[0].weight.device, seed))
+    on = next(model.parameters()).device
+    if on.type != "meta":
+        _fill_taehv(model, _generator(on, seed))
     return model.eval().requires_grad_(False)
 
 

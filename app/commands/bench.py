@@ -15,7 +15,7 @@ import logging
 import statistics
 from typing import Any
 
-from app.commands.arguments import parse_size
+from app.commands.arguments import add_vae_argument, parse_size
 
 NAME = "bench"
 HELP = "Benchmark the engine (per-chunk latency, FPS, stage times) or work out its memory per stream."
@@ -50,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="'default' (embedded), 'tiny-random', 'random:wan2.1-1.3b' / 'random:wan2.1-14b' "
                              f"(full-size random weights, no download), or a model path; memory: a random: model "
                              f"(default {MEMORY_MODEL})")
+    add_vae_argument(parser)
     parser.add_argument("--sizes", default=None, help="comma-separated WxH list (default: the model's size)")
     parser.add_argument("--steps", type=_int_list, default=None,
                         help="denoising steps to try, e.g. 1,2 (default 1,2; memory: 1,2,3,4)")
@@ -75,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is None:
         args.steps = DEFAULT_STEPS[args.target]
     if args.target == "memory":
+        if args.vae is not None:
+            log.error("--vae is for `bench engine`: the memory arithmetic counts the Wan 2.1 VAE")
+            return 2
         return _run_memory(args)
     return _run_engine(args)
 
@@ -247,7 +251,7 @@ def _run_engine(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
-        pipe = Pipeline.load(args.model, device=str(device), dtype=dtype)
+        pipe = Pipeline.load(args.model, device=str(device), dtype=dtype, vae=args.vae)
     except (ModelNotAvailableError, ValueError) as exc:
         log.error("%s", exc)
         return 2

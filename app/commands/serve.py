@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from app.commands.arguments import add_vae_argument
 from app.server.config import add_lora_arguments
 
 NAME = "serve"
@@ -31,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                         help="weight dtype (default auto: bf16 on cuda, fp32 on cpu), as `diffcast bench engine` "
                              "measures it; in-process, --ray workers and --gpus ranks alike")
+    add_vae_argument(parser)
     add_lora_arguments(parser)
     parser.add_argument("--max-streams", type=int, default=4, help="concurrent streams before 503 (default 4)")
     parser.add_argument("--max-viewers", type=int, default=8, help="WHEP viewers per stream before 503 (default 8)")
@@ -196,9 +198,12 @@ def run(args: argparse.Namespace) -> int:
     from engine.devices import resolve_device, resolve_dtype
     from engine.models.lora import LoRAError
     from engine.pipeline import ModelNotAvailableError
+    from engine.vae_choice import model_with_vae
 
     try:
         # Before the model loads: a bad certificate or device is said at once (CertificateError is a ValueError).
+        # --vae rides in the model string, which every engine host (in-process, Ray, ranks) loads.
+        args.model = model_with_vae(args.model, args.vae)
         config = with_certificate(ServerConfig.from_args(args))
         resolve_dtype(config.dtype, resolve_device(config.device))
     except ValueError as exc:

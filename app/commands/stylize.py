@@ -10,7 +10,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from app.commands.arguments import parse_size
+from app.commands.arguments import add_vae_argument, parse_size
 from app.server.config import add_lora_arguments, lora_specs
 from engine.fidelity import PRECISION_CHOICES
 
@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("output", type=Path, help="output video file (.mp4, .webm, .mkv, ...)")
     parser.add_argument("--prompt", required=True, help="style prompt")
     parser.add_argument("--model", default=None, help="checkpoint path or 'tiny-random'; default: the embedded model")
+    add_vae_argument(parser)
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (1-4)")
     parser.add_argument("--noise-scale", type=float, default=None, help="noise strength in (0, 1]")
     parser.add_argument("--seed", type=int, default=0)
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         loras = lora_specs(args.lora, args.lora_strength)
-        pipe = Pipeline.load(args.model, device=args.device)
+        pipe = Pipeline.load(args.model, device=args.device, vae=args.vae)
         for lora in loras:
             pipe.load_lora(lora.name, lora.path, lora.strength)
     except (ModelNotAvailableError, ValueError) as exc:  # LoRAError is a ValueError

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.models.taehv import TAEHVCache
 from engine.models.tiny_vae import TinyVAECache
 from engine.models.wan_dit import KVCache, WanDiTConfig, apply_rope, grid_rope_tables, unapply_rope
 from engine.models.wan_vae import WanVAECache
@@ -121,9 +122,10 @@ def _resample_frames(tokens: Tensor, frames: int, old_grid: tuple[int, int], new
 def rescale_vae_cache(cache: object, old_size: Size, new_size: Size) -> object:
     """A stream VAE's encoder or decoder cache with its feature maps moved from ``old_size`` to ``new_size``.
 
-    Knows the tiny VAE's (the previous frame's features, ``[B, C, H/8, W/8]``) and the Wan 2.1 VAE's
-    (each causal conv's last input frames, ``[B, C, T, h, w]`` at its level's resolution). ``None`` (no
-    cache held here) passes through.
+    Knows the tiny VAE's (the previous frame's features, ``[B, C, H/8, W/8]``), the Wan 2.1 VAE's
+    (each causal conv's last input frames, ``[B, C, T, h, w]`` at its level's resolution) and TAEHV's
+    (each memory block's last input, ``[B, C, h, w]`` at its level's). ``None`` (no cache held here)
+    passes through.
     """
     if cache is None:
         return None
@@ -135,6 +137,9 @@ def rescale_vae_cache(cache: object, old_size: Size, new_size: Size) -> object:
     if isinstance(cache, WanVAECache):
         tensors = {name: _resample_feature_map(t, old_size, new_size) for name, t in cache.tensors.items()}
         return WanVAECache(cache.kind, tensors, cache.frames_seen)
+    if isinstance(cache, TAEHVCache):  # each memory block's last input, [B, C, h, w] at its level
+        memory = {name: _resample_feature_map(t, old_size, new_size) for name, t in cache.memory.items()}
+        return TAEHVCache(cache.kind, memory, cache.frames_seen)
     raise TypeError(f"cannot rescale a VAE cache of type {type(cache).__name__}: its tensor layout is not known")
 
 
