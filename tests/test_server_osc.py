@@ -7,8 +7,12 @@ import asyncio
 import json
 import logging
 import socket
+import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +21,10 @@ from pythonosc.udp_client import SimpleUDPClient
 
 from app.client import CodedCamera, http, open_session
 from app.server.control import ControlError
-from app.server.osc import parse
+from app.server.osc import OscFormError, parse
+from app.server.osc_packet import Unsupported
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_udp_port() -> int:
@@ -41,6 +48,13 @@ def test_addresses_become_control_messages() -> None:
         parse("/diffcast/steps", ["s", "t", 1, 2, 3])
     with pytest.raises(ControlError, match="the stream id and the owner token are strings"):
         parse("/diffcast/seed", [1, "t", 2])
+    # A blob (or MIDI, an array, ...) is refused by name, and the answer still goes to its reply port;
+    # a blob once reached json.dumps: a TypeError, a traceback and no answer.
+    with pytest.raises(OscFormError, match=r"an OSC blob \('b'\) is not a value any control takes") as refused:
+        parse("/diffcast/prompt", ["s", "t", Unsupported("b"), 0])
+    assert refused.value.reply_port == 0
+    with pytest.raises(OscFormError, match=r"an OSC MIDI message \('m'\)"):
+        parse("/diffcast/blend", ["s", "t", "oil", Unsupported("m")])
 
 
 class OscPeer:
@@ -107,6 +121,11 @@ async def test_osc_controls_a_stream_with_the_http_checks(
                                                        "prompt_weights": [0.0, 0.0]})
             assert answer[3] == reason and "not all zero" in reason
 
+            # A blob from the owner: a refusal that names it (before: a TypeError and no answer).
+            answer = await osc.send("/diffcast/prompt", sid, owner, b"\x00\x01")
+            assert answer[:3] == ["/diffcast/error", "/diffcast/prompt", sid]
+            assert "an OSC blob ('b') is not a value any control takes" in answer[3]
+
             # /diffcast/record maps onto the update's `record` field (this server has no --record-dir).
             answer = await osc.send("/diffcast/record", sid, owner, True)
             _, reason = http_control(url, sid, owner, {"type": "update", "record": True})
@@ -145,5 +164,88 @@ def test_refusals_are_logged_and_answered_within_a_budget(
     assert [server._log_refusal("refused %d", i) for i in range(15)] == [True] * 10 + [False] * 5
     now[0] = 101.5
     assert server._log_refusal("refused again")
-    assert "5 more OSC refusals in the last second were not logged" in caplog.text
+    assert "5 more OSC refusals were not logged (at most 10 a second are)" in caplog.text
     assert caplog.text.count("refused ") == 11
+
+
+def nested_bundles(depth: int) -> bytes:
+    packet = b"/diffcast/pause\0,\0\0\0"
+    for _ in range(depth):
+        packet = b"#bundle\0" + b"\0" * 8 + struct.pack(">i", len(packet)) + packet
+    return packet
+
+
+# Issue 35's packets, each once an unhandled exception or a hang on the event loop, and what the
+# one log line about each says now.
+FINDINGS = {
+    b"#bundle\0" + b"\0" * 8 + struct.pack(">i", -4) + b"abcd": "a bundle element claims -4 bytes",  # hung
+    b"/di\xff\0\0\0\0": "the address is not '/' and up to 127 printable ASCII",  # UnicodeDecodeError
+    b"/a\0\0,s\0\0\xc3\x28\0\0": "a string of /a is not UTF-8",  # UnicodeDecodeError
+    nested_bundles(1200): "the packet has 24020 bytes; the limit is 16384",  # RecursionError
+    nested_bundles(100): "bundles are nested more than 8 deep",
+    b"/a\0\0,ix\0" + b"\0" * 8: "an argument of unknown OSC type 'x'",  # python-osc: a root warning per tag
+}
+# The real protocol handler, fed each packet in a child process: before the fix the first packet
+# never returned, so the test's deadline, not a hung test run, reports it.
+HANDLER = """
+import json, logging, sys
+from app.server.config import ServerConfig
+from app.server.osc import OscServer
+records = []
+handler = logging.Handler()
+handler.emit = lambda r: records.append([r.name, r.levelname, r.getMessage(), r.exc_info is not None])
+logging.getLogger().addHandler(handler)
+server = OscServer(ServerConfig(), manager=None, access=None)
+for packet in json.load(sys.stdin):
+    server.datagram_received(bytes.fromhex(packet), ("127.0.0.1", 9))
+print(json.dumps(records))
+"""
+
+
+def test_hostile_packets_cost_the_handler_one_line_each() -> None:
+    result = subprocess.run([sys.executable, "-c", HANDLER], input=json.dumps([p.hex() for p in FINDINGS]),
+                            capture_output=True, text=True, timeout=90, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = json.loads(result.stdout)
+    assert len(records) == len(FINDINGS)
+    for (name, level, text, has_traceback), reason in zip(records, FINDINGS.values(), strict=True):
+        assert (name, level, has_traceback) == ("app.server.osc", "WARNING", False)
+        assert text.startswith("an OSC packet from 127.0.0.1:9 was dropped: ") and reason in text
+
+
+async def test_a_failure_inside_the_handler_is_one_line_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug in reading or applying a message costs one budgeted line, and the next message is applied."""
+    import app.server.osc as osc
+    from app.server.config import ServerConfig
+
+    server = osc.OscServer(ServerConfig(), manager=None, access=None)  # type: ignore[arg-type]
+    handled: list[str] = []
+
+    async def handle(address: str, params: Any, sender: Any) -> None:
+        handled.append(address)
+        if address == "/bug":
+            raise RuntimeError("handler bug")
+
+    def read_packet(data: bytes) -> Any:
+        raise RuntimeError("reader bug")
+
+    monkeypatch.setattr(server, "handle", handle)
+    server.datagram_received(b"/bug\0\0\0\0", ("127.0.0.1", 9))
+    server.datagram_received(b"/next\0\0\0", ("127.0.0.1", 9))
+    with monkeypatch.context() as patch:
+        patch.setattr(osc, "read_packet", read_packet)
+        server.datagram_received(b"/x\0\0", ("127.0.0.1", 9))
+    worker = asyncio.create_task(server._run())
+    try:
+        async with asyncio.timeout(30):
+            while len(handled) < 2:
+                await asyncio.sleep(0.01)
+    finally:
+        worker.cancel()
+    assert handled == ["/bug", "/next"]
+    assert [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records] == [
+        ("WARNING", "an OSC packet from 127.0.0.1:9 was dropped: RuntimeError: reader bug", None),
+        ("WARNING", "OSC message /bug from 127.0.0.1 could not be handled: RuntimeError: handler bug", None),
+    ]

@@ -12,6 +12,9 @@ the server has ``--osc-reply``, answered with ``/diffcast/error <address> <strea
 an applied message is then acknowledged with ``/diffcast/ack <address> <stream_id>``.
 
 Messages are applied one at a time in arrival order (bundles' time tags are not waited for).
+Packets are read by :mod:`app.server.osc_packet`, under bounds, not by python-osc's parser (which
+hung the event loop on hostile packets); nothing a packet holds reaches the loop's exception
+handler: every failure is a refusal, logged and answered within one budget.
 """
 
 from __future__ import annotations
@@ -26,12 +29,11 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
-from pythonosc.osc_message import OscMessage
 from pythonosc.osc_message_builder import OscMessageBuilder
-from pythonosc.osc_packet import OscPacket, ParseError
 
 from app.server.config import ServerConfig
 from app.server.control import ControlError
+from app.server.osc_packet import Message, OscPacketError, Unsupported, read_packet
 from app.server.security import Access, AccessControl
 from app.server.session import SessionManager
 
@@ -122,6 +124,11 @@ def parse(address: str, params: Sequence[Any]) -> tuple[Parsed, int | None]:
     form = f"expected {address} <stream_id> <owner_token> {control.takes}".rstrip() + " [<reply_port>]"
     if len(params) < 2 or not all(isinstance(p, str) for p in params[:2]):
         raise OscFormError(f"{form}: the stream id and the owner token are strings", reply_port)
+    # Before anything is made of the values: a blob once reached json.dumps (a TypeError, no answer).
+    unsupported = next((v for v in values if isinstance(v, Unsupported)), None)
+    if unsupported is not None:
+        raise OscFormError(f"{form}: an OSC {unsupported.name} ('{unsupported.tag}') is not a value any "
+                           "control takes; the values are strings (s), numbers (i, h, f, d) and T/F", reply_port)
     if len(values) != expected or (control.count is None and not values):
         raise OscFormError(f"{form}; got {len(values)} values", reply_port)
     values = [_exact(v) for v in values]
@@ -156,7 +163,7 @@ class OscServer(asyncio.DatagramProtocol):
         self.manager = manager
         self.access = access
         self.transport: asyncio.DatagramTransport | None = None
-        self.queue: asyncio.Queue[tuple[OscMessage, Sender]] = asyncio.Queue(QUEUE_LIMIT)
+        self.queue: asyncio.Queue[tuple[Message, Sender]] = asyncio.Queue(QUEUE_LIMIT)
         self._worker: asyncio.Task[None] | None = None
         self._window = (0.0, 0, 0)  # log throttle: (second it started, lines logged, lines held back)
 
@@ -177,6 +184,7 @@ class OscServer(asyncio.DatagramProtocol):
         if self._worker is not None:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
+        self._report_held(self._window[2])  # every refusal is counted in the log, the last second's too
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's UDP transport has DatagramTransport's methods without being its subclass.
@@ -185,9 +193,9 @@ class OscServer(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
         sender = (str(addr[0]), int(addr[1]))
         try:
-            messages = [timed.message for timed in OscPacket(data).messages]
-        except ParseError:
-            self._log_refusal("a malformed OSC packet from %s:%d was dropped", *sender)
+            messages = read_packet(data)
+        except Exception as exc:  # OscPacketError; anything else is a reader bug, still one budgeted line
+            self._log_refusal("an OSC packet from %s:%d was dropped: %s", *sender, _described(exc))
             return
         for message in messages:
             try:
@@ -201,8 +209,10 @@ class OscServer(asyncio.DatagramProtocol):
             message, sender = await self.queue.get()
             try:
                 await self.handle(message.address, message.params, sender)
-            except Exception:  # one message must never end control for every stream
-                log.exception("OSC message %s could not be handled", message.address)
+            except Exception as exc:  # one message must never end control for every stream
+                # A sender can repeat what failed: one budgeted line each, no traceback per message.
+                self._log_refusal("OSC message %s from %s could not be handled: %s",
+                                  message.address, sender[0], _described(exc))
 
     async def handle(self, address: str, params: Sequence[Any], sender: Sender) -> None:
         reply_port = self.config.osc_reply_port
@@ -253,8 +263,7 @@ class OscServer(asyncio.DatagramProtocol):
         now = time.monotonic()
         started, logged, held = self._window
         if now - started >= 1.0:
-            if held:
-                log.warning("%d more OSC refusals in the last second were not logged", held)
+            self._report_held(held)
             started, logged, held = now, 0, 0
         within = logged < REFUSALS_LOGGED_PER_S
         if within:
@@ -264,3 +273,14 @@ class OscServer(asyncio.DatagramProtocol):
             held += 1
         self._window = (started, logged, held)
         return within
+
+    @staticmethod
+    def _report_held(held: int) -> None:
+        if held:
+            log.warning("%d more OSC refusals were not logged (at most %d a second are)",
+                        held, REFUSALS_LOGGED_PER_S)
+
+
+def _described(exc: Exception) -> str:
+    """An exception as part of one log line: a packet's fault in its own words, a bug by its type."""
+    return str(exc) if isinstance(exc, OscPacketError) else f"{type(exc).__name__}: {exc}"
