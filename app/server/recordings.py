@@ -2,7 +2,7 @@
 and delete them.
 
 Layout: ``<--record-dir>/<stream id>/<recording id>.mp4`` and ``.json`` (the prompt timeline and
-facts), ``.mp4.part`` while recording, and ``owner`` (SHA-256 of the stream's owner token, so
+facts), ``.mp4.part`` and ``.json.part`` while recording, and ``owner`` (SHA-256 of the stream's owner token, so
 that the owner keeps access after the stream has ended and its capabilities are gone). Stream and
 recording ids are 128-bit random strings; names are matched against that shape before any path is
 built, so no request names a file outside the directory.
@@ -11,6 +11,11 @@ Retention: recordings are kept until their owner (or an admin) deletes them. ``-
 bounds the whole directory: a recording running when it fills up is finished there (the file is
 valid, its JSON says ``"ended": "storage full"``), and new recordings are refused with "recording
 storage is full" until recordings are deleted. Nothing is deleted behind the owner's back.
+
+A server killed while recording leaves ``.part`` files: the next one to open the directory
+finishes them (app/server/recorder.py ``finish_leftovers``) before it serves, so they are listed,
+downloadable and deletable by their owner (the ``owner`` file was written when the recording
+started) and counted once.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -30,6 +36,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from app.server.control import ControlError
 from app.server.logs import mint_secret
 from app.server.openapi import ERROR_JSON, errors
+from app.server.recorder import finish_leftovers
 from app.server.security import Access, AccessControl, presented_token
 
 STREAM_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
@@ -37,6 +44,8 @@ FILE_NAME = re.compile(r"([A-Za-z0-9_-]{22})\.(mp4|json)")
 OWNER_FILE = "owner"
 NOT_ENABLED = "recording is not enabled on this server (start it with --record-dir)"
 GB = 1024**3
+
+log = logging.getLogger(__name__)
 
 
 class RecordingError(ControlError):
@@ -56,6 +65,9 @@ class RecordingStore:
         self._owner_of = owner_of
         self.running: dict[str, set[str]] = {}  # stream id -> names of its recordings in progress
         root.mkdir(parents=True, exist_ok=True)
+        finished = sum(len(finish_leftovers(d)) for d in root.iterdir() if d.is_dir() and STREAM_ID.fullmatch(d.name))
+        if finished:
+            log.warning("finished %d recording(s) that a stopped server left running", finished)
 
     def used_bytes(self) -> int:
         total = 0
