@@ -1,4 +1,4 @@
-"""Autoscaling controller (TurboServe-style): hysteresis, proportional target, consolidate, rebalance.
+"""Autoscaling controller (TurboServe-style; docs/references.md): hysteresis, proportional target, consolidate, rebalance.
 
 * Utilisation u = active streams / (K * workers), K = streams one worker sustains in real time.
 * Inside the band |u - target| <= delta the worker count is held (no flapping on small swings).

@@ -1,4 +1,4 @@
-"""Bi-Modal Pareto Routing (SlackServe §5.2).
+"""Bi-Modal Pareto Routing (SlackServe §5.2; papers: docs/references.md).
 
 Offline: keep the Pareto frontier F of (latency, quality) over the per-stream configurations, and the
 global floor Q_floor = median quality of ALL candidate configurations (not just the frontier), unless

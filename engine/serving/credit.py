@@ -1,4 +1,4 @@
-"""Service credit and urgency tiers (SlackServe §3.1, §4.1).
+"""Service credit and urgency tiers (SlackServe §3.1, §4.1; papers: docs/references.md).
 
 C = P - (R + T): P playout slack, R remaining time of the chunk in flight (0 when not running),
 T profiled time of the next chunk under its chosen fidelity. URGENT C < a*T, NORMAL a*T <= C <= b*T,

@@ -1,4 +1,4 @@
-"""The playout-slack serving policy and its baselines, behind one pure interface.
+"""The playout-slack serving policy (SlackServe, docs/references.md) and its baselines, behind one pure interface.
 
 ``SlackPolicy`` has three entry points, all pure functions of their arguments:
 

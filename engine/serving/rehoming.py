@@ -1,4 +1,4 @@
-"""Bipartite re-homing planning (SlackServe §4.2, Algorithm 1, appendix C.2).
+"""Bipartite re-homing planning (SlackServe §4.2, Algorithm 1, appendix C.2; papers: docs/references.md).
 
 Senders: URGENT-heavy workers (at least ``sender_min_urgent`` URGENT streams and at least
 ``sender_min_streams`` streams, i.e. the URGENT stream is competing with others for the GPU; moving

@@ -1,4 +1,4 @@
-"""Motion-aware noise controller (StreamDiffusionV2 §4.1).
+"""Motion-aware noise controller (StreamDiffusionV2 §4.1; papers: docs/references.md).
 
 Fast motion gets *less* noise: a heavily re-noised chunk of a fast-moving scene tears, while a
 static scene tolerates (and benefits from) stronger refinement. The controller measures motion on

@@ -1,4 +1,4 @@
-"""Stream batch (StreamDiffusionV2 §4.1-4.2): the n denoising steps of n successive chunks in one forward.
+"""Stream batch (StreamDiffusionV2 §4.1-4.2; papers: docs/references.md): the n denoising steps of n successive chunks in one forward.
 
 Slot i holds a chunk at step i. Every micro-step a new chunk enters slot 0, all occupied slots run
 as one batched forward (per-row timestep, RoPE position, prompt and step cache), each row is
