@@ -14,7 +14,8 @@ Key layouts, detected per tensor name (the run-time side path is engine/models/l
 
 A layer's scale is ``alpha / rank`` (PEFT's ``use_rslora``: ``alpha / sqrt(rank)``), 1 without alpha.
 Anything that is not one of these tensors, names a layer the model lacks, or does not fit its shape
-fails the load with one :class:`LoRAError` naming the offending keys and shapes.
+fails the load with one :class:`LoRAError` naming the offending keys and shapes; so do numbers a
+forward cannot run with (rank 0, a non-finite factor or alpha, a scale or weight change past float32).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from safetensors import safe_open
 
 from engine.checkpoint import original_to_diffusers_key
-from engine.models.lora import LoRA, LoRABank, LoRAError, LoRALayer, linear_layers
+from engine.models.lora import LoRA, LoRABank, LoRAError, LoRALayer, layer_problem, linear_layers
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,10 @@ def _peft_config(file: Path) -> dict[str, Any] | None:
         raise LoRAError(f"{file} is not a PEFT adapter config")
     if config.get("use_dora"):
         raise LoRAError(f"{file}: DoRA adapters (use_dora) are not supported, only plain LoRA")
+    alpha = config.get("lora_alpha", 1)
+    # json reads NaN and Infinity; a string or a bool is no alpha either.
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise LoRAError(f"{file}: lora_alpha must be a finite number, got {alpha!r}")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise LoRAError(f"{file}: per-layer rank_pattern/alpha_pattern is not supported; give each layer's "
                         "alpha as a '<module>.alpha' tensor instead")
@@ -117,7 +122,12 @@ def lora_from_state_dict(state: Mapping[str, torch.Tensor], model: torch.nn.Modu
             problems.append(problem)
             continue
         down, up = found["down"].float(), found["up"].float()
-        layers[target] = LoRALayer(down, up, _scale(found.get("alpha"), down.shape[0], peft_config))
+        layer = LoRALayer(down, up, _scale(found.get("alpha"), down.shape[0], peft_config))
+        problem = layer_problem(layer)
+        if problem:
+            problems.append(f"{target}: {problem}")
+            continue
+        layers[target] = layer
     if problems:
         raise LoRAError(f"LoRA {name!r} ({source}) does not fit the model: " + "; ".join(problems))
     if not layers:
@@ -140,9 +150,13 @@ def _layer_problem(target: str, found: Mapping[str, torch.Tensor], linear: torch
         return (f"{target}: down {list(down.shape)} and up {list(up.shape)} do not fit the layer's "
                 f"{linear.in_features} -> {linear.out_features} (expected down [r, {linear.in_features}], "
                 f"up [{linear.out_features}, r])")
+    if down.shape[0] == 0:
+        return f"{target}: rank 0, down {list(down.shape)} and up {list(up.shape)} are empty"
     alpha = found.get("alpha")
-    if alpha is not None and (alpha.numel() != 1 or not math.isfinite(float(alpha))):
-        return f"{target}: alpha must be one finite number, got a tensor of shape {list(alpha.shape)}"
+    if alpha is not None and alpha.numel() != 1:
+        return f"{target}: alpha must be one number, got a tensor of shape {list(alpha.shape)}"
+    if alpha is not None and not math.isfinite(float(alpha)):
+        return f"{target}: alpha must be a finite number, got {float(alpha)}"
     return None
 
 
@@ -152,7 +166,7 @@ def _scale(alpha: torch.Tensor | None, rank: int, peft_config: Mapping[str, Any]
     if peft_config is None or "lora_alpha" not in peft_config:
         return 1.0
     denominator = math.sqrt(rank) if peft_config.get("use_rslora") else rank
-    return float(peft_config["lora_alpha"]) / denominator
+    return float(peft_config["lora_alpha"]) / denominator  # checked a finite number by _peft_config
 
 
 def _strip_prefix(key: str) -> str:
