@@ -47,6 +47,23 @@ class StreamVAE(Protocol):
         """
 
 
+def check_chunk_frames(frames: torch.Tensor, frames_seen: int, temporal_compression: int,
+                       spatial_compression: int) -> None:
+    """A ValueError in plain words unless ``frames`` is a chunk ``encode_chunk`` takes after ``frames_seen``
+    frames of its stream: [B, 3, T, H, W], H and W multiples of the spatial compression, T = 1 + k·tc on a
+    stream's first chunk and k·tc afterwards."""
+    tc, sc = temporal_compression, spatial_compression
+    if frames.ndim != 5 or frames.shape[1] != 3:
+        raise ValueError(f"frames must be [B, 3, T, H, W], got {tuple(frames.shape)}")
+    t, h, w = frames.shape[2:]
+    if h % sc or w % sc:
+        raise ValueError(f"frame height and width must be multiples of {sc}, got {h}x{w}")
+    first = frames_seen == 0
+    if t == 0 or (t % tc != 1 if first else t % tc != 0):
+        want = f"1 + {tc}k frames on a stream's first chunk" if first else f"a multiple of {tc} frames"
+        raise ValueError(f"encode_chunk needs {want} (frames seen so far: {frames_seen}), got {t}")
+
+
 # Several streams' chunks through one VAE call ---------------------------------------------------------
 #
 # The DiT already runs several users' chunks as one batch; the VAE ran once per stream (four streams took

@@ -48,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.vae import check_chunk_frames
+
 # The taew2_1 layout: three stages of three memory blocks in each of the encoder and decoder. Which
 # stages pool / grow time is part of the layout too (a pool of stride 1 still has its 1x1 conv's weights).
 BLOCKS_PER_STAGE = 3
@@ -191,18 +193,10 @@ class TAEHV(nn.Module):
 
         T = 1 + 4k on a stream's first call (-> 1 + k latents), 4k afterwards (-> k latents)."""
         _check_cache(cache, "encoder")
-        tc, sc = self.temporal_compression, self.spatial_compression
-        if frames.ndim != 5 or frames.shape[1] != 3:
-            raise ValueError(f"frames must be [B, 3, T, H, W], got {tuple(frames.shape)}")
-        t, h, w = frames.shape[2:]
-        if h % sc or w % sc:
-            raise ValueError(f"frame height and width must be multiples of {sc}, got {h}x{w}")
-        first = cache.frames_seen == 0
-        if t == 0 or (t % tc != 1 if first else t % tc != 0):
-            want = f"1 + {tc}k frames on a stream's first chunk" if first else f"a multiple of {tc} frames"
-            raise ValueError(f"encode_chunk needs {want} (frames seen so far: {cache.frames_seen}), got {t}")
+        check_chunk_frames(frames, cache.frames_seen, self.temporal_compression, self.spatial_compression)
+        t, tc = frames.shape[2], self.temporal_compression
         x = frames.to(self._dtype)
-        if first:  # frame 0 as a whole group, three copies in front (see the module docstring)
+        if cache.frames_seen == 0:  # frame 0 as a whole group, three copies in front (see the module docstring)
             x = torch.cat([x[:, :, :1].expand(-1, -1, tc - 1, -1, -1), x], dim=2)
         b = x.shape[0]
         unit = (x.transpose(1, 2).flatten(0, 1) + 1) / 2  # TAEHV's [0, 1] pixels

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.vae import check_chunk_frames
+
 log = logging.getLogger(__name__)
 
 LATENTS_MEAN: tuple[float, ...] = (
@@ -369,19 +371,10 @@ class WanVAE(nn.Module):
         T = 1 + 4k on a stream's first call (-> 1 + k latents), 4k afterwards (-> k latents).
         """
         self._check_cache(cache, "encoder")
-        tc, sc = self.temporal_compression, self.spatial_compression
-        if frames.ndim != 5 or frames.shape[1] != 3:
-            raise ValueError(f"frames must be [B, 3, T, H, W], got {tuple(frames.shape)}")
-        t, h, w = frames.shape[2:]
-        if h % sc or w % sc:
-            raise ValueError(f"frame height and width must be multiples of {sc}, got {h}x{w}")
-        first = cache.frames_seen == 0
-        if t == 0 or (t % tc != 1 if first else t % tc != 0):
-            want = f"1 + {tc}k frames on a stream's first chunk" if first else f"a multiple of {tc} frames"
-            raise ValueError(f"encode_chunk needs {want} (frames seen so far: {cache.frames_seen}), got {t}")
+        check_chunk_frames(frames, cache.frames_seen, self.temporal_compression, self.spatial_compression)
         x = frames.to(self._dtype).contiguous(memory_format=self.memory_format)
         mu = self.conv1(self.encoder(x, cache.tensors))[:, : self.latent_channels]
-        cache.frames_seen += t
+        cache.frames_seen += frames.shape[2]
         return ((mu - self.latents_mean) / self.latents_std).to(frames.dtype).contiguous()
 
     reads_input = False  # Wan's decoder sees the latents only
