@@ -1,5 +1,5 @@
-"""Fuzzing benchmark of the service's edge: generated HTTP requests and mutated SDP offers against
-a real `diffcast serve` on loopback; no answer may be a 5xx, none may hang.
+"""Fuzzing benchmark of the service's edge: generated HTTP requests, mutated SDP offers and hostile
+OSC packets against a real `diffcast serve` on loopback; no answer may be a 5xx, none may hang.
 
 1. HTTP: `schemathesis run --checks all` over the OpenAPI document (every operation, as the admin,
    --http-examples per operation and phase); the run must report no failure and no answer slower
@@ -10,13 +10,21 @@ a real `diffcast serve` on loopback; no answer may be a 5xx, none may hang.
    made huge, negative or non-ASCII, ICE and DTLS lines removed or corrupted, line endings changed,
    junk lines and 10 KB values inserted. Each mutant goes to `/api/offer` (JSON), `/whip` and
    `/whep/<id>` of a live stream. A mutant that still opens a stream or a viewer is closed again.
+3. OSC (`--osc-port`): hostile packets from tests/_osc_fuzz.py (mutated control messages, half of
+   them with a live stream's owner token; bundle elements of negative, zero, odd and oversized
+   sizes; nesting to 1,200; bad UTF-8; huge counts; blobs and other unsupported types; oversized
+   and random packets), /healthz asked every 20 packets; then a blob from the owner must get a
+   refusal that names it and a prompt from the owner an ack; and SIGTERM comes while a flood of
+   them is still arriving. Each part runs unless its count is 0.
 
 Counted: cases, time, status classes, 5xx (must be 0), hangs (no answer within --timeout-s: must
 be 0), 4xx reasons that look like a Python error (must be 0), and in the server's log tracebacks
 and ERROR lines (must be 0) and warnings that aiortc refused an offer the SDP checks passed (each
-one a check to add to app/server/sdp.py). The server must exit 0 on SIGTERM at the end.
+one a check to add to app/server/sdp.py), and the OSC refusals the server counted (logged, or held
+back by its budget of 10 lines a second). The server must exit 0 on SIGTERM at the end.
 
-    .venv/bin/python demos/fuzz_edge.py --http-examples 700 --sdp-cases 3000 --out fuzz.json
+    .venv/bin/python demos/fuzz_edge.py --http-examples 700 --sdp-cases 3000 --osc-packets 20000 --out fuzz.json
+    .venv/bin/python demos/fuzz_edge.py --http-examples 0 --sdp-cases 0 --osc-packets 20000   # OSC only
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -45,6 +54,8 @@ sys.path.insert(0, str(ROOT))
 from aiortc import RTCConfiguration, RTCPeerConnection  # noqa: E402
 
 from app.client import CodedCamera  # noqa: E402
+from app.server.osc_packet import read_packet  # noqa: E402
+from tests._osc_fuzz import OscFuzzer, count_refusals, encode  # noqa: E402
 
 ADMIN = "bench-admin"
 HOOKS = ROOT / "tests" / "_schemathesis_hooks.py"
@@ -65,8 +76,8 @@ CODECS = ["H265/90000", "AV1/90000", "VP9/90000", "H264/90000", "VP8/90000", "op
 NUMBERS = ["0", "-1", "65536", "2147483648", "18446744073709551616", "1" * 40, "1e9", "0x10", "٣", "+5", " 7", ""]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
+def free_port(kind: socket.SocketKind = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
@@ -262,7 +273,7 @@ def record(tally: Tally, endpoint: str, sdp: str, names: list[str], response: ht
            elapsed: float) -> None:
     tally.requests += 1
     tally.slowest_s = max(tally.slowest_s, elapsed)
-    case = {"endpoint": endpoint, "mutations": names, "sdp": sdp[:3000]}
+    case: dict[str, object] = {"endpoint": endpoint, "mutations": names, "sdp": sdp[:3000]}
     if response is None:
         tally.hangs.append(case)
         return
@@ -319,6 +330,79 @@ def fuzz_sdp(base: str, cases: int, seed: int, timeout_s: float) -> Tally:
     return tally
 
 
+@dataclass
+class OscTally:
+    packets: int = 0
+    sent_bytes: int = 0
+    kinds: Counter[str] = field(default_factory=Counter)
+    answers: Counter[str] = field(default_factory=Counter)  # what came back to the sending socket
+    hangs: int = 0  # /healthz without an answer within --timeout-s
+    blob_refused: bool = False
+    owner_acked: bool = False
+    flood_at_sigterm: int = 0  # packets sent while the server shut down
+
+
+def osc_answer(sock: socket.socket, timeout_s: float) -> list[object] | None:
+    """The next answer on ``sock`` as [address, *params]; None if none came."""
+    sock.settimeout(timeout_s)
+    try:
+        (message,) = read_packet(sock.recv(65536))
+    except (OSError, ValueError):  # none waiting (timeout), or not one message (an OscPacketError)
+        return None
+    return [message.address, *message.params]
+
+
+def fuzz_osc(base: str, osc_port: int, packets: int, seed: int, timeout_s: float) -> tuple[OscTally, float]:
+    """Hostile packets, /healthz every 20; then the owner's blob and prompt must be answered."""
+    offers = asyncio.run(base_offers())
+    tally = OscTally()
+    with httpx.Client(base_url=base, timeout=timeout_s) as client, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        stream = client.post("/api/offer", json={"sdp": offers["publisher"], "type": "offer"},
+                             headers={"Authorization": f"Bearer {ADMIN}"}).json()
+        sid, owner = stream["stream_id"], stream["owner_token"]
+        t0 = time.monotonic()
+        for kind, packet in OscFuzzer(seed, sid, owner).packets(packets):
+            sock.sendto(packet, ("127.0.0.1", osc_port))
+            tally.packets += 1
+            tally.sent_bytes += len(packet)
+            tally.kinds[kind] += 1
+            if tally.packets % 20 == 0:
+                try:
+                    client.get("/healthz")
+                except httpx.TimeoutException:
+                    tally.hangs += 1
+                while (answer := osc_answer(sock, 0)) is not None:
+                    tally.answers[str(answer[0])] += 1
+        seconds = time.monotonic() - t0
+
+        def answered(address: str, *args: object, wanted: str) -> bool:
+            """Asked until the answer holds ``wanted``: the refusal budget and the stream's rate limit
+            may still be spent by the flood."""
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                sock.sendto(encode(address, sid, owner, *args, 0), ("127.0.0.1", osc_port))
+                while (answer := osc_answer(sock, 2)) is not None:
+                    if wanted in " ".join(map(str, answer)):
+                        return True
+            return False
+
+        tally.blob_refused = answered("/diffcast/prompt", b"\x01", wanted="an OSC blob ('b')")
+        tally.owner_acked = answered("/diffcast/prompt", "charcoal drawing", wanted="/diffcast/ack")
+    return tally, seconds
+
+
+def flood_osc(osc_port: int, seed: int, stop: threading.Event, tally: OscTally) -> None:
+    """Hostile packets until ``stop``: the server gets its SIGTERM while they arrive."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, packet in OscFuzzer(seed + 1).packets(10**9):
+            if stop.is_set():
+                return
+            sock.sendto(packet, ("127.0.0.1", osc_port))
+            tally.flood_at_sigterm += 1
+            time.sleep(0.0005)
+
+
 def run_schemathesis(base: str, examples: int, max_response_s: float) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "schemathesis.toml"
@@ -341,20 +425,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--http-examples", type=int, default=700, help="schemathesis examples per operation")
     parser.add_argument("--sdp-cases", type=int, default=3000, help="mutated offers (each sent to 3 endpoints)")
+    parser.add_argument("--osc-packets", type=int, default=5000, help="hostile OSC packets")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=10.0, help="no answer within this is a hang")
     parser.add_argument("--max-response-s", type=float, default=5.0, help="schemathesis' response-time check")
     parser.add_argument("--out", type=Path, default=None, help="write the full report (JSON) here")
     args = parser.parse_args()
 
-    port = free_port()
+    port, osc_port = free_port(), free_port(socket.SOCK_DGRAM)
     log_file = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     server = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--model", "tiny-random", "--port", str(port), "--threads", "1",
-         "--api-token", ADMIN, "--max-streams", "4", "--max-streams-per-client", "4", "--input-timeout-s", "3600"],
+         "--api-token", ADMIN, "--max-streams", "4", "--max-streams-per-client", "4", "--input-timeout-s", "3600",
+         "--osc-port", str(osc_port)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log_file, stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
+    http_report: dict[str, object] = {"cases": 0, "seconds": 0.0, "exit_status": 0, "summary": "not run"}
+    tally, osc, sdp_s, osc_s = Tally(), OscTally(), 0.0, 0.0
+    stop_flood = threading.Event()
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -366,18 +455,34 @@ def main() -> int:
                     raise SystemExit("the server did not start") from None
                 time.sleep(0.3)
         t0 = time.monotonic()
-        http_report = run_schemathesis(base, args.http_examples, args.max_response_s)
-        print(f"HTTP: {http_report['cases']} schemathesis cases in {http_report['seconds']} s, "
-              f"exit status {http_report['exit_status']}")
-        t1 = time.monotonic()
-        tally = fuzz_sdp(base, args.sdp_cases, args.seed, args.timeout_s)
-        sdp_s = time.monotonic() - t1
-        print(f"SDP: {tally.cases} mutated offers, {tally.requests} requests in {sdp_s:.1f} s; "
-              f"{tally.opened} still negotiated; slowest answer {tally.slowest_s:.2f} s")
+        if args.http_examples:
+            http_report = run_schemathesis(base, args.http_examples, args.max_response_s)
+            print(f"HTTP: {http_report['cases']} schemathesis cases in {http_report['seconds']} s, "
+                  f"exit status {http_report['exit_status']}")
+        if args.sdp_cases:
+            t1 = time.monotonic()
+            tally = fuzz_sdp(base, args.sdp_cases, args.seed, args.timeout_s)
+            sdp_s = time.monotonic() - t1
+            print(f"SDP: {tally.cases} mutated offers, {tally.requests} requests in {sdp_s:.1f} s; "
+                  f"{tally.opened} still negotiated; slowest answer {tally.slowest_s:.2f} s")
+        if args.osc_packets:
+            osc, osc_s = fuzz_osc(base, osc_port, args.osc_packets, args.seed, args.timeout_s)
+            print(f"OSC: {osc.packets} hostile packets ({osc.sent_bytes / 1e6:.1f} MB) in {osc_s:.1f} s; "
+                  f"answers {dict(osc.answers)}; /healthz hangs {osc.hangs}; blob refused {osc.blob_refused}, "
+                  f"owner's prompt acked {osc.owner_acked}")
+            threading.Thread(target=flood_osc, args=(osc_port, args.seed, stop_flood, osc), daemon=True).start()
+            time.sleep(0.5)  # SIGTERM comes in the middle of the flood
     finally:
         server.terminate()
-        exit_status = server.wait(timeout=60)
+        try:
+            exit_status: int | None = server.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # SIGTERM went unheard (a hung event loop): reported, not raised
+            server.kill()
+            server.wait()
+            exit_status = None
+        stop_flood.set()
     log_text = Path(log_file.name).read_text()
+    osc_logged, osc_held = count_refusals(log_text.splitlines())
     refused = log_text.count("aiortc refused an offer that passed the SDP checks")
     unparsed = log_text.count("aiortc could not parse an offer that passed the SDP checks")
     # Those two warnings carry their traceback; any other is a crash somewhere.
@@ -386,20 +491,24 @@ def main() -> int:
     classes = Counter(f"{key.split()[-1][0]}xx" for key in tally.statuses.elements())
     report = {
         "http": http_report, "sdp": {**asdict(tally), "statuses": dict(tally.statuses), "seconds": round(sdp_s, 1)},
-        "total_cases": int(http_report["cases"]) + tally.requests,  # type: ignore[call-overload]
+        "osc": {**asdict(osc), "kinds": dict(osc.kinds), "answers": dict(osc.answers), "seconds": round(osc_s, 1), "refusals_logged": osc_logged, "refusals_held": osc_held},
+        "total_cases": int(http_report["cases"]) + tally.requests + osc.packets,  # type: ignore[call-overload]
         "total_seconds": round(time.monotonic() - t0, 1), "status_classes": dict(classes),
         "server_log": {"tracebacks": tracebacks, "error_lines": errors, "aiortc_refused_checked_offers": refused,
                        "aiortc_could_not_parse_checked_offers": unparsed, "exit_status_on_sigterm": exit_status,
                        "file": log_file.name},
     }
+    osc_passed = not args.osc_packets or (osc.hangs == 0 and osc.blob_refused and osc.owner_acked)
     passed = (http_report["exit_status"] == 0 and not tally.server_errors and not tally.hangs
-              and not tally.python_errors and tracebacks == 0 and errors == 0 and exit_status == 0)
+              and not tally.python_errors and tracebacks == 0 and errors == 0 and exit_status == 0 and osc_passed)
     report["passed"] = passed
     print(f"total: {report['total_cases']} cases in {report['total_seconds']} s; SDP answers {dict(classes)}; "
           f"5xx {len(tally.server_errors)}, hangs {len(tally.hangs)}, Python errors in reasons "
           f"{len(tally.python_errors)}, server tracebacks {tracebacks}, ERROR lines {errors}, "
           f"aiortc refusals after the checks {refused}, "
-          f"unparsed after the checks {unparsed}; server exit status {exit_status}")
+          f"unparsed after the checks {unparsed}; OSC refusals counted (fuzz and flood) {osc_logged + osc_held} "
+          f"({osc_logged} logged), {osc.flood_at_sigterm} packets sent around SIGTERM; "
+          f"server exit status {exit_status}")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1, default=str))
     if not passed:

@@ -33,7 +33,7 @@ def osc_string(raw: bytes) -> bytes:
 
 
 def encode(address: str, *values: object) -> bytes:
-    """An OSC message (str, int, float and bool values: s, i, f, T/F)."""
+    """An OSC message (str, int, float, bool and bytes values: s, i, f, T/F, b)."""
     tags, payload = b",", b""
     for value in values:
         if isinstance(value, bool):
@@ -42,6 +42,8 @@ def encode(address: str, *values: object) -> bytes:
             tags, payload = tags + b"i", payload + struct.pack(">i", value)
         elif isinstance(value, float):
             tags, payload = tags + b"f", payload + struct.pack(">f", value)
+        elif isinstance(value, bytes):
+            tags, payload = tags + b"b", payload + struct.pack(">i", len(value)) + value + b"\0" * (-len(value) % 4)
         else:
             tags, payload = tags + b"s", payload + osc_string(str(value).encode())
     return osc_string(address.encode()) + osc_string(tags) + payload

@@ -24,9 +24,9 @@ import pytest
 from _osc_fuzz import OscFuzzer, count_refusals
 from conftest import free_port
 from pythonosc.osc_message import OscMessage
-from test_server_osc import OscPeer, free_udp_port, stream_stats
+from test_server_osc import OscPeer, free_udp_port, osc_stream, stream_stats
 
-from app.client import CodedCamera, http, open_session
+from app.client import http
 from app.server.osc import REFUSALS_LOGGED_PER_S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,27 +64,20 @@ async def test_osc_fuzz_leaves_control_http_and_the_log_intact(
     live_server: Callable[..., AbstractContextManager[str]], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING)
-    port = free_udp_port()
-    with live_server(osc_port=port) as url:
-        session = await open_session(url, CodedCamera((128, 128), fps=10), prompt="oil painting")
-        osc = OscPeer(port)
+    async with osc_stream(live_server) as (url, session, osc):
         sid, owner = session.stream_id, session.owner_token
-        try:
-            # Half the packets carry the real stream and owner token: mutants that still parse reach the
-            # stream's own checks (and may pause or re-prompt it: the last word is ours below).
-            packets = [packet for _, packet in OscFuzzer(SEED, sid, owner).packets(PACKETS)]
-            t0 = time.monotonic()
-            await asyncio.to_thread(send_all, port, packets, url)
-            blob = await answer_to(osc, lambda a: a[0] == "/diffcast/error", "/diffcast/prompt", sid, owner, b"\x01")
-            assert blob[1:3] == ["/diffcast/prompt", sid] and "an OSC blob ('b')" in blob[3]
-            ack = ["/diffcast/ack", "/diffcast/prompt", sid]
-            assert await answer_to(osc, ack.__eq__, "/diffcast/prompt", sid, owner, "charcoal drawing") == ack
-            assert await answer_to(osc, lambda a: a[0] == "/diffcast/ack", "/diffcast/resume", sid, owner)
-            stats = stream_stats(url, sid)
-            assert (stats["prompt"], stats["paused"]) == ("charcoal drawing", False)
-        finally:
-            osc.client.close()
-            await session.close()
+        # Half the packets carry the real stream and owner token: mutants that still parse reach the
+        # stream's own checks (and may pause or re-prompt it: the last word is ours below).
+        packets = [packet for _, packet in OscFuzzer(SEED, sid, owner).packets(PACKETS)]
+        t0 = time.monotonic()
+        await asyncio.to_thread(send_all, osc.port, packets, url)
+        blob = await answer_to(osc, lambda a: a[0] == "/diffcast/error", "/diffcast/prompt", sid, owner, b"\x01")
+        assert blob[1:3] == ["/diffcast/prompt", sid] and "an OSC blob ('b')" in blob[3]
+        ack = ["/diffcast/ack", "/diffcast/prompt", sid]
+        assert await answer_to(osc, ack.__eq__, "/diffcast/prompt", sid, owner, "charcoal drawing") == ack
+        assert await answer_to(osc, lambda a: a[0] == "/diffcast/ack", "/diffcast/resume", sid, owner)
+        stats = stream_stats(url, sid)
+        assert (stats["prompt"], stats["paused"]) == ("charcoal drawing", False)
     elapsed_s = time.monotonic() - t0  # the server closed: its last refusals are counted too
     records = caplog.records
     assert [r for r in records if r.exc_info or r.levelno >= logging.ERROR] == []

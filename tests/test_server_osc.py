@@ -10,8 +10,8 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import pytest
 from pythonosc.osc_message import OscMessage
 from pythonosc.udp_client import SimpleUDPClient
 
-from app.client import CodedCamera, http, open_session
+from app.client import CodedCamera, ProbeSession, http, open_session
 from app.server.control import ControlError
 from app.server.osc import OscFormError, parse
 from app.server.osc_packet import Unsupported
@@ -61,6 +61,7 @@ class OscPeer:
     """A python-osc client that also reads the server's answers on its own socket (reply port 0)."""
 
     def __init__(self, port: int) -> None:
+        self.port = port
         self.client = SimpleUDPClient("127.0.0.1", port)
 
     async def send(self, address: str, *args: Any) -> list[Any]:
@@ -82,58 +83,66 @@ def stream_stats(url: str, stream_id: str) -> dict[str, Any]:
     return dict(json.loads(http("GET", f"{url}/api/streams/{stream_id}")[2]))
 
 
-async def test_osc_controls_a_stream_with_the_http_checks(
-    live_server: Callable[..., AbstractContextManager[str]], caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.WARNING, logger="app.server.osc")
+@asynccontextmanager
+async def osc_stream(live_server: Callable[..., AbstractContextManager[str]]
+                     ) -> AsyncIterator[tuple[str, ProbeSession, OscPeer]]:
+    """A live server with OSC on, a stream on it and an OSC peer: (its URL, the stream, the peer)."""
     port = free_udp_port()
     with live_server(osc_port=port) as url:
         session = await open_session(url, CodedCamera((128, 128), fps=10), prompt="oil painting")
         osc = OscPeer(port)
-        sid, owner = session.stream_id, session.owner_token
         try:
-            # A prompt and a knob reach the stream (read back over HTTP, not from the OSC side).
-            assert await osc.send("/diffcast/prompt", sid, owner, "charcoal drawing") == \
-                ["/diffcast/ack", "/diffcast/prompt", sid]
-            assert await osc.send("/diffcast/steps", sid, owner, 1) == ["/diffcast/ack", "/diffcast/steps", sid]
-            assert await osc.send("/diffcast/pause", sid, owner) == ["/diffcast/ack", "/diffcast/pause", sid]
-            stats = stream_stats(url, sid)
-            assert (stats["prompt"], stats["steps"], stats["paused"]) == ("charcoal drawing", 1, True)
-            await osc.send("/diffcast/resume", sid, owner)
-            assert stream_stats(url, sid)["paused"] is False
-
-            # Refused tokens: the HTTP edge's reasons, and nothing changes.
-            wrong = "x" * 32
-            for token in (wrong, session.viewer_token):
-                answer = await osc.send("/diffcast/prompt", sid, token, "neon")
-                _, reason = http_control(url, sid, token, {"type": "update", "prompt": "neon"})
-                assert answer == ["/diffcast/error", "/diffcast/prompt", sid, reason]
-            assert reason.startswith("a viewer token can only watch")
-            assert stream_stats(url, sid)["prompt"] == "charcoal drawing"
-
-            # A bad value: the same reason as the HTTP control route gives.
-            answer = await osc.send("/diffcast/noise", sid, owner, 5.0)
-            status, reason = http_control(url, sid, owner, {"type": "update", "noise_scale": 5.0})
-            assert status == 422 and "noise_scale" in reason
-            assert answer == ["/diffcast/error", "/diffcast/noise", sid, reason]
-            answer = await osc.send("/diffcast/blend", sid, owner, "oil", 0.0, "neon", 0.0)
-            _, reason = http_control(url, sid, owner, {"type": "update", "prompt": ["oil", "neon"],
-                                                       "prompt_weights": [0.0, 0.0]})
-            assert answer[3] == reason and "not all zero" in reason
-
-            # A blob from the owner: a refusal that names it (before: a TypeError and no answer).
-            answer = await osc.send("/diffcast/prompt", sid, owner, b"\x00\x01")
-            assert answer[:3] == ["/diffcast/error", "/diffcast/prompt", sid]
-            assert "an OSC blob ('b') is not a value any control takes" in answer[3]
-
-            # /diffcast/record maps onto the update's `record` field (this server has no --record-dir).
-            answer = await osc.send("/diffcast/record", sid, owner, True)
-            _, reason = http_control(url, sid, owner, {"type": "update", "record": True})
-            assert answer == ["/diffcast/error", "/diffcast/record", sid, reason]
-            assert "recording is not enabled on this server" in reason
+            yield url, session, osc
         finally:
             osc.client.close()
             await session.close()
+
+
+async def test_osc_controls_a_stream_with_the_http_checks(
+    live_server: Callable[..., AbstractContextManager[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="app.server.osc")
+    async with osc_stream(live_server) as (url, session, osc):
+        sid, owner = session.stream_id, session.owner_token
+        # A prompt and a knob reach the stream (read back over HTTP, not from the OSC side).
+        assert await osc.send("/diffcast/prompt", sid, owner, "charcoal drawing") == \
+            ["/diffcast/ack", "/diffcast/prompt", sid]
+        assert await osc.send("/diffcast/steps", sid, owner, 1) == ["/diffcast/ack", "/diffcast/steps", sid]
+        assert await osc.send("/diffcast/pause", sid, owner) == ["/diffcast/ack", "/diffcast/pause", sid]
+        stats = stream_stats(url, sid)
+        assert (stats["prompt"], stats["steps"], stats["paused"]) == ("charcoal drawing", 1, True)
+        await osc.send("/diffcast/resume", sid, owner)
+        assert stream_stats(url, sid)["paused"] is False
+
+        # Refused tokens: the HTTP edge's reasons, and nothing changes.
+        wrong = "x" * 32
+        for token in (wrong, session.viewer_token):
+            answer = await osc.send("/diffcast/prompt", sid, token, "neon")
+            _, reason = http_control(url, sid, token, {"type": "update", "prompt": "neon"})
+            assert answer == ["/diffcast/error", "/diffcast/prompt", sid, reason]
+        assert reason.startswith("a viewer token can only watch")
+        assert stream_stats(url, sid)["prompt"] == "charcoal drawing"
+
+        # A bad value: the same reason as the HTTP control route gives.
+        answer = await osc.send("/diffcast/noise", sid, owner, 5.0)
+        status, reason = http_control(url, sid, owner, {"type": "update", "noise_scale": 5.0})
+        assert status == 422 and "noise_scale" in reason
+        assert answer == ["/diffcast/error", "/diffcast/noise", sid, reason]
+        answer = await osc.send("/diffcast/blend", sid, owner, "oil", 0.0, "neon", 0.0)
+        _, reason = http_control(url, sid, owner, {"type": "update", "prompt": ["oil", "neon"],
+                                                   "prompt_weights": [0.0, 0.0]})
+        assert answer[3] == reason and "not all zero" in reason
+
+        # A blob from the owner: a refusal that names it (before: a TypeError and no answer).
+        answer = await osc.send("/diffcast/prompt", sid, owner, b"\x00\x01")
+        assert answer[:3] == ["/diffcast/error", "/diffcast/prompt", sid]
+        assert "an OSC blob ('b') is not a value any control takes" in answer[3]
+
+        # /diffcast/record maps onto the update's `record` field (this server has no --record-dir).
+        answer = await osc.send("/diffcast/record", sid, owner, True)
+        _, reason = http_control(url, sid, owner, {"type": "update", "record": True})
+        assert answer == ["/diffcast/error", "/diffcast/record", sid, reason]
+        assert "recording is not enabled on this server" in reason
     # Refusals are logged, without the tokens that were presented.
     assert "refused" in caplog.text
     for secret in (owner, session.viewer_token, "x" * 32):
