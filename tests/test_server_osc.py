@@ -175,6 +175,10 @@ def test_refusals_are_logged_and_answered_within_a_budget(
     assert server._log_refusal("refused again")
     assert "5 more OSC refusals were not logged (at most 10 a second are)" in caplog.text
     assert caplog.text.count("refused ") == 11
+    # Those held back in the last window are counted when the server stops, not lost.
+    assert [server._log_refusal("refused later") for _ in range(12)].count(False) == 3  # 1 + 9 logged
+    asyncio.run(server.close())
+    assert "3 more OSC refusals were not logged" in caplog.text
 
 
 def nested_bundles(depth: int) -> bytes:
