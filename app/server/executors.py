@@ -40,6 +40,7 @@ import numpy as np
 from app.server.config import ServerConfig
 from app.server.engine_bridge import (
     ChunkBatchFactory,
+    InProcessProcessor,
     ProcessorFactory,
     StepProcessor,
     device_memory,
@@ -99,6 +100,11 @@ class LiveStream:
     in_engine: deque[tuple[list[InputFrame], np.ndarray]] = field(default_factory=deque)
     ready: list[tuple[list[InputFrame], np.ndarray]] = field(default_factory=list)  # finished, not yet shown
     shown_at_switch: int = -1  # no cursor reports until a frame newer than this was played
+    # Its chunks that came out non-finite (black: StreamRuntime.take_fault) and the latest one's reason,
+    # for its owner's stats; and the faults it was reset for (_LiveExecutor._reset_after_fault).
+    chunk_faults: int = 0
+    chunk_fault: str | None = None
+    faults_reset: int = 0
 
 
 class _LiveExecutor:
@@ -128,6 +134,7 @@ class _LiveExecutor:
         # The policy's recent actions as they happened (re-homes, evictions, preemptions, scaling,
         # recoveries): {"t", "action", "stream", "worker", ...}, newest last.
         self.actions: deque[dict[str, Any]] = deque(maxlen=ACTIONS_KEPT)
+        self._resets: set[asyncio.Task[None]] = set()  # streams' resets after a non-finite chunk, running
 
     def note(self, action: str, stream: int | None = None, worker: int | None = None, **more: Any) -> None:
         self.actions.append({"t": time.time(), "action": action, "stream": stream, "worker": worker, **more})
@@ -222,7 +229,28 @@ class _LiveExecutor:
             entry = core.ledger.entries.get(sid)
             if entry is not None and entry.left:
                 core.forget(sid)
+        for order in work.orders:
+            stream = self.streams.get(order.stream_id)
+            if stream is not None and stream.chunk_faults > stream.faults_reset:
+                self._reset_after_fault(stream)
         self.wakeup.set()
+
+    def _reset_after_fault(self, stream: LiveStream) -> None:
+        """A chunk of the stream came out non-finite (black): its caches may hold the cause, so it is
+        reset as its owner's reset message would (fresh state, same controls) and goes on; the other
+        streams are untouched. A failing reset ends the stream."""
+        stream.faults_reset = stream.chunk_faults
+        self.note("reset", stream.sid, reason=stream.chunk_fault)
+        task = asyncio.get_running_loop().create_task(stream.runner.reset())
+        self._resets.add(task)
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._resets.discard(task)
+            exc = None if task.cancelled() else task.exception()
+            if exc is not None and stream.sid in self.streams:
+                stream.on_failure(exc)
+
+        task.add_done_callback(done)
 
 
 
@@ -296,6 +324,13 @@ class StepExecutor(_LiveExecutor):
             finished, forwards = run_step(rows, [_step_processor(s) for s in evict],
                                           [_step_processor(s) for s in restore], self.delay_s, self.step_delay_s)
         self.forwards += forwards
+        for stream, _, _ in active:
+            processor = stream.runner.processor
+            if isinstance(processor, InProcessProcessor):  # resident: it just ran
+                fault = processor.stream.runtime.take_fault(processor.stream.state.stream_id)
+                if fault is not None:  # reset when the step completes (_reset_after_fault)
+                    stream.chunk_faults += fault[0]
+                    stream.chunk_fault = f"{fault[1]}; the stream was reset"
         return finished
 
 
@@ -468,6 +503,7 @@ class ServingLoop:
         stats = self.core.stats.get(sid)
         if entry is None or stats is None:
             return {}
+        stream = self.streams.get(sid)
         tracker = entry.tracker
         point = stats.point
         config = point.config if point is not None else None
@@ -494,6 +530,8 @@ class ServingLoop:
             "resident": entry.resident,
             "stalls": tracker.stall_count,
             "cpr": round(tracker.cpr, 3),
+            "chunk_faults": stream.chunk_faults if stream is not None else 0,
+            "chunk_fault": stream.chunk_fault if stream is not None else None,
         }
 
     def workers(self) -> list[dict[str, Any]]:

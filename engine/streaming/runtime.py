@@ -14,6 +14,10 @@ The core loop of a V2V chunk (StreamDiffusionV2 recipe), top to bottom:
 
 Rows of one forward are streams that share a fidelity configuration and a cache fill level; each
 row keeps its own KV cache, RoPE position, prompt and noise, so batching never mixes streams.
+
+A chunk whose x̂₀ is not finite (NaN or inf, whatever the cause) comes out black and is reported
+(``ChunkResult.fault``, :meth:`StreamRuntime.take_fault`) for its owner to reset the stream; the other
+rows of its batch never see it (docs/security.md, "Numeric faults stay in their stream").
 """
 
 from __future__ import annotations
@@ -136,6 +140,9 @@ class ChunkResult:
     noise_rate: float
     first_timestep: float
     sink_refreshed: bool
+    # Why the chunk came out black (its x̂₀ was not finite: reset the stream, its caches may hold the
+    # cause); None when it did not.
+    fault: str | None = None
 
 
 @dataclass(eq=False)
@@ -205,6 +212,8 @@ class StreamRuntime:
         self.stabilizer = TemporalStabilizer(config.stabilizer) if config.stabilizer is not None else None
         self.last_timings = StageTimings()
         self._deblock_s = 0.0  # deblocking time of the chunks decoded since step_batch last reset it
+        # Stream id -> (non-finite chunks, the latest one's reason) since :meth:`take_fault` took them.
+        self._faults: dict[str, tuple[int, str]] = {}
 
     # -- stream lifecycle ---------------------------------------------------------------------------
 
@@ -474,14 +483,49 @@ class StreamRuntime:
 
     def decode_chunk(self, chunk: ChunkInFlight) -> ChunkResult:
         """Stage 3: the finished chunk's x̂₀ through the VAE decoder, at the engine size (the size the
-        model drew it at; :meth:`finish_frames` fits it to the stream's); counters."""
+        model drew it at; :meth:`finish_frames` fits it to the stream's); counters. A chunk whose x̂₀ is
+        not finite comes out black, with the reason (:meth:`_non_finite`)."""
         if not chunk.done:
             raise ValueError(f"chunk of stream {chunk.state.stream_id} has {chunk.steps_left} steps left")
         state = chunk.state
+        fault = self._non_finite([chunk]).get(0)
         frames = self.decode_latents(chunk.x, state.vae_decoder, self.deblock_strength(state), chunk.guide,
                                      chunk.fidelity.precision)
+        if fault is not None:
+            frames = torch.full(frames.shape, -1.0, device=frames.device)
         self.account(chunk)
-        return ChunkResult(frames, chunk.noise_rate, chunk.timesteps[0], chunk.refreshed)
+        return ChunkResult(frames, chunk.noise_rate, chunk.timesteps[0], chunk.refreshed, fault)
+
+    def take_fault(self, stream_id: str) -> tuple[int, str] | None:
+        """How many of the stream's chunks came out non-finite since the last call, and the latest one's
+        reason; None when none did. The live server tells the stream's owner (app/server/executors.py)."""
+        return self._faults.pop(stream_id, None)
+
+    def _non_finite(self, chunks: Sequence[ChunkInFlight]) -> dict[int, str]:
+        """The finished chunks whose x̂₀ is not finite, by index, with the reason (also kept for
+        :meth:`take_fault`). One sum per chunk and one device sync for all (decoding syncs soon anyway):
+        the sum is NaN or inf exactly when a value is, or when the values are past any latent's range
+        (beyond 1e33), and one pass where ``isfinite().all()`` takes two (a 16x3x60x104 chunk on one CPU
+        thread: 26 us against 1.5 ms). Such a chunk is decoded as zeros in its place: the decoder's cache
+        stays finite, and a decode batched with other rows is the one it would be with a clean chunk there.
+
+        The stream's state is left as it is: its KV caches may hold the cause (the chunk's keys and
+        values were written from it), and emptying them in place would break their frame bookkeeping
+        (KVCache.reserve). Its owner resets the stream (``Stream.reset``; the live server does it itself,
+        app/server/executors.py); a cause outside the state (its weights, a LoRA) shows again after."""
+        if not chunks:
+            return {}
+        finite = torch.stack([c.x.sum(dtype=torch.float32) for c in chunks]).isfinite().tolist()
+        faults = {}
+        for i, (chunk, ok) in enumerate(zip(chunks, finite, strict=True)):
+            if ok:
+                continue
+            state = chunk.state
+            chunk.x = torch.zeros_like(chunk.x)
+            faults[i] = f"chunk {state.chunks} came out non-finite (NaN or inf) and was dropped (black frames)"
+            log.warning("stream %s: %s", state.stream_id, faults[i])
+            self._faults[state.stream_id] = (self._faults.get(state.stream_id, (0, ""))[0] + 1, faults[i])
+        return faults
 
     def decode_latents(self, x0: torch.Tensor, decoder: object, deblock_strength: float = 0.0,
                        guide: torch.Tensor | None = None, precision: str = "fp32") -> torch.Tensor:
@@ -648,8 +692,9 @@ class StreamRuntime:
         frames (``inputs``; fitted to that size if they are not at it; None for T2V); then the frames
         are fitted to the stream's size. A rung below x1 thus filters its own, smaller frames: the same
         picture for a fraction of the cost, since the upscale adds no detail to steady. ``restart``: the
-        chunk began after a hard prompt switch, so the old look's history is dropped."""
-        stabilizer = self.stabilizer if state.stabilize and inputs is not None else None
+        chunk began after a hard prompt switch, so the old look's history is dropped; so is it at a chunk
+        that came out black (``result.fault``), which is not filtered."""
+        stabilizer = self.stabilizer if state.stabilize and inputs is not None and result.fault is None else None
         if restart or stabilizer is None:  # while off, keep no history: switching on starts afresh
             state.stabilizer.reset()
         frames = result.frames
