@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -306,3 +307,32 @@ def test_parallel_chunks_declared_by_factory() -> None:
 
     assert parallel_chunks(Plain()) == 1
     assert parallel_chunks(Routed()) == 3
+
+
+async def test_no_chunk_is_taken_until_the_engine_has_reset_the_stream() -> None:
+    """A reset's first chunk is one frame: taken before the engine thread reset the processor, it entered
+    a stream that still expected four ("this chunk needs 4 frames, got 1") and ended it."""
+    size = (8, 8)
+    assembler = ChunkAssembler(capacity=8)
+    playout = Playout(size, chunk_frames=4, max_fps=30, min_fps=2)
+    entered = threading.Event()
+    release = threading.Event()
+
+    class SlowReset(Negate):
+        def reset(self) -> None:
+            entered.set()
+            release.wait(10)
+
+    with ThreadPoolExecutor(1) as executor:
+        runner = StreamRunner(SlowReset(), assembler, playout, executor, size)
+        assert runner.next_chunk() is None
+        assembler.push(np.zeros((8, 8, 3), np.uint8))
+        assert len(runner.next_chunk() or []) == 1  # the stream's first chunk
+        for _ in range(5):
+            assembler.push(np.zeros((8, 8, 3), np.uint8))
+        reset = asyncio.ensure_future(runner.reset())
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+        assert not runner.has_chunk() and runner.next_chunk() is None  # the engine has not reset yet
+        release.set()
+        await reset
+        assert len(runner.next_chunk() or []) == 1  # after it: a fresh stream's one-frame first chunk

@@ -439,6 +439,7 @@ class StreamRunner:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._restart = True
+        self._resetting = False  # between a reset's start and the engine's reset of the stream
         self.chunks = 0
         self.chunk_seconds = 0.0  # engine time of the last chunk
         # Told "pause", "resume", "reset" and "prompt" as they happen (the serving policy's ledger).
@@ -482,11 +483,17 @@ class StreamRunner:
             self._notify("prompt")
 
     async def reset(self) -> None:
+        # No chunk is taken until the engine has started the stream over: a first chunk (one frame)
+        # taken before the processor's reset ran would enter a stream that still expects four.
+        self._resetting = True
         # The core hears of it first, so that it stops continuing the chunk the reset is about to drop.
-        self._restart = True
-        self._pick_size = self._size_for is not None  # a camera turned since: the stream refits to it
         self._notify("reset")
-        await self.call(self._processor.reset)
+        try:
+            await self.call(self._processor.reset)
+        finally:
+            self._restart = True
+            self._pick_size = self._size_for is not None  # a camera turned since: the stream refits to it
+            self._resetting = False
         self._playout.mark_gap()
 
     def _chunk_size(self) -> int:
@@ -499,8 +506,8 @@ class StreamRunner:
         return self._processor
 
     def has_chunk(self) -> bool:
-        """Event loop: a chunk of input is waiting and the stream is not paused."""
-        return not self.paused and self._assembler.ready(self._chunk_size())
+        """Event loop: a chunk of input is waiting and the stream is neither paused nor being reset."""
+        return not (self.paused or self._resetting) and self._assembler.ready(self._chunk_size())
 
     def next_chunk(self) -> list[InputFrame] | None:
         """Event loop: this stream's next chunk of input frames if it is ready now (not paused)."""
