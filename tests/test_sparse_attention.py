@@ -218,7 +218,8 @@ def test_runtime_runs_sparse_streams_and_batches_them_exactly() -> None:
         got = [r.frames for r in rt.step_batch(batched, [frames[c] for frames in chunks])]
         for a, b in zip(got, expected, strict=True):
             assert a.shape == (3, chunks[0][c].shape[1], *SIZE[::-1]) and torch.isfinite(a).all()
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+            # The batch's VAE calls are batched too: a larger convolution may round a few 1e-5 apart.
+            torch.testing.assert_close(a, b, rtol=0, atol=5e-5)
         differs |= not torch.allclose(rt.step(dense, chunks[0][c]).frames, expected[0], atol=1e-4)
     assert differs, "sparsity 0.5 must change the output once the window holds more than sinks and chunk"
     mixed = [rt.open(f"m{i}", "neon", SIZE, sparse_fidelity(sp)) for i, sp in enumerate((0.5, 0.0))]

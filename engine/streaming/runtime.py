@@ -26,9 +26,9 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import cv2
 import numpy as np
@@ -47,7 +47,7 @@ from engine.streaming.prompts import BlendMode, LookAnchors, PromptTransition, b
 from engine.streaming.rescale import rescale_state
 from engine.streaming.stabilizer import StabilizerConfig, TemporalStabilizer
 from engine.streaming.state import StreamState
-from engine.vae import StreamVAE
+from engine.vae import CacheMismatchError, StreamVAE, decode_batch, encode_batch
 
 log = logging.getLogger(__name__)
 
@@ -366,21 +366,38 @@ class StreamRuntime:
     def enter_chunk(self, state: StreamState, frames: torch.Tensor, local_caches: bool = True) -> ChunkInFlight:
         """Stage 1: a V2V chunk of input frames [3, T, H, W] in [-1, 1] enters: motion-aware noise
         level, VAE encode, every noise draw of the chunk, positions. See :meth:`enter_latents`."""
-        restart = state.take_stabilizer_restart()
-        self.adopt_input_size(state, (frames.shape[-1], frames.shape[-2]))
-        if local_caches:
-            self.fit_engine_size(state)  # before the encode: the VAE cache must be at the chunk's size
-        engine_frames = fit_frames(frames, self.engine_size(state.size, state.fidelity))
-        controller = MotionAwareNoiseController(self._noise_config(state))
-        rate = controller.step(engine_frames, state.noise_controller)
-        pixels = engine_frames.unsqueeze(0).to(self.device, self.dit.dtype)
-        with self.precision(state.fidelity.precision):
-            # In the DiT's dtype whatever the encoder computed in, so the chunk's noise draws are too.
-            z = self.vae.encode_chunk(pixels, state.vae_encoder).to(self.dit.dtype)
-        chunk = self.enter_latents(state, z, rate, engine_frames, restart, local_caches)
-        if self.vae.reads_input:
-            chunk.guide = pixels
-        return chunk
+        return self.enter_chunks([state], [frames], local_caches)[0]
+
+    def enter_chunks(self, states: Sequence[StreamState], frames: Sequence[torch.Tensor],
+                     local_caches: bool = True) -> list[ChunkInFlight]:
+        """:meth:`enter_chunk` for several streams, their encodes in one VAE call where their encoder caches
+        are at one point (same engine size, chunk length and precision: `engine.vae.encode_batch`)."""
+        entries = []
+        for state, clip in zip(states, frames, strict=True):
+            restart = state.take_stabilizer_restart()
+            self.adopt_input_size(state, (clip.shape[-1], clip.shape[-2]))
+            if local_caches:
+                self.fit_engine_size(state)  # before the encode: the VAE cache must be at the chunk's size
+            engine_frames = fit_frames(clip, self.engine_size(state.size, state.fidelity))
+            rate = MotionAwareNoiseController(self._noise_config(state)).step(engine_frames, state.noise_controller)
+            pixels = engine_frames.unsqueeze(0).to(self.device, self.dit.dtype)
+            entries.append((state, engine_frames, rate, pixels, restart))
+        latents: list[torch.Tensor | None] = [None] * len(entries)
+        for rows in _groups(entries, lambda e: (tuple(e[3].shape), e[0].fidelity.precision)):
+            with self.precision(entries[rows[0]][0].fidelity.precision):
+                # In the DiT's dtype whatever the encoder computed in, so the chunk's noise draws are too.
+                z = _batched(encode_batch, self.vae, torch.cat([entries[i][3] for i in rows]),
+                             [entries[i][0].vae_encoder for i in rows])
+            for j, i in enumerate(rows):
+                latents[i] = z[j].to(self.dit.dtype)
+        chunks = []
+        for (state, engine_frames, rate, pixels, restart), z_row in zip(entries, latents, strict=True):
+            assert z_row is not None
+            chunk = self.enter_latents(state, z_row, rate, engine_frames, restart, local_caches)
+            if self.vae.reads_input:
+                chunk.guide = pixels
+            chunks.append(chunk)
+        return chunks
 
     def enter_latents(
         self,
@@ -483,18 +500,39 @@ class StreamRuntime:
 
     def decode_chunk(self, chunk: ChunkInFlight) -> ChunkResult:
         """Stage 3: the finished chunk's x̂₀ through the VAE decoder, at the engine size (the size the
-        model drew it at; :meth:`finish_frames` fits it to the stream's); counters. A chunk whose x̂₀ is
-        not finite comes out black, with the reason (:meth:`_non_finite`)."""
-        if not chunk.done:
-            raise ValueError(f"chunk of stream {chunk.state.stream_id} has {chunk.steps_left} steps left")
-        state = chunk.state
-        fault = self._non_finite([chunk]).get(0)
-        frames = self.decode_latents(chunk.x, state.vae_decoder, self.deblock_strength(state), chunk.guide,
-                                     chunk.fidelity.precision)
-        if fault is not None:
-            frames = torch.full(frames.shape, -1.0, device=frames.device)
-        self.account(chunk)
-        return ChunkResult(frames, chunk.noise_rate, chunk.timesteps[0], chunk.refreshed, fault)
+        model drew it at; :meth:`finish_frames` fits it to the stream's); counters."""
+        return self.decode_chunks([chunk])[0]
+
+    def decode_chunks(self, chunks: Sequence[ChunkInFlight]) -> list[ChunkResult]:
+        """:meth:`decode_chunk` for several streams, their decodes in one VAE call where their decoder
+        caches are at one point (`engine.vae.decode_batch`). A chunk whose x̂₀ is not finite comes out
+        black, with the reason (:meth:`_non_finite`)."""
+        for chunk in chunks:
+            if not chunk.done:
+                raise ValueError(f"chunk of stream {chunk.state.stream_id} has {chunk.steps_left} steps left")
+        faults = self._non_finite(chunks)
+        decoded: list[torch.Tensor | None] = [None] * len(chunks)
+        # A stream's first chunk decodes to fewer frames than its later ones: never in one call with them.
+        key = lambda c: (tuple(c.x.shape), c.fidelity.precision, c.guide is None, c.frame == 0)  # noqa: E731
+        for rows in _groups(chunks, key):
+            guides = [chunks[i].guide for i in rows]
+            with self.precision(chunks[rows[0]].fidelity.precision):
+                rows_out = _batched(decode_batch, self.vae, torch.cat([chunks[i].x for i in rows]),
+                                    [chunks[i].state.vae_decoder for i in rows],
+                                    None if guides[0] is None else torch.cat(guides))  # type: ignore[arg-type]
+            for j, i in enumerate(rows):
+                decoded[i] = rows_out[j][0]
+        results = []
+        for i, (chunk, frames_row) in enumerate(zip(chunks, decoded, strict=True)):
+            assert frames_row is not None
+            if i in faults:
+                frames = torch.full(frames_row.shape, -1.0, device=frames_row.device)
+            else:
+                frames = self._deblocked(frames_row, self.deblock_strength(chunk.state))
+            self.account(chunk)
+            results.append(ChunkResult(frames, chunk.noise_rate, chunk.timesteps[0], chunk.refreshed,
+                                       faults.get(i)))
+        return results
 
     def take_fault(self, stream_id: str) -> tuple[int, str] | None:
         """How many of the stream's chunks came out non-finite since the last call, and the latest one's
@@ -535,6 +573,10 @@ class StreamRuntime:
         (:attr:`ChunkInFlight.guide`); ``precision``: the chunk's (:meth:`precision`)."""
         with self.precision(precision):
             frames = self.vae.decode_chunk(x0, decoder, guide)[0]
+        return self._deblocked(frames, deblock_strength)
+
+    def _deblocked(self, frames: torch.Tensor, deblock_strength: float) -> torch.Tensor:
+        """Decoded frames [3, T, H, W] as float32 in [-1, 1], deblocked at the stream's strength."""
         frames = frames.float().clamp(-1, 1)
         if self.config.deblock is not None and deblock_strength > 0:
             t = self.clock()
@@ -563,7 +605,12 @@ class StreamRuntime:
 
     def finish_chunk(self, chunk: ChunkInFlight) -> ChunkResult:
         """Stages 3 and 4: decode, then the temporal stabilizer and the fit to the stream's size."""
-        return self.finish_frames(chunk.state, chunk.inputs, self.decode_chunk(chunk), chunk.restart)
+        return self.finish_chunks([chunk])[0]
+
+    def finish_chunks(self, chunks: Sequence[ChunkInFlight]) -> list[ChunkResult]:
+        """:meth:`finish_chunk` for several streams' chunks (one each), decoded together where they can be."""
+        results = self.decode_chunks(chunks)
+        return [self.finish_frames(c.state, c.inputs, r, c.restart) for c, r in zip(chunks, results, strict=True)]
 
     # -- the stages grouped: sequential chunks and cross-user batches -------------------------------
 
@@ -580,12 +627,12 @@ class StreamRuntime:
         if len(states) != len(frames) or not states:
             raise ValueError("step_batch needs one frame chunk per stream")
         t0 = self.clock()
-        chunks = [self.enter_chunk(state, chunk) for state, chunk in zip(states, frames, strict=True)]
+        chunks = self.enter_chunks(states, frames)
         t1 = self.clock()
         self.run_to_end(chunks)
         t2 = self.clock()
         self._deblock_s = 0.0
-        results = [self.decode_chunk(c) for c in chunks]
+        results = self.decode_chunks(chunks)
         t3 = self.clock()
         results = [self.finish_frames(c.state, c.inputs, r, c.restart) for c, r in zip(chunks, results, strict=True)]
         self.last_timings = StageTimings(encode_s=t1 - t0, dit_s=t2 - t1, decode_s=t3 - t2 - self._deblock_s,
@@ -820,3 +867,27 @@ def _fit_frames_cv2(frames: torch.Tensor, size: tuple[int, int], down: bool) -> 
     for i, frame in enumerate(hwc):
         cv2.resize(frame, size, dst=out[i], interpolation=interpolation)
     return torch.from_numpy(out).permute(3, 0, 1, 2)
+
+
+_T = TypeVar("_T")
+
+
+def _groups(items: Sequence[_T], key: Callable[[_T], Hashable]) -> list[list[int]]:
+    """Indices of ``items`` grouped by ``key``, in first-seen order."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(key(item), []).append(i)
+    return list(groups.values())
+
+
+def _batched(call: Callable[..., torch.Tensor], vae: StreamVAE, x: torch.Tensor, caches: list[Any],
+             *rest: Any) -> list[torch.Tensor]:
+    """Each row's output ([1, ...]) of one VAE call for the rows of ``x``; one call per row where their
+    caches are not at one point (a stream just rescaled, say), which stacking them would refuse before
+    touching any; their outputs may then differ in length."""
+    try:
+        out = call(vae, x, caches, *rest)
+        return [out[i : i + 1] for i in range(len(caches))]
+    except CacheMismatchError:
+        return [call(vae, x[i : i + 1], [c], *(None if r is None else r[i : i + 1] for r in rest))
+                for i, c in enumerate(caches)]

@@ -139,6 +139,10 @@ class InProcessProcessor:
     # -- the chunk recipe's stages, driven by the engine core --------------------------------------
 
     def begin_chunk(self, frames: np.ndarray) -> None:
+        begin_chunks([(self, frames)])
+
+    def _prepare(self, frames: np.ndarray) -> Any:
+        """Before a new chunk enters: the state resident, chunks it cannot join finished; its input tensor."""
         from engine.frames import frames_to_tensor
 
         self._resident()
@@ -148,8 +152,7 @@ class InProcessProcessor:
             # The new chunk cannot join the chunks in flight (another step count, size or knob, or no
             # step batch): they finish first, without new input (StreamBatch.drain's rule).
             self._drain()
-        chunk = stream.runtime.enter_chunk(stream.state, frames_to_tensor(frames, stream.expected_frames))
-        self._queue.append(chunk)
+        return frames_to_tensor(frames, stream.expected_frames)
 
     def step_rows(self) -> list[tuple[Hashable, Any]]:
         runtime = self._stream.runtime
@@ -160,13 +163,7 @@ class InProcessProcessor:
         self._stream.runtime.denoise_step(rows)
 
     def take_finished(self) -> list[np.ndarray]:
-        from engine.frames import tensor_to_frames
-
-        done, self._drained = self._drained, []
-        while self._queue and self._queue[0].done:
-            self._stream.last = self._stream.runtime.finish_chunk(self._queue.pop(0))
-            done.append(tensor_to_frames(self._stream.last.frames))
-        return done
+        return take_finished([self])[0]
 
     def drop_chunks(self) -> None:
         if self._queue and self._stream.state is not None:
@@ -225,6 +222,49 @@ class InProcessProcessor:
         self._parked = None
 
 
+def begin_chunks(rows: Sequence[tuple[StepProcessor, np.ndarray]]) -> None:
+    """New chunks of several streams enter; those of in-process streams on one runtime encode in one VAE
+    call (`StreamRuntime.enter_chunks`), as their denoising steps share forwards."""
+    groups: dict[int, list[tuple[InProcessProcessor, Any]]] = {}
+    for processor, frames in rows:
+        if isinstance(processor, InProcessProcessor):
+            groups.setdefault(id(processor._stream.runtime), []).append((processor, processor._prepare(frames)))
+        else:
+            processor.begin_chunk(frames)
+    for group in groups.values():
+        runtime = group[0][0]._stream.runtime
+        chunks = runtime.enter_chunks([p._stream.state for p, _ in group], [t for _, t in group])
+        for (processor, _), chunk in zip(group, chunks, strict=True):
+            processor._queue.append(chunk)
+
+
+def take_finished(processors: Sequence[StepProcessor]) -> list[list[np.ndarray]]:
+    """Each processor's finished chunks (:meth:`StepProcessor.take_finished`); in-process streams on one
+    runtime decode together (`StreamRuntime.finish_chunks`), a round per chunk a stream has finished,
+    since a stream's decoder cache takes its chunks in order."""
+    from engine.frames import tensor_to_frames
+
+    out: list[list[np.ndarray]] = []
+    local: list[tuple[int, InProcessProcessor]] = []
+    for i, processor in enumerate(processors):
+        if isinstance(processor, InProcessProcessor):
+            out.append(processor._drained)
+            processor._drained = []
+            local.append((i, processor))
+        else:
+            out.append(processor.take_finished())
+    while heads := [(i, p) for i, p in local if p._queue and p._queue[0].done]:
+        groups: dict[int, list[tuple[int, InProcessProcessor]]] = {}
+        for i, p in heads:
+            groups.setdefault(id(p._stream.runtime), []).append((i, p))
+        for group in groups.values():
+            results = group[0][1]._stream.runtime.finish_chunks([p._queue.pop(0) for _, p in group])
+            for (i, p), result in zip(group, results, strict=True):
+                p._stream.last = result
+                out[i].append(tensor_to_frames(result.frames))
+    return out
+
+
 @dataclass(frozen=True)
 class StepRow:
     """One stream's part of an engine step: a new chunk (its fidelity and input frames) or None, the
@@ -255,14 +295,13 @@ def _run_step(rows: Sequence[StepRow], evict: Sequence[StepProcessor], restore: 
         processor.offload()
     for processor in restore:
         processor.restore()
-    for row in rows:
-        if row.inputs is None:
-            continue
+    entering = [row for row in rows if row.inputs is not None]
+    for row in entering:
         if row.config is not None:
             row.processor.set_fidelity(row.config)
-        row.processor.begin_chunk(row.inputs)
         if delay_s:
             time.sleep(delay_s)
+    begin_chunks([(row.processor, row.inputs) for row in entering if row.inputs is not None])
     groups: dict[Hashable, list[tuple[StepProcessor, Any]]] = {}
     for row in rows:
         for key, item in row.processor.step_rows():
@@ -271,4 +310,4 @@ def _run_step(rows: Sequence[StepRow], evict: Sequence[StepProcessor], restore: 
         if step_delay_s:
             time.sleep(step_delay_s)
         group[0][0].denoise_rows([item for _, item in group])
-    return [row.processor.take_finished() for row in rows], len(groups)
+    return take_finished([row.processor for row in rows]), len(groups)
