@@ -47,3 +47,34 @@ def test_a_dropped_chunk_gives_its_positions_to_the_next_one() -> None:
     assert len(out) == 1 and out[0].shape == twin_out[0].shape == (dropped.chunk_frames, height, width, 3)
     state, twin_state = dropped._stream.state, twin._stream.state
     assert (state.frame, state.rope_frame) == (twin_state.frame, twin_state.rope_frame)
+
+
+def test_a_fresh_stream_and_a_running_one_step_together() -> None:
+    """One engine step with a stream's first chunk (one frame, its caches empty) beside another's fourth:
+    their encodes and decodes cannot share a VAE call (a first chunk decodes to fewer frames), and each
+    comes out as it does alone (the batched-VAE path once ended every stream of such a step)."""
+    from engine.streaming.step_processor import StepRow, run_step
+
+    pipe = Pipeline.load("tiny-random")
+    width, height = pipe.default_size
+    rng = np.random.default_rng(1)
+
+    def frames(n: int) -> np.ndarray:
+        return rng.integers(0, 256, (n, height, width, 3), dtype=np.uint8)
+
+    running, fresh, twin_running, twin_fresh = (_open(pipe) for _ in range(4))
+    warm = [frames(1), frames(4), frames(4)]
+    for proc in (running, twin_running):
+        for chunk in warm:
+            _run_chunk(proc, chunk)
+    nxt, first = frames(4), frames(1)
+    config = running.fidelity()
+    outs, _ = run_step([StepRow(running, config, nxt), StepRow(fresh, config, first)])
+    while not (outs[0] and outs[1]):
+        more, _ = run_step([StepRow(running), StepRow(fresh)])
+        outs = [outs[0] + more[0], outs[1] + more[1]]
+    alone = [_run_chunk(twin_running, nxt), _run_chunk(twin_fresh, first)]
+    for got, want in zip(outs, alone, strict=True):
+        assert [o.shape[0] for o in got] == [w.shape[0] for w in want]
+        for a, b in zip(got, want, strict=True):
+            assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
