@@ -57,7 +57,7 @@ from app.client import CodedCamera  # noqa: E402
 from app.server.osc_packet import read_packet  # noqa: E402
 from tests._osc_fuzz import OscFuzzer, count_refusals, encode  # noqa: E402
 
-ADMIN = "bench-admin"
+ADMIN = "bench-admin-0123456789"
 HOOKS = ROOT / "tests" / "_schemathesis_hooks.py"
 # The same tolerance as tests/test_server_fuzz.py: SDP and prompt rules a JSON schema cannot state.
 SCHEMATHESIS_CONFIG = f"""

@@ -5,8 +5,8 @@
    Browser Source page (/view/<stream-id>) and `diffcast virtualcam --source stream:<id>`.
 3. Prints the exact OBS settings for the same server, and how many stylized frames came back.
 
-    diffcast serve --model tiny-random --allow-loopback-candidates --token s3cret &
-    .venv/bin/python demos/obs_roundtrip.py --server http://127.0.0.1:8080 --token s3cret
+    diffcast serve --model tiny-random --allow-loopback-candidates --token s3cret-0123456789ab &
+    .venv/bin/python demos/obs_roundtrip.py --server http://127.0.0.1:8080 --token s3cret-0123456789ab
 
 The step-by-step guide with the real OBS is docs/obs.md.
 """

@@ -107,12 +107,12 @@ def test_dashboard_shows_the_policy_decisions(two_streams: tuple[str, list[str]]
 
 
 def test_dashboard_needs_the_token_when_the_server_has_one(live_server: Callable[..., AbstractContextManager[str]]) -> None:
-    with live_server(token="t0k") as url:
+    with live_server(token="t0k-0123456789abcdef") as url:
         assert _get(f"{url}/api/dashboard")[0] == 401
-        status, data = _get(f"{url}/api/dashboard", {"Authorization": "Bearer t0k"})
+        status, data = _get(f"{url}/api/dashboard", {"Authorization": "Bearer t0k-0123456789abcdef"})
         assert status == 200 and data["streams"] == [] and data["workers"][0]["streams"] == 0
         assert _get(f"{url}/api/workers")[0] == 401
-        status, workers = _get(f"{url}/api/workers", {"Authorization": "Bearer t0k"})
+        status, workers = _get(f"{url}/api/workers", {"Authorization": "Bearer t0k-0123456789abcdef"})
         assert status == 200 and workers[0]["streams"] == []
 
 

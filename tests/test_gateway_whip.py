@@ -122,14 +122,14 @@ async def test_whip_then_whep_exchange(live_server: Callable[..., AbstractContex
 
 
 async def test_whip_whep_errors(live_server: Callable[..., AbstractContextManager[str]]) -> None:
-    with live_server(max_streams=2, token="s3cret") as url:
-        auth = {**SDP, "Authorization": "Bearer s3cret"}
+    with live_server(max_streams=2, token="s3cret-0123456789ab") as url:
+        auth = {**SDP, "Authorization": "Bearer s3cret-0123456789ab"}
         pc, offer = await _offer(publish=True)
         status, head, _ = await _post(f"{url}/whip", offer)
         assert status == 401 and head["www-authenticate"] == "Bearer"
         assert (await asyncio.to_thread(http, "GET", f"{url}/api/streams"))[0] == 401
-        assert (await asyncio.to_thread(http, "GET", f"{url}/api/streams", None, {"Authorization": "Bearer s3cret"}))[0] == 200
-        status, _, body = await _post(f"{url}/whip", offer, {"Content-Type": "text/plain", "Authorization": "Bearer s3cret"})
+        assert (await asyncio.to_thread(http, "GET", f"{url}/api/streams", None, {"Authorization": "Bearer s3cret-0123456789ab"}))[0] == 200
+        status, _, body = await _post(f"{url}/whip", offer, {"Content-Type": "text/plain", "Authorization": "Bearer s3cret-0123456789ab"})
         assert status == 415 and "application/sdp" in body
         status, _, body = await _post(f"{url}/whip", "hello", auth)
         assert status == 400 and "malformed SDP" in body

@@ -27,7 +27,7 @@ from app.client import CodedCamera, http
 
 pytestmark = pytest.mark.browser
 
-TOKEN = "obs-stream-key"
+TOKEN = "obs-stream-key-0123"
 OBS_H264 = "42e01f"
 
 

@@ -64,7 +64,7 @@ async def test_api_is_same_origin_by_default_while_whip_and_whep_answer_any_orig
 
 
 async def test_a_browser_logs_in_once_and_its_cookie_stands_for_the_api_token(asgi_api: ApiFactory) -> None:  # noqa: F811
-    async with asgi_api(max_streams=2, api_token="adm1n") as api:
+    async with asgi_api(max_streams=2, api_token="adm1n-0123456789ab") as api:
         # The playground, like stream creation, needs the token: a browser goes to the login form,
         # and an upload or a job without it stores nothing and runs nothing.
         response = await api.client.get("/playground/", headers={"Accept": "text/html"})
@@ -78,13 +78,13 @@ async def test_a_browser_logs_in_once_and_its_cookie_stands_for_the_api_token(as
         response = await api.client.post("/api/login", content=b"token=wrong&next=/playground/", headers=login)
         assert response.status_code == 303 and "failed=1" in response.headers["location"]
         assert "set-cookie" not in response.headers
-        response = await api.client.post("/api/login", content=b"token=adm1n&next=//evil.example/", headers=login)
+        response = await api.client.post("/api/login", content=b"token=adm1n-0123456789ab&next=//evil.example/", headers=login)
         assert response.status_code == 303 and response.headers["location"] == "/"  # never an open redirect
-        response = await api.client.post("/api/login", content=b"token=adm1n&next=/playground/", headers=login)
+        response = await api.client.post("/api/login", content=b"token=adm1n-0123456789ab&next=/playground/", headers=login)
         assert response.status_code == 303 and response.headers["location"] == "/playground/"
         set_cookie = response.headers["set-cookie"]
         assert "httponly" in set_cookie.lower() and "samesite=strict" in set_cookie.lower(), set_cookie
-        assert "adm1n" not in set_cookie  # a signed session, not the token itself
+        assert "adm1n-0123456789ab" not in set_cookie  # a signed session, not the token itself
         jar = {"Cookie": set_cookie.split(";", 1)[0]}
         api.client.cookies.clear()  # sent by hand below, where a test wants it
         # The cookie stands for the API token on this origin: create, list, control.
@@ -103,7 +103,7 @@ async def test_a_browser_logs_in_once_and_its_cookie_stands_for_the_api_token(as
 
 def test_admin_sessions_expire_and_die_with_the_token() -> None:
     now = [1000.0]
-    sessions = AdminSessions("adm1n", ttl_s=60, clock=lambda: now[0])
+    sessions = AdminSessions("adm1n-0123456789ab", ttl_s=60, clock=lambda: now[0])
     value = sessions.issue()
     assert sessions.valid(value)
     assert not AdminSessions("rotated", clock=lambda: now[0]).valid(value)

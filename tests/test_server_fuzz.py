@@ -53,8 +53,8 @@ def test_openapi_document_matches_the_answers(tiny_factory: Any, tmp_path: Path,
 
     config_file = tmp_path / "schemathesis.toml"
     config_file.write_text(SCHEMATHESIS_CONFIG)
-    app = create_app(ServerConfig(max_streams=2, api_token="fuzz-admin"), factory=tiny_factory)
-    headers = ["-H", "Authorization: Bearer fuzz-admin"] if credential == "admin" else []
+    app = create_app(ServerConfig(max_streams=2, api_token="fuzz-admin-0123456789"), factory=tiny_factory)
+    headers = ["-H", "Authorization: Bearer fuzz-admin-0123456789"] if credential == "admin" else []
     with running_server(app) as url:
         result = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "--config-file", str(config_file), "run",

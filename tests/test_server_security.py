@@ -117,26 +117,26 @@ async def test_listing_needs_admin_rights(asgi_api: ApiFactory) -> None:  # noqa
                 assert response.status_code == 403 and stream.stream_id not in response.text, (path, headers)
         for host in ("127.0.0.1:8080", "[::1]:8080", "localhost", "app.localhost:8080"):
             assert (await api.client.get("/api/streams", headers={"Host": host})).status_code == 200, host
-    async with asgi_api(max_streams=2, api_token="adm1n") as api:
-        stream = await api.create(headers=bearer("adm1n"))
+    async with asgi_api(max_streams=2, api_token="adm1n-0123456789ab") as api:
+        stream = await api.create(headers=bearer("adm1n-0123456789ab"))
         for path in ("/api/streams", "/api/dashboard", "/metrics"):
             assert (await api.client.get(path)).status_code == 401, path
             assert (await api.client.get(path, headers=bearer(stream.owner))).status_code == 401, path
-            response = await api.at(REMOTE).client.get(path, headers=bearer("adm1n"))
+            response = await api.at(REMOTE).client.get(path, headers=bearer("adm1n-0123456789ab"))
             assert response.status_code == 200 and stream.stream_id in response.text, path
         # The admin may control and stop any stream.
         control = f"/api/streams/{stream.stream_id}/control"
-        assert (await api.client.post(control, content=UPDATE, headers=bearer("adm1n"))).status_code == 200
-        assert (await api.client.delete(f"/api/streams/{stream.stream_id}", headers=bearer("adm1n"))).status_code == 204
+        assert (await api.client.post(control, content=UPDATE, headers=bearer("adm1n-0123456789ab"))).status_code == 200
+        assert (await api.client.delete(f"/api/streams/{stream.stream_id}", headers=bearer("adm1n-0123456789ab"))).status_code == 204
 
 
 async def test_api_token_gates_creation(asgi_api: ApiFactory) -> None:  # noqa: F811
-    async with asgi_api(max_streams=2, api_token="adm1n") as api:
+    async with asgi_api(max_streams=2, api_token="adm1n-0123456789ab") as api:
         response = await api.offer()
         assert response.status_code == 401 and "API token" in response.json()["detail"]
         assert (await api.offer(headers=bearer("wrong"))).status_code == 401
         assert not api.app.state.manager.sessions
-        stream = await api.create(headers=bearer("adm1n"))
+        stream = await api.create(headers=bearer("adm1n-0123456789ab"))
         # The creator's own tokens work without the API token.
         response = await api.client.post(f"/api/streams/{stream.stream_id}/control", content=UPDATE,
                                          headers=bearer(stream.owner))
@@ -171,23 +171,23 @@ async def test_origins(asgi_api: ApiFactory) -> None:  # noqa: F811
 
 
 async def test_websocket_gates(tiny_factory: Any) -> None:  # noqa: F811
-    with served(tiny_factory, max_streams=2, api_token="adm1n", allowed_origins=("https://good.example",)) as (url, _):
+    with served(tiny_factory, max_streams=2, api_token="adm1n-0123456789ab", allowed_origins=("https://good.example",)) as (url, _):
         ws_url = url.replace("http", "ws") + "/ws"
         for target, headers, reason in ((ws_url, {}, "API token"),
-                                        (ws_url + "?access_token=adm1n", {"Origin": "https://evil.example"}, "origin")):
+                                        (ws_url + "?access_token=adm1n-0123456789ab", {"Origin": "https://evil.example"}, "origin")):
             async with websockets.connect(target, additional_headers=headers) as ws:
                 error = json.loads(await ws.recv())
                 assert error["type"] == "error" and reason in error["message"], error
                 await asyncio.wait_for(ws.wait_closed(), 5)
                 assert ws.close_code == 1008
-        async with websockets.connect(ws_url + "?access_token=adm1n") as ws:
+        async with websockets.connect(ws_url + "?access_token=adm1n-0123456789ab") as ws:
             hello = json.loads(await ws.recv())
             assert hello["type"] == "hello" and len(hello["owner_token"]) >= 32 and hello["viewer_token"]
 
 
-@pytest.mark.parametrize("token", [None, "s3cret"])
+@pytest.mark.parametrize("token", [None, "s3cret-0123456789ab"])
 async def test_legacy_whip_token_is_an_operator_credential(asgi_api: ApiFactory, token: str | None) -> None:  # noqa: F811
     async with asgi_api(max_streams=2, token=token) as api:
         stream = await api.create()
-        response = await api.client.delete(f"/api/streams/{stream.stream_id}", headers=bearer("s3cret"))
+        response = await api.client.delete(f"/api/streams/{stream.stream_id}", headers=bearer("s3cret-0123456789ab"))
         assert response.status_code == (204 if token else 404)

@@ -79,7 +79,7 @@ async def test_stream_limits_hold_under_concurrent_offers(asgi_api: ApiFactory) 
 
 
 async def test_whip_session_url_ends_its_session_without_other_credentials(asgi_api: ApiFactory) -> None:  # noqa: F811
-    for token in (None, "obs-key"):  # OBS sends its Bearer token on DELETE only where the server has one
+    for token in (None, "obs-key-0123456789"):  # OBS sends its Bearer token on DELETE only where the server has one
         async with asgi_api(max_streams=2, token=token) as api:
             pc, offer = await publisher_offer()
             api.peers.append(pc)

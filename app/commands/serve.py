@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from app.commands.arguments import add_vae_argument
 from app.server.config import add_lora_arguments
@@ -192,7 +193,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from app.server.app import serve
-    from app.server.config import ServerConfig
+    from app.server.config import ServerConfig, TokenTooShortError
     from app.server.osc import OscBindError
     from app.server.tls import with_certificate
     from engine.devices import resolve_device, resolve_dtype
@@ -206,6 +207,9 @@ def run(args: argparse.Namespace) -> int:
         args.model = model_with_vae(args.model, args.vae)
         config = with_certificate(ServerConfig.from_args(args))
         resolve_dtype(config.dtype, resolve_device(config.device))
+    except TokenTooShortError as exc:
+        print(f"diffcast serve: error: {exc}", file=sys.stderr)  # argparse's form and status for bad flags
+        return 2
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if args.threads > 0:

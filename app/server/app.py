@@ -41,11 +41,13 @@ from app.server.security import (
     AdminSessions,
     ClientSlots,
     EdgeGuard,
+    GuessThrottle,
     RouteCors,
+    Throttled,
     client_host,
 )
 from app.server.session import CapacityError, SessionManager
-from app.server.whip import bearer_ok, whip_router
+from app.server.whip import whip_router
 from app.server.workers import workers_router
 from app.server.ws import serve_websocket
 from engine.capabilities import ModelCapabilities
@@ -182,18 +184,19 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     access = AccessControl(config, is_live=lambda stream_id: stream_id in manager.sessions)
     app.state.access = access
     sessions = AdminSessions(config.api_token)
+    guesses = GuessThrottle()  # wrong credentials per client address, wherever one is checked
     app.add_middleware(
         EdgeGuard, config=config, access=access,
         slots=ClientSlots(config.max_streams_per_client, is_live=lambda stream_id: stream_id in manager.sessions),
-        sessions=sessions,
+        sessions=sessions, guesses=guesses,
     )
     # Browser WHIP/WHEP clients on other origins need CORS, and must be able to read Location; the
     # rest of the API answers other origins only when --allowed-origin lists them.
     app.add_middleware(RouteCors, config=config)
-    app.include_router(whip_router(manager, gateway, config))
+    app.include_router(whip_router(manager, gateway, config, guesses))
     if config.record_dir is not None:
         manager.recordings = RecordingStore(Path(config.record_dir), int(config.record_max_gb * GB), access.owner_token)
-    app.include_router(recordings_router(manager.recordings, access))
+    app.include_router(recordings_router(manager.recordings, access, guesses))
     # Operator dashboard at /dashboard and the JSON it polls (app/dashboard.py).
     app.include_router(dashboard_router(manager, config))
     app.include_router(workers_router(manager))
@@ -203,6 +206,13 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         # FastAPI's default echoes each bad input, and a NaN or Infinity in the body (which
         # Python's JSON parser accepts) then makes the 422 itself fail to encode: a 500.
         return _json_error(422, f"bad request: {describe_errors(exc.errors())}")
+
+    @app.exception_handler(Throttled)
+    async def throttled(request: Request, exc: Throttled) -> Response:
+        # A route's own credential check (login, recordings, WHIP --token), in the route's style.
+        if request.url.path.startswith("/api/"):
+            return _json_error(429, str(exc), exc.headers)
+        return PlainTextResponse(f"{exc}\n", status_code=429, headers=exc.headers)
 
     @app.get("/", include_in_schema=False)
     async def index() -> FileResponse:
@@ -228,8 +238,11 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         target = (form.get("next") or ["/"])[0]
         if not target.startswith("/") or target.startswith(("//", "/\\")):
             target = "/"  # only this site's pages: never an open redirect
+        host = client_host(request.scope)
+        guesses.check(host)  # Throttled: 429, the token not compared
         if not hmac.compare_digest(given.encode(), config.api_token.encode()):
-            log.warning("failed login from %s", client_host(request.scope))
+            guesses.failed(host, given)
+            log.warning("failed login from %s", host)
             return RedirectResponse(f"{LOGIN_PAGE}?failed=1&next={quote(target)}", status_code=303)
         response = RedirectResponse(target, status_code=303)
         response.set_cookie(SESSION_COOKIE, sessions.issue(), max_age=int(sessions.ttl_s), path="/", httponly=True,
@@ -280,10 +293,8 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         )
 
     @app.get("/api/streams", responses=errors("/api/streams", 401))
-    async def streams(request: Request) -> Response:
-        # Stream ids are what WHEP viewers need: with --token, listing them needs the token too.
-        if not bearer_ok(request, config.token):
-            return _json_error(401, "a valid 'Authorization: Bearer <token>' header is required")
+    async def streams() -> Response:
+        # Every stream id (what WHEP viewers need): the edge lets only admins (or a local client) in.
         return JSONResponse([s.stats() for s in manager.sessions.values()])
 
     @app.get("/api/streams/{stream_id}", responses=errors("/api/streams/{stream_id}", 404))

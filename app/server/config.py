@@ -6,9 +6,17 @@ import argparse
 import math
 from dataclasses import dataclass
 
+# Admin tokens (--api-token, --token) shorter than this are refused: the wait after wrong guesses
+# (app/server/security.py GuessThrottle) slows guessing, it cannot save a token of a few characters.
+MIN_TOKEN_CHARS = 16
+
 # The generic (StreamDiffusionV2-style) operating point: stream defaults for a model that names none.
 GENERIC_NOISE_SCALE = 0.8
 GENERIC_STEPS = 2
+
+
+class TokenTooShortError(ValueError):
+    """An admin token shorter than MIN_TOKEN_CHARS (`diffcast serve` exits 2, as for a usage error)."""
 
 
 @dataclass(frozen=True)
@@ -262,6 +270,11 @@ class ServerConfig:
         from engine.serving.policy import resolve_preset
 
         resolve_preset(self.policy)  # ValueError naming the presets
+        for flag, token in (("--api-token", self.api_token), ("--token", self.token)):
+            if token is not None and len(token) < MIN_TOKEN_CHARS:  # its length only: never echo a secret
+                raise TokenTooShortError(
+                    f"{flag} is too short ({len(token)} characters): an admin token needs at least {MIN_TOKEN_CHARS} "
+                    "(a random one: openssl rand -base64 32)")
         if self.state_slots < 0:
             raise ValueError(f"state_slots must be >= 0, got {self.state_slots}")
         if self.device_memory_gib is not None and not 0 < self.device_memory_gib < 1e6:

@@ -37,7 +37,8 @@ REASONS = {
     413: "The request body is over --max-body-bytes",
     415: "The body must be `application/sdp`",
     422: "The request's parameters or JSON body are not valid (the reason names each)",
-    429: "The client already has --max-streams-per-client streams (`Retry-After`)",
+    429: "The client already has --max-streams-per-client streams, or its address waits after wrong "
+         "credentials (`Retry-After`)",
     503: "The server is full (--max-streams, --max-viewers or the serving policy's admission; `Retry-After`)",
 }
 RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before trying again", "schema": {"type": "integer"}}}

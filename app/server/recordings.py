@@ -37,7 +37,7 @@ from app.server.control import ControlError
 from app.server.logs import mint_secret
 from app.server.openapi import ERROR_JSON, errors
 from app.server.recorder import finish_leftovers
-from app.server.security import Access, AccessControl, presented_token
+from app.server.security import Access, AccessControl, GuessThrottle, client_host, presented_token
 
 STREAM_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 FILE_NAME = re.compile(r"([A-Za-z0-9_-]{22})\.(mp4|json)")
@@ -179,28 +179,32 @@ BUSY: dict[int | str, dict[str, Any]] = {409: {"description": "The recording is 
               "content": {"application/json": {"schema": ERROR_JSON}}}}
 
 
-def recordings_router(store: RecordingStore | None, access: AccessControl) -> APIRouter:
+def recordings_router(store: RecordingStore | None, access: AccessControl, guesses: GuessThrottle) -> APIRouter:
     """GET /api/streams/{id}/recordings, GET and DELETE /api/streams/{id}/recordings/{name}: the
     stream's owner token (or an admin token) as ``Authorization: Bearer`` or ``?access_token=``."""
     router = APIRouter()
 
     def owned(request: Request, stream_id: str) -> RecordingStore | JSONResponse:
-        """The store when the request holds the stream's owner (or an admin) token; else the refusal."""
+        """The store when the request holds the stream's owner (or an admin) token; else the refusal
+        (Throttled, a 429, while the client's address waits after wrong credentials)."""
         token = presented_token(request.scope)
         if token is None:
             return _error(401, "this needs the stream's owner token as 'Authorization: Bearer <token>'")
         if store is None:
             return _error(404, NOT_ENABLED)
+        host = client_host(request.scope)
+        guesses.check(host)
         allowed = STREAM_ID.fullmatch(stream_id) is not None and (
             access.access(token, stream_id) >= Access.OWNER or store.is_owner(token, stream_id))
         if not allowed:  # the same answer for an unknown stream and a token that is not its owner's
+            guesses.failed(host, token)
             return _error(404, f"no recordings of stream {stream_id}")
         return store
 
     @router.get("/api/streams/{stream_id}/recordings",
                 responses={200: {"description": "The stream's recordings, running ones first",
                                  "content": {"application/json": {"schema": LISTING_SCHEMA}}},
-                           **errors("/api/streams/{stream_id}/recordings", 401, 404)})
+                           **errors("/api/streams/{stream_id}/recordings", 401, 404, 429)})
     async def list_recordings(stream_id: str, request: Request) -> Response:
         found = owned(request, stream_id)
         if isinstance(found, JSONResponse):
@@ -209,7 +213,7 @@ def recordings_router(store: RecordingStore | None, access: AccessControl) -> AP
 
     @router.get("/api/streams/{stream_id}/recordings/{name}",
                 responses={200: {"description": "The MP4, or its JSON (prompt timeline)", "content": FILE_CONTENT},
-                           **errors("/api/streams/{stream_id}/recordings/{name}", 401, 404), **BUSY})
+                           **errors("/api/streams/{stream_id}/recordings/{name}", 401, 404, 429), **BUSY})
     async def get_recording(stream_id: str, name: str, request: Request) -> Response:
         found = owned(request, stream_id)
         if isinstance(found, JSONResponse):
@@ -224,7 +228,7 @@ def recordings_router(store: RecordingStore | None, access: AccessControl) -> AP
 
     @router.delete("/api/streams/{stream_id}/recordings/{name}", status_code=204,
                    responses={204: {"description": "Deleted (the MP4 and its JSON)"},
-                              **errors("/api/streams/{stream_id}/recordings/{name}", 401, 404), **BUSY})
+                              **errors("/api/streams/{stream_id}/recordings/{name}", 401, 404, 429), **BUSY})
     async def delete_recording(stream_id: str, name: str, request: Request) -> Response:
         found = owned(request, stream_id)
         if isinstance(found, JSONResponse):

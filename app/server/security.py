@@ -21,6 +21,13 @@ Refusals never tell a caller without rights whether a stream exists: no token ->
 id exists or not; a wrong token -> the same 404 as an unknown id; only a valid viewer token used for
 an owner action gets 403 (its holder already knows the stream exists).
 
+Wrong credentials earn their client address a growing wait (``GuessThrottle``): the admin tokens
+wherever the edge checks them, a stream token that grants nothing, the login form, the recordings'
+owner check and the WHIP ``--token``. An address that is waiting gets 429 with ``Retry-After`` and
+its credential is not even compared (were it, the answer would tell a guesser when it is right),
+so a right token from that address waits too; every other address is untouched. The address is
+the socket's peer, or behind ``--forwarded-allow-ips`` the client the proxy names.
+
 The middleware also enforces the request-body and upload limits, the allowed origins (WHIP and
 WHEP answer any page, so that third-party players work; everything else only the service's own
 pages and ``--allowed-origin``), the service-wide API token on stream creation and on the
@@ -35,8 +42,10 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +54,7 @@ from urllib.parse import parse_qs, quote
 from starlette.middleware.cors import CORSMiddleware
 
 from app.server.config import ServerConfig
-from app.server.logs import mint_secret
+from app.server.logs import SECRETS, mint_secret
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +73,15 @@ SESSION_TTL_S = 12 * 3600
 LOGIN_PAGE = "/login"
 TOKEN_BYTES = 24  # 192 bits: unguessable by any number of online attempts
 POLICY_VIOLATION = 1008  # WebSocket close code
+# Wrong credentials per client address: the first FREE_FAILURES - 1 cost nothing (typos), then each
+# makes the address wait FIRST_WAIT_S, doubling up to MAX_WAIT_S: after a minute, one guess a
+# minute. An address is forgotten FORGET_S after its last failure; at most MAX_ADDRESSES are kept
+# (the longest quiet go first), so a flood of addresses cannot fill the memory.
+FREE_FAILURES = 5
+FIRST_WAIT_S = 1.0
+MAX_WAIT_S = 60.0
+FORGET_S = 600.0
+MAX_ADDRESSES = 10_000
 
 
 class Access(enum.IntEnum):
@@ -119,11 +137,11 @@ def edge_refusals(method: str, path: str) -> set[int]:
     /api/streams/{stream_id}) instead of the route: for the OpenAPI document."""
     statuses = {403, 413}  # an origin not in --allowed-origin; a body over its limit (every route has one)
     if (method, path) in LISTING:
-        statuses |= {401, 403}
+        statuses |= {401, 403, 429}  # 429: the address waits after wrong credentials
     elif (method, path) in CREATION:
         statuses |= {401, 429}
     if any(rule == method and pattern.match(path) for rule, pattern, _ in STREAM_RULES):
-        statuses |= {401, 403, 404}
+        statuses |= {401, 403, 404, 429}
     return statuses
 
 
@@ -194,6 +212,71 @@ def cookie(scope: Scope, name: str) -> str | None:
         if key == name:
             return value
     return None
+
+
+def address_key(host: str) -> str:
+    """The address a client's failures count against: its IPv4 address, or its IPv6 /64 (one
+    subscriber's prefix: rotating addresses inside it would escape a per-address count)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+class Throttled(Exception):
+    """A client address waiting out its backoff presented a credential: 429, not compared."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(f"too many wrong credentials from this address: try again in {retry_after_s} s")
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+
+@dataclass
+class _Failures:
+    count: int = 0
+    last: float = 0.0
+    until: float = 0.0  # the address may present a credential again from then on
+
+
+class GuessThrottle:
+    """Wrong credentials per client address, and the wait they earn (module docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._failures: OrderedDict[str, _Failures] = OrderedDict()  # the longest quiet first
+
+    def check(self, host: str) -> None:
+        """Raises Throttled while ``host`` waits: call it before comparing what it presented."""
+        entry = self._failures.get(address_key(host))
+        wait = 0.0 if entry is None else entry.until - self._clock()
+        if wait > 0:
+            raise Throttled(math.ceil(wait))
+
+    def failed(self, host: str, token: str) -> None:
+        """``host`` presented ``token`` and it grants nothing here."""
+        if token in SECRETS:  # one the server minted (another stream's, an ended one's): not a guess
+            return
+        now = self._clock()
+        while self._failures:
+            oldest = next(iter(self._failures.values()))
+            if now - oldest.last < FORGET_S and len(self._failures) < MAX_ADDRESSES:
+                break
+            self._failures.popitem(last=False)
+        key = address_key(host)
+        entry = self._failures.pop(key, None) or _Failures()
+        entry.count += 1
+        entry.last = now
+        if entry.count >= FREE_FAILURES:
+            wait = min(MAX_WAIT_S, FIRST_WAIT_S * 2.0 ** min(entry.count - FREE_FAILURES, 30))
+            entry.until = now + wait
+            log.warning("%d wrong credentials from %s: it waits %g s before the next is checked",
+                        entry.count, key, wait)
+        self._failures[key] = entry
 
 
 class AdminSessions:
@@ -355,14 +438,46 @@ class EdgeGuard:
     creation, per-stream capabilities; hands the creator its tokens."""
 
     def __init__(self, app: ASGIApp, config: ServerConfig, access: AccessControl, slots: ClientSlots,
-                 sessions: AdminSessions) -> None:
+                 sessions: AdminSessions, guesses: GuessThrottle) -> None:
         self.app = app
         self.config = config
         self.access = access
         self.slots = slots
         self.sessions = sessions
+        self.guesses = guesses
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._guard(scope, receive, send)
+        except Throttled as throttled:
+            # Only this guard's own checks raise it here, before anything was sent: the routes'
+            # checks are answered inside the app (its handler for Throttled).
+            await refuse(scope, receive, send, 429, str(throttled), throttled.headers)
+
+    def _is_admin(self, scope: Scope, token: str | None) -> bool:
+        """Whether ``token`` is an admin credential; a wrong one counts against the client's address
+        (Throttled while the address waits)."""
+        if token is None:
+            return False
+        host = client_host(scope)
+        self.guesses.check(host)
+        if self.access.is_admin(token):
+            return True
+        self.guesses.failed(host, token)
+        return False
+
+    def _stream_refusal(self, scope: Scope, token: str | None, stream_id: str, need: Access) -> tuple[int, str] | None:
+        """AccessControl.refusal, with a token that grants nothing counted against the client's address."""
+        if token is None:
+            return self.access.refusal(None, stream_id, need)
+        host = client_host(scope)
+        self.guesses.check(host)
+        refusal = self.access.refusal(token, stream_id, need)
+        if refusal is not None and refusal[0] == 404:
+            self.guesses.failed(host, token)
+        return refusal
+
+    async def _guard(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
@@ -392,7 +507,7 @@ class EdgeGuard:
         for rule_method, pattern, need in STREAM_RULES:
             match = pattern.match(path) if rule_method == method else None
             if match is not None:
-                refusal = self.access.refusal(token, match.group(1), need)
+                refusal = self._stream_refusal(scope, token, match.group(1), need)
                 if refusal is not None:
                     await refuse(scope, receive, send, *refusal)
                     return
@@ -424,7 +539,7 @@ class EdgeGuard:
 
     async def _playground(self, scope: Scope, receive: Receive, send: Send, token: str | None) -> None:
         """The playground: the API token (when set) as for creating a stream, then the body limits."""
-        if self.config.api_token is not None and not self.access.is_admin(token):
+        if self.config.api_token is not None and not self._is_admin(scope, token):
             headers = _headers(scope)
             if scope.get("method") == "GET" and "text/html" in headers.get("accept", ""):
                 # A browser opening the playground: the login form, and back here after it.
@@ -477,7 +592,7 @@ class EdgeGuard:
 
     def _listing_refusal(self, scope: Scope, token: str | None) -> tuple[int, str] | None:
         if self.access.has_admin_token:
-            if self.access.is_admin(token):
+            if self._is_admin(scope, token):
                 return None
             return 401, "listing streams needs an admin token as 'Authorization: Bearer <token>'"
         if is_local(scope):
@@ -486,7 +601,7 @@ class EdgeGuard:
                      "unless the server has --api-token")
 
     async def _create(self, scope: Scope, receive: Receive, send: Send, token: str | None) -> None:
-        if self.config.api_token is not None and not self.access.is_admin(token):
+        if self.config.api_token is not None and not self._is_admin(scope, token):
             await refuse(scope, receive, send, 401, "creating a stream needs the API token as 'Authorization: Bearer <token>'")
             return
         host = client_host(scope)

@@ -24,7 +24,7 @@ from app.server.control import ControlError, options_from_query
 from app.server.gateway import Gateway
 from app.server.openapi import errors, options_answer, sdp_answer, sdp_body
 from app.server.sdp import OfferError
-from app.server.security import OWNER_HEADER, STREAM_ID_HEADER, VIEWER_HEADER
+from app.server.security import OWNER_HEADER, STREAM_ID_HEADER, VIEWER_HEADER, GuessThrottle, client_host
 from app.server.session import CapacityError, SessionManager
 
 SDP = "application/sdp"
@@ -44,12 +44,20 @@ NO_WHIP_SESSION = "no WHIP session at this URL"
 NO_WHEP_SESSION = "no WHEP session at this URL"
 
 
-def bearer_ok(request: Request, token: str | None) -> bool:
-    """True when no token is configured or the request carries ``Authorization: Bearer <token>``."""
+def bearer_ok(request: Request, token: str | None, guesses: GuessThrottle) -> bool:
+    """True when no token is configured or the request carries ``Authorization: Bearer <token>``;
+    a wrong one counts against the client's address (Throttled, a 429, while it waits)."""
     if token is None:
         return True
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token)
+    if scheme.lower() != "bearer" or not given.strip():
+        return False
+    host = client_host(request.scope)
+    guesses.check(host)
+    if hmac.compare_digest(given.strip(), token):
+        return True
+    guesses.failed(host, given.strip())
+    return False
 
 
 class _Refusal(Exception):
@@ -57,11 +65,11 @@ class _Refusal(Exception):
         self.response = response
 
 
-def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig) -> APIRouter:
+def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig, guesses: GuessThrottle) -> APIRouter:
     router = APIRouter()
 
     def check_auth(request: Request) -> None:
-        if not bearer_ok(request, config.token):
+        if not bearer_ok(request, config.token, guesses):
             raise _Refusal(
                 _error(401, "a valid 'Authorization: Bearer <token>' header is required", {"WWW-Authenticate": "Bearer"})
             )
