@@ -13,7 +13,7 @@ import time
 from collections.abc import Hashable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
 
@@ -139,7 +139,7 @@ class InProcessProcessor:
     # -- the chunk recipe's stages, driven by the engine core --------------------------------------
 
     def begin_chunk(self, frames: np.ndarray) -> None:
-        begin_chunks([(self, frames)])
+        _enter([(self, frames)])
 
     def _prepare(self, frames: np.ndarray) -> Any:
         """Before a new chunk enters: the state resident, chunks it cannot join finished; its input tensor."""
@@ -163,7 +163,7 @@ class InProcessProcessor:
         self._stream.runtime.denoise_step(rows)
 
     def take_finished(self) -> list[np.ndarray]:
-        return take_finished([self])[0]
+        return _finish([self])[0]
 
     def drop_chunks(self) -> None:
         if self._queue and self._stream.state is not None:
@@ -225,12 +225,32 @@ class InProcessProcessor:
 def begin_chunks(rows: Sequence[tuple[StepProcessor, np.ndarray]]) -> None:
     """New chunks of several streams enter; those of in-process streams on one runtime encode in one VAE
     call (`StreamRuntime.enter_chunks`), as their denoising steps share forwards."""
-    groups: dict[int, list[tuple[InProcessProcessor, Any]]] = {}
+    local: list[tuple[InProcessProcessor, np.ndarray]] = []
     for processor, frames in rows:
-        if isinstance(processor, InProcessProcessor):
-            groups.setdefault(id(processor._stream.runtime), []).append((processor, processor._prepare(frames)))
+        if _batches(processor, "begin_chunk"):
+            local.append((processor, frames))
         else:
             processor.begin_chunk(frames)
+    _enter(local)
+
+
+def take_finished(processors: Sequence[StepProcessor]) -> list[list[np.ndarray]]:
+    """Each processor's finished chunks (:meth:`StepProcessor.take_finished`); in-process streams on one
+    runtime decode together (`StreamRuntime.finish_chunks`)."""
+    out: list[list[np.ndarray]] = [[] for _ in processors]
+    local = [(i, p) for i, p in enumerate(processors) if _batches(p, "take_finished")]
+    for i, processor in enumerate(processors):
+        if not _batches(processor, "take_finished"):
+            out[i] = processor.take_finished()
+    for (i, _), frames in zip(local, _finish([p for _, p in local]), strict=True):
+        out[i] = frames
+    return out
+
+
+def _enter(rows: Sequence[tuple[InProcessProcessor, np.ndarray]]) -> None:
+    groups: dict[int, list[tuple[InProcessProcessor, Any]]] = {}
+    for processor, frames in rows:
+        groups.setdefault(id(processor._stream.runtime), []).append((processor, processor._prepare(frames)))
     for group in groups.values():
         runtime = group[0][0]._stream.runtime
         chunks = runtime.enter_chunks([p._stream.state for p, _ in group], [t for _, t in group])
@@ -238,22 +258,16 @@ def begin_chunks(rows: Sequence[tuple[StepProcessor, np.ndarray]]) -> None:
             processor._queue.append(chunk)
 
 
-def take_finished(processors: Sequence[StepProcessor]) -> list[list[np.ndarray]]:
-    """Each processor's finished chunks (:meth:`StepProcessor.take_finished`); in-process streams on one
-    runtime decode together (`StreamRuntime.finish_chunks`), a round per chunk a stream has finished,
-    since a stream's decoder cache takes its chunks in order."""
+def _finish(processors: Sequence[InProcessProcessor]) -> list[list[np.ndarray]]:
+    """Finished chunks of in-process streams, decoded a round at a time (a stream's decoder cache takes
+    its chunks in order), the streams of one runtime together in each round."""
     from engine.frames import tensor_to_frames
 
     out: list[list[np.ndarray]] = []
-    local: list[tuple[int, InProcessProcessor]] = []
-    for i, processor in enumerate(processors):
-        if isinstance(processor, InProcessProcessor):
-            out.append(processor._drained)
-            processor._drained = []
-            local.append((i, processor))
-        else:
-            out.append(processor.take_finished())
-    while heads := [(i, p) for i, p in local if p._queue and p._queue[0].done]:
+    for processor in processors:
+        out.append(processor._drained)
+        processor._drained = []
+    while heads := [(i, p) for i, p in enumerate(processors) if p._queue and p._queue[0].done]:
         groups: dict[int, list[tuple[int, InProcessProcessor]]] = {}
         for i, p in heads:
             groups.setdefault(id(p._stream.runtime), []).append((i, p))
@@ -263,6 +277,13 @@ def take_finished(processors: Sequence[StepProcessor]) -> list[list[np.ndarray]]
                 p._stream.last = result
                 out[i].append(tensor_to_frames(result.frames))
     return out
+
+
+def _batches(processor: StepProcessor, method: str) -> TypeGuard[InProcessProcessor]:
+    """Whether ``processor``'s ``method`` may be batched with others': an in-process stream's, unless a
+    subclass overrides it (its own version then runs, as the protocol promises)."""
+    return isinstance(processor, InProcessProcessor) and (
+        getattr(type(processor), method) is getattr(InProcessProcessor, method))
 
 
 @dataclass(frozen=True)
