@@ -172,3 +172,36 @@ async def test_serve_believes_forwarded_headers_only_from_forwarded_allow_ips(
         status, _, body = await asyncio.to_thread(http, "GET", f"{url}/api/streams", None,
                                                   {"X-Forwarded-For": "127.0.0.1"})
         assert status == 403, body
+
+
+async def test_trailing_slash_redirects_are_relative(asgi_api: ApiFactory) -> None:  # noqa: F811
+    """Starlette built the 307's Location from the Host header (``http://evil.example/api/streams``)
+    before any credential was checked; the redirect is now a path, and never a ``//host`` one."""
+    async with asgi_api(max_streams=1) as api:
+        for path, location in (("/api/streams/", "/api/streams"), ("/api/config/?a=1&b=%2F", "/api/config?a=1&b=%2F"),
+                               ("/playground", "/playground/"), ("/login/", "/login")):
+            response = await api.client.get(path, headers={"Host": "evil.example"})
+            assert response.status_code == 307 and response.headers["location"] == location, (path, response.headers)
+        for path in ("//evil.example/", "/\\evil.example/", "/no/such/route/"):
+            response = await api.client.get(f"http://diffcast.test{path}", headers={"Host": "evil.example"})
+            assert response.status_code == 404 and "location" not in response.headers, path
+
+
+async def test_the_offer_schema_refuses_what_the_server_calls_an_empty_offer(asgi_api: ApiFactory) -> None:  # noqa: F811
+    """The document let `sdp` be "" while /api/offer answered 400 "empty SDP offer": each SDP body
+    the schema refuses is that 400, and one it accepts gets past that check."""
+    import jsonschema
+
+    async with asgi_api(max_streams=1) as api:
+        document = (await api.client.get("/openapi.json")).json()
+        offer_sdp = document["components"]["schemas"]["OfferRequest"]["properties"]["sdp"]
+        whip_sdp = document["paths"]["/whip"]["post"]["requestBody"]["content"]["application/sdp"]["schema"]
+        assert offer_sdp["minLength"] == whip_sdp["minLength"] == 1
+        for sdp in ("", " ", "\r\n\t", "v=0", " v=0\r\n"):
+            valid = jsonschema.Draft202012Validator(offer_sdp).is_valid(sdp)
+            assert valid == jsonschema.Draft202012Validator(whip_sdp).is_valid(sdp), sdp
+            response = await api.client.post("/api/offer", json={"sdp": sdp, "type": "offer"})
+            assert response.status_code == 400, (sdp, response.text)
+            assert ("empty SDP offer" in response.json()["detail"]) is not valid, (sdp, response.text)
+            response = await api.client.post("/whip", content=sdp.encode(), headers={"Content-Type": "application/sdp"})
+            assert response.status_code == 400 and ("empty SDP offer" in response.text) is not valid, (sdp, response.text)

@@ -20,8 +20,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Router
+from starlette.types import Receive, Scope, Send
 
 from app.dashboard import dashboard_router
 from app.server.config import ServerConfig
@@ -31,7 +33,7 @@ from app.server.executors import build_serving_loop
 from app.server.gateway import Gateway
 from app.server.ice import allow_loopback_candidates, browser_ice_servers
 from app.server.metrics import CONTENT_TYPE, build_registry
-from app.server.openapi import allow_documented_methods, document, errors
+from app.server.openapi import SDP_NOT_BLANK, allow_documented_methods, document, errors
 from app.server.recordings import GB, RecordingStore, recordings_router
 from app.server.sdp import OfferError
 from app.server.security import (
@@ -61,7 +63,9 @@ TRACE_ROWS = 300
 
 
 class OfferRequest(StreamOptions):
-    sdp: str
+    # The schema says what the SDP check refuses first, "empty SDP offer" (a 400 with that reason):
+    # an offer with no character but blanks. The rest of the SDP grammar is the check's (400s too).
+    sdp: str = Field(json_schema_extra={"minLength": 1, "pattern": SDP_NOT_BLANK})
     type: Literal["offer"]
 
 
@@ -127,6 +131,31 @@ def with_model_defaults(config: ServerConfig, caps: ModelCapabilities) -> Server
     return replace(config, **changes) if changes else config
 
 
+def relative_slash_redirects(router: Router) -> None:
+    """A path no route matches, but which one does with or without its trailing slash, gets a 307 to
+    that path, as Starlette's ``redirect_slashes`` answers, but with a relative ``Location``:
+    Starlette's is built from the Host header (``http://<any Host>/path``) before any credential
+    is checked. Never to ``//host`` (a protocol-relative URL: an open redirect)."""
+    router.redirect_slashes = False
+    not_found = router.not_found
+
+    def routed(scope: Scope, path: str) -> bool:
+        if not path.startswith("/") or path.startswith(("//", "/\\")):
+            return False
+        return any(route.matches({**scope, "path": path})[0] != Match.NONE for route in router.routes)
+
+    async def default(scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        other = path.rstrip("/") if path.endswith("/") else path + "/"
+        if scope["type"] == "http" and routed(scope, other):
+            query = scope.get("query_string", b"").decode("latin-1")
+            await RedirectResponse(other + (f"?{query}" if query else ""), status_code=307)(scope, receive, send)
+            return
+        await not_found(scope, receive, send)
+
+    router.default = default
+
+
 def started_default_executor(loop: asyncio.AbstractEventLoop) -> ThreadPoolExecutor:
     """The event loop's default executor, with all its threads started now.
 
@@ -177,6 +206,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         codec_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="diffcast", lifespan=lifespan)
+    relative_slash_redirects(app.router)
     app.state.manager = manager
     app.state.config = config
     # Capabilities, listing rights, body size, origins, API token, streams per client

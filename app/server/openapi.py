@@ -41,6 +41,8 @@ REASONS = {
          "credentials (`Retry-After`)",
     503: "The server is full (--max-streams, --max-viewers or the serving policy's admission; `Retry-After`)",
 }
+# What the SDP check refuses first as "empty SDP offer": text with no character but blanks.
+SDP_NOT_BLANK = r"\S"
 RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before trying again", "schema": {"type": "integer"}}}
 
 
@@ -60,7 +62,8 @@ def errors(path: str, *statuses: int) -> dict[int | str, dict[str, Any]]:
 def sdp_body(description: str) -> dict[str, Any]:
     """``openapi_extra=`` for a route whose request body is an SDP offer."""
     return {"requestBody": {"required": True, "description": description,
-                            "content": {SDP: {"schema": {"type": "string", "minLength": 1}}}}}
+                            "content": {SDP: {"schema": {"type": "string", "minLength": 1,
+                                                         "pattern": SDP_NOT_BLANK}}}}}
 
 
 def _headers(headers: dict[str, str]) -> dict[str, Any]:

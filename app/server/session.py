@@ -26,7 +26,7 @@ from app.server.control import (
 )
 from app.server.engine_bridge import ProcessorFactory, StreamSettings, parallel_chunks
 from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
-from app.server.limits import MessageGuard, control_guard, watch_input
+from app.server.limits import InputTimeout, MessageGuard, control_guard, watch_input
 from app.server.logs import mint_secret
 from app.server.recorder import Recorder
 from app.server.recordings import NOT_ENABLED, RecordingError, RecordingStore
@@ -144,7 +144,9 @@ class Session:
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str, ends_session: bool = False) -> asyncio.Task[Any]:
         """Run a task that lives as long as the session; a crash ends the session, and so does the
         task's end when ``ends_session`` (the publisher's input: a track ends when its peer leaves)."""
-        task = asyncio.get_running_loop().create_task(coro, name=f"{self.id[:8]}:{name}")
+        # The name says what the task does, never whose: a prefix of the stream id would reach logs
+        # (asyncio names tasks in its own messages) where the redaction cannot recognise it.
+        task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(lambda done: self._task_done(done, ends_session))
         return task
@@ -164,7 +166,10 @@ class Session:
         """Something this stream depends on crashed (one of its tasks, or its chunk on the engine)."""
         if self.closed.is_set():
             return
-        log.error("stream %s: %s failed: %r", self.id, what, exc, exc_info=exc)
+        if isinstance(exc, InputTimeout):  # the watchdog doing its job (a vanished client): no crash
+            log.warning("stream %s closed: %s", self.id, exc)
+        else:
+            log.error("stream %s: %s failed: %r", self.id, what, exc, exc_info=exc)
         self._closing = asyncio.get_running_loop().create_task(self.close())  # keep a reference
 
     async def apply(self, message: ControlMessage) -> None:
