@@ -4,20 +4,26 @@ client's address), real aiortc offers, and stream creation that keeps the creato
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
-from conftest import running_server
+from conftest import free_port, running_server
 
-from app.client import CodedCamera
+from app.client import CodedCamera, http
 from app.server.session import SessionManager
 
 REMOTE = "203.0.113.7"  # TEST-NET-3: a client that is not on this machine
+ROOT = Path(__file__).resolve().parents[1]
 
 
 async def publisher_offer() -> tuple[RTCPeerConnection, str]:
@@ -121,3 +127,33 @@ def asgi_api(tiny_factory: Any) -> Callable[..., AbstractAsyncContextManager[Api
             await api.close()
 
     return start
+
+
+@contextmanager
+def serve_command(*flags: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`diffcast serve --model tiny-random --port <free port> FLAGS` in a subprocess, once its
+    /healthz answers: (base URL, the process); killed at the end if a test left it running. Its
+    output is piped: a test that reads it calls ``communicate()``."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--model", "tiny-random", "--port", str(port), *flags],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            if http("GET", f"{url}/healthz")[0] == 200:
+                break
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"diffcast serve did not start: {process.communicate()[0].decode()[-2000:]}")
+        time.sleep(0.3)
+    try:
+        yield url, process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

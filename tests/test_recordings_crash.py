@@ -5,55 +5,26 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import av
 import numpy as np
-from conftest import free_port
+from _security_fixtures import serve_command
 from test_recordings import call, control, decode, publish, thumb, wait_for
 
 from app.avsync import BeepMicrophone
-from app.client import CodedCamera, http, pattern_frame
+from app.client import CodedCamera, pattern_frame
 from app.server.recorder import INTERRUPTED, MP4_OPTIONS, VIDEO_CODEC, VIDEO_TIME_BASE, finish_leftovers
 from app.server.recordings import RecordingStore
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-@contextmanager
-def serve(record_dir: Path, *flags: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def serve(record_dir: Path, *flags: str) -> AbstractContextManager[tuple[str, subprocess.Popen[bytes]]]:
     """`diffcast serve --model tiny-random --record-dir DIR` in a subprocess, once it answers."""
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--model", "tiny-random", "--port", str(port), "--threads", "1",
-         "--allow-loopback-candidates", "--record-dir", str(record_dir), *flags],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            if http("GET", f"{url}/healthz")[0] == 200:
-                break
-        except OSError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"diffcast serve did not start: {process.communicate()[0].decode()[-2000:]}")
-        time.sleep(0.3)
-    try:
-        yield url, process
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.communicate()
+    return serve_command("--threads", "1", "--allow-loopback-candidates", "--record-dir", str(record_dir), *flags)
 
 
 def test_a_recording_survives_a_killed_server(tmp_path: Path) -> None:

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,8 +20,7 @@ from typing import Any
 
 import pytest
 import websockets
-from _security_fixtures import served, tiny_factory  # noqa: F401
-from conftest import free_port
+from _security_fixtures import serve_command, served, tiny_factory  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSWER_S = 10.0  # an answer to a refused request must come well within this (it comes at once)
@@ -153,29 +150,8 @@ def test_websockets_outlive_the_request_deadlines(tiny_factory: Any) -> None:  #
 @pytest.fixture
 def serve_process() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """`diffcast serve --model tiny-random` in a subprocess; killed if a test leaves it running."""
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--model", "tiny-random", "--port", str(port),
-         "--header-timeout-s", "60", "--body-timeout-s", "60"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError(f"diffcast serve did not start: {process.communicate()[0].decode()[-2000:]}") from None
-            time.sleep(0.2)
-    try:
-        yield url, process
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    with serve_command("--header-timeout-s", "60", "--body-timeout-s", "60") as served_process:
+        yield served_process
 
 
 def test_sigterm_drains_every_connection_and_exits_0(serve_process: tuple[str, subprocess.Popen[bytes]]) -> None:
