@@ -197,18 +197,11 @@ class Pipeline:
         with a ``diffcast.json`` manifest pointing at real Wan/CausVid/StreamDiffusionV2 files.
 
         ``vae`` (Wan models only): the stream VAE, as ``--vae`` takes it (engine/vae_choice.py: ``wan``, a
-        taew2_1 file for Wan's encoder with the tiny decoder, ``tiny:FILE``, ``tiny-random``); a model
-        string may carry it as ``MODEL?vae=SPEC``."""
-        from engine.vae_choice import model_with_vae, split_model_spec
+        taew2_1 file for Wan's encoder with the tiny decoder, ``tiny:FILE``, ``tiny-random``)."""
+        from engine.vae_choice import vae_choice_for
 
-        if model is not None:
-            model, carried = split_model_spec(str(model))
-            if vae is not None and carried is not None and vae != carried:
-                raise ModelNotAvailableError(f"two VAE choices for one model: {carried!r} and {vae!r}")
-            vae = vae or carried
         try:
-            model_with_vae(None if model is None else str(model), vae)  # refuses a VAE choice for other models
-            choice = None if vae is None else VAEChoice.parse(vae)
+            choice = vae_choice_for(None if model is None else str(model), vae)  # refused for other models
         except ValueError as exc:
             raise ModelNotAvailableError(str(exc)) from None
         if model is None or str(model) == "default":

@@ -15,9 +15,8 @@ Why the Wan encoder with the tiny decoder is the default pairing: the DiT was tr
 encoder's latents, and the decoder is the costly half (it runs at full resolution on every output frame);
 the tiny encoder is offered for the cheapest path.
 
-The CLI passes the choice inside the model string (``MODEL?vae=SPEC``, :func:`model_with_vae`): that string
-is what every engine host (in-process, Ray workers, pipeline-parallel ranks) already receives and hands to
-``Pipeline.load``, so the choice reaches them all without a new field in each.
+`diffcast serve` carries the choice in its configuration (``ServerConfig.vae``) to every engine host that
+loads the model: the in-process engine, each Ray worker, each pipeline-parallel rank.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ VAEMode = Literal["wan", "tiny", "wan-encoder-tiny-decoder"]
 VAE_MODES: tuple[VAEMode, ...] = ("wan", "tiny", "wan-encoder-tiny-decoder")
 RANDOM_TINY_VAE = "tiny-random"  # in place of a file: the tiny VAE with random weights
 TINY_PREFIX = "tiny:"
-SPEC_SEPARATOR = "?vae="
 
 
 @dataclass(frozen=True)
@@ -91,29 +89,23 @@ class VAEChoice:
         return tiny if self.mode == "tiny" else SplitVAE(wan(), tiny)
 
 
-def split_model_spec(model: str) -> tuple[str, str | None]:
-    """``"MODEL?vae=SPEC"`` -> ``("MODEL", "SPEC")``; a model string without a VAE -> ``(model, None)``."""
-    base, sep, vae = model.partition(SPEC_SEPARATOR)
-    return (base, vae) if sep else (model, None)
-
-
 def is_wan_model(model: str) -> bool:
     """Whether ``model`` (as ``Pipeline.load`` takes it) is a Wan 2.1 model, the only kind a VAE choice fits:
     a ``random:`` model or a directory with a ``diffcast.json`` manifest."""
     return model.startswith("random:") or (Path(model) / "diffcast.json").is_file()
 
 
-def model_with_vae(model: str | None, vae: str | None) -> str | None:
-    """``model`` with ``vae`` (``--vae``) folded in, checked: a ValueError in plain words for a model that
-    is not a Wan model or a spec that does not parse. ``vae`` None: ``model`` unchanged."""
+def vae_choice_for(model: str | None, vae: str | None) -> VAEChoice | None:
+    """``--vae`` checked against ``model``: the choice, None without one, or a ValueError in plain words
+    for a model that is not a Wan model or a spec that does not parse."""
     if vae is None:
-        return model
-    VAEChoice.parse(vae)
+        return None
+    choice = VAEChoice.parse(vae)
     if model is None or not is_wan_model(model):
         raise ValueError(f"--vae is for Wan 2.1 models (a directory with a diffcast.json manifest, or "
                          f"'random:wan2.1-1.3b' and the other random: models), not {model or 'the embedded default'!r}: "
                          "its own VAE is part of the model")
-    return f"{model}{SPEC_SEPARATOR}{vae}"
+    return choice
 
 
 class SplitVAE(nn.Module):

@@ -130,3 +130,19 @@ def test_the_weight_dtype_reaches_the_served_engine(argv: list[str], dtype: str)
     runtime = factory.pipeline.runtime
     assert str(runtime.dit.dtype).removeprefix("torch.") == dtype
     assert {str(p.dtype).removeprefix("torch.") for p in runtime.dit.parameters()} == {dtype}
+
+
+def test_the_vae_choice_reaches_the_served_engine() -> None:
+    """`serve --vae` travels in the server's configuration (not in the model's name, which the profile
+    lookup and /api/config show) to the loader the server uses; refused for a model with its own VAE."""
+    from app.server.engine_bridge import InProcessFactory
+    from engine.vae_choice import SplitVAE
+
+    args = build_parser().parse_args(["serve", "--model", "random:tiny", "--vae", "tiny-random"])
+    config = ServerConfig.from_args(args)
+    assert (config.model, config.vae) == ("random:tiny", "tiny-random")
+    factory = InProcessFactory.load(config.model, config.device, config.loras, 1, config.dtype, config.vae)
+    assert isinstance(factory.pipeline.runtime.vae, SplitVAE)
+    bad = build_parser().parse_args(["serve", "--model", "tiny-random", "--vae", "tiny-random"])
+    with pytest.raises(SystemExit, match="--vae is for Wan 2.1 models"):
+        bad._run(bad)

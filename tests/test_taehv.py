@@ -25,7 +25,7 @@ from engine.streaming.config import RuntimeConfig
 from engine.streaming.parcel import park, unpark
 from engine.streaming.rescale import rescale_vae_cache
 from engine.streaming.runtime import PromptEncoder, StreamRuntime
-from engine.vae_choice import SplitVAE, VAEChoice, model_with_vae
+from engine.vae_choice import SplitVAE, VAEChoice, vae_choice_for
 
 H, W = 32, 48  # not square: a swapped height and width shows
 
@@ -222,11 +222,11 @@ def test_wan_encoder_with_the_tiny_decoder_runs_a_stream_through_the_runtime() -
 
 
 def test_the_vae_choice_is_for_wan_models_only() -> None:
-    assert model_with_vae("random:tiny", "tiny-random") == "random:tiny?vae=tiny-random"
-    assert model_with_vae("tiny-random", None) == "tiny-random"
+    assert vae_choice_for("random:tiny", "tiny-random") == VAEChoice("wan-encoder-tiny-decoder", "tiny-random")
+    assert vae_choice_for("tiny-random", None) is None
     for model in ("tiny-random", None, "model.safetensors"):
         with pytest.raises(ValueError, match="--vae is for Wan 2.1 models"):
-            model_with_vae(model, "taew2_1.pth")
+            vae_choice_for(model, "taew2_1.pth")
     with pytest.raises(ModelNotAvailableError, match="--vae is for Wan 2.1 models"):
         Pipeline.load("tiny-random", vae="tiny-random")
     assert VAEChoice.parse("wan") == VAEChoice()
@@ -242,7 +242,7 @@ def test_the_vae_choice_is_for_wan_models_only() -> None:
 def test_random_models_load_with_each_vae() -> None:
     split = Pipeline.load("random:tiny", vae="tiny-random").runtime.vae
     assert isinstance(split, SplitVAE) and isinstance(split.decoder_vae, TAEHV)
-    assert isinstance(Pipeline.load("random:tiny?vae=tiny:tiny-random").runtime.vae, TAEHV)
+    assert isinstance(Pipeline.load("random:tiny", vae="tiny:tiny-random").runtime.vae, TAEHV)
     with pytest.raises(ModelNotAvailableError, match="no tiny VAE weights at absent.pth"):
         Pipeline.load("random:tiny", vae="absent.pth")
 

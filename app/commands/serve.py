@@ -199,12 +199,11 @@ def run(args: argparse.Namespace) -> int:
     from engine.devices import resolve_device, resolve_dtype
     from engine.models.lora import LoRAError
     from engine.pipeline import ModelNotAvailableError
-    from engine.vae_choice import model_with_vae
+    from engine.vae_choice import vae_choice_for
 
     try:
         # Before the model loads: a bad certificate or device is said at once (CertificateError is a ValueError).
-        # --vae rides in the model string, which every engine host (in-process, Ray, ranks) loads.
-        args.model = model_with_vae(args.model, args.vae)
+        vae_choice_for(args.model, args.vae)  # --vae for a model that takes none is said before loading
         config = with_certificate(ServerConfig.from_args(args))
         resolve_dtype(config.dtype, resolve_device(config.device))
     except TokenTooShortError as exc:
@@ -242,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
             from app.server.engine_bridge import RayFactory
 
             factory = RayFactory.start(args.model, args.device, args.workers, args.ray_address, max(args.threads, 1),
-                                       config.loras, args.max_workers, config.dtype)
+                                       config.loras, args.max_workers, config.dtype, config.vae)
         serve(config, factory)
     except (ModelNotAvailableError, OscBindError, LoRAError) as exc:
         log.error("%s", exc)

@@ -182,7 +182,8 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
 
         osc_socket = bind(config)
     if factory is None:
-        factory = InProcessFactory.load(config.model, config.device, config.loras, config.lanes, config.dtype)
+        factory = InProcessFactory.load(config.model, config.device, config.loras, config.lanes, config.dtype,
+                                        config.vae)
     caps = served_capabilities(config, factory)
     caps.require("v2v")  # live streams restyle a camera: a model without video-to-video cannot serve them
     config = with_model_defaults(config, caps)

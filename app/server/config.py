@@ -80,6 +80,7 @@ class ServerConfig:
     loras: tuple[LoRASpec, ...] = ()
     device: str = "cpu"
     dtype: str = "auto"  # weight dtype (engine.devices.resolve_dtype): auto = bf16 on CUDA, fp32 on a CPU
+    vae: str | None = None  # a Wan model's stream VAE (--vae, engine/vae_choice.py); None: the model's own
     # Engine lanes of the in-process engine: steps of different streams side by side, each lane a
     # worker of the serving policy (engine/streaming/lanes.py). 0 = auto: one per thread on a CPU, up
     # to 2; one on an accelerator.
@@ -215,6 +216,7 @@ class ServerConfig:
             loras=lora_specs(args.lora, args.lora_strength),
             device=args.device,
             dtype=getattr(args, "dtype", "auto"),
+            vae=getattr(args, "vae", None),
             max_streams=args.max_streams,
             max_viewers=args.max_viewers,
             ice_servers=tuple(args.ice_server),

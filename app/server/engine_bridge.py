@@ -125,7 +125,7 @@ class InProcessFactory:
 
     @classmethod
     def load(cls, model: str | None, device: str = "cpu", loras: Sequence[LoRASpec] = (),
-             lanes: int = 1, dtype: str = "auto") -> InProcessFactory:
+             lanes: int = 1, dtype: str = "auto", vae: str | None = None) -> InProcessFactory:
         """``lanes`` 0: `auto_lanes` for the device and torch's thread count; ``dtype`` the weights'
         (engine.devices.resolve_dtype: auto = bf16 on CUDA)."""
         import torch
@@ -134,7 +134,7 @@ class InProcessFactory:
         from engine.pipeline import Pipeline
 
         t0 = time.perf_counter()
-        pipe = Pipeline.load(model=model, device=device, dtype=resolve_dtype(dtype, resolve_device(device)))
+        pipe = Pipeline.load(model=model, device=device, dtype=resolve_dtype(dtype, resolve_device(device)), vae=vae)
         for lora in loras:
             pipe.load_lora(lora.name, lora.path, lora.strength)
         threads = torch.get_num_threads()
@@ -427,14 +427,14 @@ class RayFactory:
     @classmethod
     def start(
         cls, model: str | None, device: str = "cpu", workers: int = 2, address: str | None = None, threads: int = 1,
-        loras: Sequence[LoRASpec] = (), max_workers: int = 0, dtype: str = "auto",
+        loras: Sequence[LoRASpec] = (), max_workers: int = 0, dtype: str = "auto", vae: str | None = None,
     ) -> RayFactory:
         """Start a local Ray cluster (``address`` None) or join one, bring up ``workers`` actors (each
         loading the model and ``loras``), and health-check them in the background."""
         from engine.cluster.controller import ClusterConfig, ClusterController
 
         gpus = 1.0 if device.startswith("cuda") else 0.0
-        config = ClusterConfig(model=model, workers=workers, max_workers=max_workers, device=device, dtype=dtype,
+        config = ClusterConfig(model=model, workers=workers, max_workers=max_workers, device=device, dtype=dtype, vae=vae,
                                threads_per_worker=threads, gpus_per_worker=gpus,
                                loras=tuple((lora.name, lora.path, lora.strength) for lora in loras))
         controller = ClusterController.start(config, address)

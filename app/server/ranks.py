@@ -56,7 +56,7 @@ def serve_ranks(config: ServerConfig, ranks: int, threads: int = 1) -> None:
     signal.signal(signal.SIGTERM, interrupted)
     try:
         loras = tuple((lora.name, lora.path, lora.strength) for lora in config.loras)
-        run_ring(LoadedModel(config.model, loras, config.dtype), ServeProgram(config, logging.getLogger().getEffectiveLevel()), ranks,
+        run_ring(LoadedModel(config.model, loras, config.dtype, config.vae), ServeProgram(config, logging.getLogger().getEffectiveLevel()), ranks,
                  device=device, threads=threads,
                  options=RingOptions(rebalance_every=REBALANCE_EVERY), timeout_s=24 * 3600.0)
     except KeyboardInterrupt as exc:

@@ -58,6 +58,7 @@ class ClusterConfig:
     device: str = "cpu"
     threads_per_worker: int = 1  # torch threads in each actor
     dtype: str = "auto"  # weight dtype of each actor's model (engine.devices.resolve_dtype)
+    vae: str | None = None  # a Wan model's stream VAE (engine/vae_choice.py); None: the model's own
     loras: tuple[tuple[str, str, float], ...] = ()  # (name, path, default strength) every actor loads
     cpus_per_worker: float = 1.0  # Ray scheduling resources of one actor
     gpus_per_worker: float = 0.0
@@ -176,8 +177,8 @@ class ClusterController:
         with self._table:
             ids = list(range(self._next_worker, self._next_worker + count))
             self._next_worker += count
-        actors = {wid: self._actor_cls.remote(cfg.model, cfg.device, cfg.threads_per_worker, cfg.loras, cfg.dtype)
-                  for wid in ids}
+        actors = {wid: self._actor_cls.remote(cfg.model, cfg.device, cfg.threads_per_worker, cfg.loras, cfg.dtype,
+                                              cfg.vae) for wid in ids}
         infos = ray.get([a.info.remote() for a in actors.values()])
         with self._table:
             self._workers.update(actors)

@@ -113,13 +113,13 @@ class StreamWorker:
     frozen (exported for a migration; dropped once the controller confirms the move)."""
 
     def __init__(self, model: str | None, device: str = "cpu", threads: int = 1,
-                 loras: tuple[tuple[str, str, float], ...] = (), dtype: str = "auto") -> None:
+                 loras: tuple[tuple[str, str, float], ...] = (), dtype: str = "auto", vae: str | None = None) -> None:
         if threads > 0:
             # One thread per actor: actors share the machine's cores, and fixed threading keeps the
             # floating-point reduction order, hence a migrated stream's output, bit-identical.
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
-        self.pipe = Pipeline.load(model, device=device, dtype=resolve_dtype(dtype, resolve_device(device)))
+        self.pipe = Pipeline.load(model, device=device, dtype=resolve_dtype(dtype, resolve_device(device)), vae=vae)
         for name, path, strength in loras:
             self.pipe.load_lora(name, path, strength)
         self.device = device

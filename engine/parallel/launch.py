@@ -54,13 +54,15 @@ class LoadedModel:
     model: str | None = None
     loras: tuple[tuple[str, str, float], ...] = ()  # (name, path, default strength): every rank loads them
     dtype: str = "auto"  # weight dtype (engine.devices.resolve_dtype: auto = bf16 on CUDA)
+    vae: str | None = None  # a Wan model's stream VAE (engine/vae_choice.py); None: the model's own
 
     def __call__(self, device: torch.device) -> StreamRuntime:
         from engine.devices import resolve_dtype
         from engine.pipeline import Pipeline
 
         pipeline = _LOADED[(self.model, str(device))] = Pipeline.load(self.model, device=str(device),
-                                                                      dtype=resolve_dtype(self.dtype, device))
+                                                                      dtype=resolve_dtype(self.dtype, device),
+                                                                      vae=self.vae)
         for name, path, strength in self.loras:
             pipeline.load_lora(name, path, strength)
         return pipeline.runtime
