@@ -14,6 +14,9 @@ cut short keeps what it measured; a phase that fails records its error and the n
   batched    1/2/4/8 streams in one batch at 832x480, 1 step
   vae_layout the Wan VAE's convolutions contiguous against channels-last (CUDA's default here), one
              stream at 832x480, 1 step: encode and decode ms side by side
+  dit_blocks each DiT block's time in a steady-state chunk (832x480, 1 step), the work only the first
+             and only the last pipeline rank do, the activation bytes a rank hands on, and from them the
+             2- and 4-GPU pipeline-parallel FPS (engine/parallel/partition.py ``predict_pipeline``)
   profile    a reduced CUDA profile (engine/profiler.py: the runtime's default KV window, steps 1-4 at
              scales 1 and 0.5, the weights' precision), written beside the JSON
   serving    the serving loop without media (engine/serving/headless.py: the server's engine core, live
@@ -46,6 +49,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from app.commands.bench import measure_row  # noqa: E402
@@ -168,6 +172,83 @@ def vae_layouts(pipe: Pipeline, plan: Plan) -> list[dict[str, Any]]:
     return rows
 
 
+# Links a rank hands its activations over: H100 SXM's NVLink (450 GB/s each way) and PCIe 5.0 x16.
+LINKS = {"nvlink": 450e9, "pcie5": 50e9}
+
+
+def dit_blocks(pipe: Pipeline, plan: Plan) -> dict[str, Any]:
+    from dataclasses import replace as replaced
+
+    from app.commands.bench import warmup_chunks
+    from engine.frames import frames_to_tensor
+    from engine.parallel.partition import predict_pipeline
+    from engine.pipeline import StreamParams
+    from engine.profiler import synthetic_clip
+
+    rt = pipe.runtime
+    size = plan.sizes[0]
+    fidelity = replaced(pipe.fidelity_for(StreamParams(prompt="oil painting", steps=1, size=size)))
+    state = rt.open("blocks", "oil painting", size, fidelity, seed=0)
+    clip = synthetic_clip(size, 64, seed=1)
+    cuda = rt.device.type == "cuda"
+    marks: list[tuple[int, str, Any]] = []
+    boundary: list[int] = []
+
+    def mark(i: int, kind: str) -> Any:
+        def hook(module: Any, args: Any, out: Any = None) -> None:
+            if kind == "in":
+                boundary.append(args[0].numel() * args[0].element_size())
+            if cuda:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                marks.append((i, kind, event))
+            else:
+                marks.append((i, kind, time.perf_counter()))
+        return hook
+
+    handles = []
+    for i, block in enumerate(rt.dit.blocks):
+        handles.append(block.register_forward_pre_hook(mark(i, "in")))
+        handles.append(block.register_forward_hook(mark(i, "out")))
+    per_block: list[list[float]] = [[] for _ in rt.dit.blocks]
+    stages = []
+    try:
+        frame = 0
+        for k in range(warmup_chunks(fidelity.kv_window_frames, rt.config.chunk_latent_frames) + plan.batched_chunks):
+            n = pipe.first_chunk_frames if k == 0 else pipe.chunk_frames
+            marks.clear()
+            rt.step_batch([state], [frames_to_tensor(clip[np.arange(frame, frame + n) % len(clip)])])
+            frame += n
+            if k < warmup_chunks(fidelity.kv_window_frames, rt.config.chunk_latent_frames):
+                continue
+            stages.append(rt.last_timings)
+            starts = {i: t for i, kind, t in marks if kind == "in"}
+            for i, kind, t in marks:
+                if kind == "out":
+                    s = starts[i]
+                    per_block[i].append(s.elapsed_time(t) / 1000.0 if cuda else t - s)
+    finally:
+        for h in handles:
+            h.remove()
+    costs = [float(np.median(b)) for b in per_block]
+    encode = float(np.median([s.encode_s for s in stages]))
+    dit = float(np.median([s.dit_s for s in stages]))
+    decode = float(np.median([s.decode_s + s.deblock_s + s.stabilize_s for s in stages]))
+    rest = max(0.0, dit - sum(costs)) / 2  # embeddings before the blocks, head and x̂₀ after: half each
+    bytes_out = boundary[-1] if boundary else 0
+    predictions = {}
+    for link, rate in LINKS.items():
+        for ranks in (r for r in (1, 2, 4) if r <= len(costs)):  # the tiny model has two blocks
+            p = predict_pipeline(costs, encode + rest, decode + rest, ranks, bytes_out, rate, pipe.chunk_frames)
+            predictions[f"{ranks}gpu_{link}"] = {"fps": round(p.fps, 2), "chunk_ms": round(1000 * p.chunk_s, 2),
+                                                 "blocks": [len(r) for r in p.ranges],
+                                                 "transfer_ms": round(1000 * p.transfer_s, 3)}
+    return {"size": list(size), "steps": 1, "block_ms": [round(1000 * c, 3) for c in costs],
+            "blocks_ms": round(1000 * sum(costs), 2), "encode_ms": round(1000 * encode, 2),
+            "dit_ms": round(1000 * dit, 2), "decode_ms": round(1000 * decode, 2),
+            "boundary_bytes": bytes_out, "predicted": predictions}
+
+
 def reduced_profile(pipe: Pipeline, plan: Plan, path: Path) -> Any:
     precision = dtype_name(pipe.runtime.dit.dtype) if pipe.runtime.device.type == "cuda" else "fp32"
     run = ProfileRun(size=plan.sizes[0], chunks=plan.profile_chunks, first_repeats=1,
@@ -223,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     check.phase("bench", 30, lambda: bench_rows(pipe, plan))
     check.phase("batched", 30, lambda: batched_rows(pipe, plan))
     check.phase("vae_layout", 20, lambda: vae_layouts(pipe, plan))
+    check.phase("dit_blocks", 15, lambda: dit_blocks(pipe, plan))
     profile_path = args.out.with_name(args.out.stem + "_profile.json")
     made: dict[str, Any] = {}
 

@@ -25,7 +25,7 @@ def test_quick_gpu_check_runs_every_phase_without_the_media_stack(tmp_path: Path
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    phases = ("env", "fast_path", "bench", "batched", "vae_layout", "profile", "serving", "done")
+    phases = ("env", "fast_path", "bench", "batched", "vae_layout", "dit_blocks", "profile", "serving", "done")
     assert {p: "result" in doc[p] for p in phases} == dict.fromkeys(phases, True), {p: doc[p] for p in phases}
     assert doc["done"]["result"]["ok"] and doc["media_stack_imported"] == []
     bench = doc["bench"]["result"]

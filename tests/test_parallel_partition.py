@@ -94,3 +94,24 @@ def test_scheduler_smooths_and_tracks_new_ranges() -> None:
     assert sched.block_costs == [2.0, 1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="one timing per rank"):
         sched.observe([StageTiming(0, 1.0, 0.0)])
+
+
+def test_the_prediction_is_the_slowest_stage_of_the_best_split_by_hand() -> None:
+    """30 blocks of 4 ms, 40 ms of encode on the first rank and 60 ms of decode on the last, a 10 ms
+    hand-off: on one rank a chunk takes 220 ms; on four, the best split (by brute force over every cut)
+    leaves a slowest stage the prediction must equal, and two ranks sit between."""
+    from engine.parallel.partition import predict_pipeline
+
+    costs = [0.004] * 30
+    one = predict_pipeline(costs, 0.04, 0.06, 1, boundary_bytes=1e6, link_bytes_per_s=1e8, chunk_frames=4)
+    assert one.chunk_s == pytest.approx(0.22) and one.fps == pytest.approx(4 / 0.22) and one.transfer_s == 0
+    four = predict_pipeline(costs, 0.04, 0.06, 4, boundary_bytes=1e6, link_bytes_per_s=1e8, chunk_frames=4)
+    assert four.transfer_s == pytest.approx(0.01)
+    best = min(
+        max(0.04 + 0.01 + 0.004 * a, 0.01 + 0.004 * (b - a), 0.01 + 0.004 * (c - b), 0.06 + 0.004 * (30 - c))
+        for a, b, c in itertools.combinations(range(1, 30), 3)
+    )
+    assert four.chunk_s == pytest.approx(best) and [len(r) for r in four.ranges] != [8, 8, 7, 7]
+    assert sum(len(r) for r in four.ranges) == 30
+    two = predict_pipeline(costs, 0.04, 0.06, 2, boundary_bytes=1e6, link_bytes_per_s=1e8, chunk_frames=4)
+    assert one.chunk_s > two.chunk_s > four.chunk_s

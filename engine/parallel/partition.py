@@ -88,6 +88,42 @@ def balance_ranges(block_costs: Sequence[float], fixed_costs: Sequence[float]) -
 
 
 @dataclass(frozen=True)
+class PipelinePrediction:
+    """What N ranks would do with one GPU's measured costs (docs/parallel.md, "Predicting N GPUs")."""
+
+    ranks: int
+    ranges: list[range]
+    stage_s: list[float]  # each rank's work per micro-step, its hand-off of the activations included
+    chunk_s: float  # one chunk out every this often once the ring is full: the slowest stage
+    fps: float  # frames per second for ``chunk_frames`` frames a chunk
+    transfer_s: float  # one hand-off of the activations between two ranks
+
+
+def predict_pipeline(block_costs: Sequence[float], first_s: float, last_s: float, ranks: int,
+                     boundary_bytes: float, link_bytes_per_s: float, chunk_frames: int) -> PipelinePrediction:
+    """The throughput of ``ranks`` pipeline ranks from one GPU's figures: the DiT's ``block_costs`` (seconds
+    per block per micro-step), the work only the first rank does (``first_s``: VAE encode, embeddings)
+    and only the last (``last_s``: head, x̂₀, VAE decode), and the activations a rank hands the next
+    (``boundary_bytes``) over a link of ``link_bytes_per_s``. Blocks split as the scheduler would
+    (:func:`balance_ranges`); every rank but the last also sends once per micro-step, which this counts as
+    not overlapped with compute (the ring's sends are asynchronous: an upper bound on their cost). With
+    the micro-steps of ``ranks`` chunks in flight, a chunk leaves the ring every slowest-stage time."""
+    if ranks < 1 or link_bytes_per_s <= 0 or chunk_frames < 1:
+        raise ValueError(f"need ranks >= 1, a positive link bandwidth and chunk frames, got {ranks}, "
+                         f"{link_bytes_per_s}, {chunk_frames}")
+    transfer = boundary_bytes / link_bytes_per_s if ranks > 1 else 0.0
+    fixed = [0.0] * ranks
+    fixed[0] += first_s
+    fixed[-1] += last_s
+    for r in range(ranks - 1):
+        fixed[r] += transfer
+    ranges = balance_ranges(block_costs, fixed)
+    stages = stage_times(ranges, block_costs, fixed)
+    chunk = max(stages)
+    return PipelinePrediction(ranks, ranges, stages, chunk, chunk_frames / chunk if chunk > 0 else 0.0, transfer)
+
+
+@dataclass(frozen=True)
 class StageTiming:
     """What one rank measured for one micro-step: time in its blocks and in its other work."""
 
