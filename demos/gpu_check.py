@@ -7,22 +7,22 @@ av, the server), which those machines do not have. Phases, each written to the J
 cut short keeps what it measured; a phase that fails records its error and the next one runs):
 
   env        torch, CUDA and the GPU
-  fast_path  tests/test_gpu_fast_path.py under pytest
   bench      `diffcast bench engine` rows (app/commands/bench.py ``measure_row``, the same code): 832x480 and
              512x512 at 1-4 steps, one stream, a full KV window of warm-up then ``--chunks`` measured, with
              the park and restore GB/s of one stream's state
   batched    1/2/4/8 streams in one batch at 832x480, 1 step
-  vae_layout the Wan VAE's convolutions contiguous against channels-last (CUDA's default here), one
-             stream at 832x480, 1 step: encode and decode ms side by side
-  dit_blocks each DiT block's time in a steady-state chunk (832x480, 1 step), the work only the first
-             and only the last pipeline rank do, the activation bytes a rank hands on, and from them the
-             2- and 4-GPU pipeline-parallel FPS (engine/parallel/partition.py ``predict_pipeline``)
   profile    a reduced CUDA profile (engine/profiler.py: the runtime's default KV window, steps 1-4 at
              scales 1 and 0.5, the weights' precision), written beside the JSON
   serving    the serving loop without media (engine/serving/headless.py: the server's engine core, live
              slack policy and step processors, device-memory admission from the GPU's free memory) with N
              synthetic 16 fps cameras for N = 1, 2, 4, 8, planning with the profile just measured: each
              stream's on-time chunk ratio, so streams per GPU is measured
+  dit_blocks each DiT block's time in a steady-state chunk (832x480, 1 step), the work only the first
+             and only the last pipeline rank do, the activation bytes a rank hands on, and from them the
+             2- and 4-GPU pipeline-parallel FPS (engine/parallel/partition.py ``predict_pipeline``)
+  vae_layout the Wan VAE's convolutions contiguous against channels-last (CUDA's default here), one
+             stream at 832x480, 1 step: encode and decode ms side by side
+  fast_path  tests/test_gpu_fast_path.py under pytest (last: it passed on the first H100 run)
 
 ``--quick`` runs the same phases on the CPU with the tiny random model at its tiny size (CI runs it).
 
@@ -82,7 +82,7 @@ class Plan:
         self.profile_scales = (1.0, 0.5)
         self.profile_chunks = 2 if quick else 6
         self.serving = [1, 2] if quick else [1, 2, 4, 8]
-        self.serving_s = 3.0 if quick else 15.0
+        self.serving_s = 3.0 if quick else 12.0
         self.fps = 6.0 if quick else 16.0
 
 
@@ -296,15 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     check = Check(args.out, args.budget_s)
     device = resolve_device(plan.device)
     check.phase("env", 0, lambda: env(device))
-    check.phase("fast_path", 20, lambda: fast_path_tests(max(10.0, min(90.0, check.left_s() - 200))))
     t0 = time.monotonic()
     pipe = Pipeline.load(plan.model, device=str(device), dtype=resolve_dtype("auto", device))
     check.doc["model"] = {"name": plan.model, "dtype": dtype_name(pipe.runtime.dit.dtype),
                           "load_s": round(time.monotonic() - t0, 1)}
     check.phase("bench", 30, lambda: bench_rows(pipe, plan))
     check.phase("batched", 30, lambda: batched_rows(pipe, plan))
-    check.phase("vae_layout", 20, lambda: vae_layouts(pipe, plan))
-    check.phase("dit_blocks", 15, lambda: dit_blocks(pipe, plan))
     profile_path = args.out.with_name(args.out.stem + "_profile.json")
     made: dict[str, Any] = {}
 
@@ -320,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         check.phase("serving", plan.serving_s + 10, lambda: serving(pipe, plan, made["profile"], check))
     else:
         check.doc["serving"] = {"skipped": "no profile was measured"}
+    # The smaller measurements and the correctness tests (they passed on the first H100 run) come last:
+    # a run cut short by its budget keeps the figures the issues ask for first.
+    check.phase("dit_blocks", 15, lambda: dit_blocks(pipe, plan))
+    check.phase("vae_layout", 20, lambda: vae_layouts(pipe, plan))
+    check.phase("fast_path", 20, lambda: fast_path_tests(max(10.0, min(90.0, check.left_s() - 5))))
     check.phase("done", 0, lambda: {"ok": not any("error" in v for v in check.doc.values() if isinstance(v, dict))})
     print(f"wrote {args.out}")
     return 0
