@@ -124,8 +124,9 @@ def server_process(model: str, port: int, threads: int, max_streams: int, device
 
 @contextmanager
 def served(model: str, port: int, threads: int, max_streams: int, device: str = "cpu",
-           profile: str | None = None, policy: str | None = None) -> Iterator[tuple[str, int]]:
-    """A running `diffcast serve`: its URL and process id (for its CPU time)."""
+           profile: str | None = None, policy: str | None = None,
+           extra: tuple[str, ...] = ()) -> Iterator[tuple[str, int]]:
+    """A running `diffcast serve` (with ``extra`` flags): its URL and process id (for its CPU time)."""
     command = [
         sys.executable, "-m", "app.cli", "serve", "--model", model, "--port", str(port),
         "--allow-loopback-candidates", "--trace-stamp", "--max-streams", str(max_streams),
@@ -136,6 +137,7 @@ def served(model: str, port: int, threads: int, max_streams: int, device: str = 
         command += ["--profile", profile]
     if policy is not None:
         command += ["--policy", policy]
+    command += extra
     # The server's log goes to a file, not a pipe: a pipe nobody reads fills up on a long run and then
     # blocks the server's every log call, which the benchmark would measure as a slow server.
     log_file = tempfile.TemporaryFile(mode="w+")
@@ -366,6 +368,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads in the server")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--device", default="cpu", help="the server's torch device (default cpu)")
+    parser.add_argument("--no-playground", action="store_true",
+                        help="serve without the Gradio playground (a GPU machine carrying the media wheels "
+                             "has no Gradio: demos/gpu_wheels.sh)")
     parser.add_argument("--profile", default=None, help="fidelity profile for the server's policy (default: bundled)")
     parser.add_argument("--policies", nargs="+", default=["slack", "fifo"],
                         help="serving policies run side by side, one server each (default: slack fifo)")
@@ -383,7 +388,9 @@ def main() -> int:
     allow_loopback_candidates()  # the clients run on the same machine as the server
     results = []
     for policy in args.policies:
-        with served(model, args.port, args.threads, max(args.streams), args.device, args.profile, policy) as (url, pid):
+        extra = ("--no-playground",) if args.no_playground else ()
+        with served(model, args.port, args.threads, max(args.streams), args.device, args.profile, policy,
+                    extra) as (url, pid):
             for count in args.streams:
                 results.append(asyncio.run(run_streams(url, count, args.seconds, args.fps, policy, pid)))
     with_engine_only(results, model, args.profile, args.threads, args.device)

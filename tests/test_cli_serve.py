@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -10,6 +11,8 @@ import pytest
 
 from app.cli import build_parser
 from app.server.config import ServerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_flag_defaults_are_the_config_defaults() -> None:
@@ -146,3 +149,28 @@ def test_the_vae_choice_reaches_the_served_engine() -> None:
     bad = build_parser().parse_args(["serve", "--model", "tiny-random", "--vae", "tiny-random"])
     with pytest.raises(SystemExit, match="--vae is for Wan 2.1 models"):
         bad._run(bad)
+
+
+def test_no_playground_serves_without_importing_gradio(tmp_path: Any) -> None:
+    """`serve --no-playground`: the app has no /playground route and Gradio is never imported (the GPU
+    machines carry the media packages as wheels, and Gradio alone would fill the room they have)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from app.cli import build_parser\n"
+        "from app.server.app import create_app\n"
+        "from app.server.config import ServerConfig\n"
+        "from app.server.engine_bridge import InProcessFactory\n"
+        "args = build_parser().parse_args(['serve', '--model', 'tiny-random', '--no-playground'])\n"
+        "config = ServerConfig.from_args(args)\n"
+        "app = create_app(config, InProcessFactory.load('tiny-random'))\n"
+        "paths = [getattr(r, 'path', '') for r in app.routes]\n"
+        "print(config.playground, any(p.startswith('/playground') for p in paths), 'gradio' in sys.modules,\n"
+        "      any(p.startswith('/api/offer') for p in paths))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False", "False", "True"]

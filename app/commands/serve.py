@@ -125,6 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace-stamp", action="store_true",
         help="copy each input frame's frame-ID band onto its output (glass-to-glass measurements)",
     )
+    parser.add_argument("--no-playground", action="store_true",
+                        help="leave the Gradio playground (/playground) out: the server does not import Gradio")
     parser.add_argument(
         "--https", action="store_true",
         help="serve over TLS (a phone's browser gives the page its camera only over HTTPS): with a self-signed "

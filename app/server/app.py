@@ -379,11 +379,12 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             return
         await serve_websocket(ws, manager, config, settings)
 
-    # The Gradio playground at /playground (app/playground.py); its file and text tabs need the
-    # local pipeline, which only the real engine factory has.
-    from app.playground import mount_playground
+    if config.playground:
+        # The Gradio playground at /playground (app/playground.py); its file and text tabs need the
+        # local pipeline, which only the real engine factory has.
+        from app.playground import mount_playground
 
-    mount_playground(app, config, getattr(factory, "pipeline", None), manager.executor)
+        mount_playground(app, config, getattr(factory, "pipeline", None), manager.executor)
     app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     document(app, config)

@@ -162,6 +162,9 @@ class ServerConfig:
     # Test/bench knob: copy the frame-ID band (app.server.framecode) of each input frame onto the
     # output frame made from it, so an external client can measure glass-to-glass latency.
     trace_stamp: bool = False
+    # The Gradio playground at /playground: off, the server neither mounts nor imports Gradio (a GPU
+    # machine that carries the media packages as wheels carries no Gradio: it alone is most of the room).
+    playground: bool = True
     # Test knob: strip ICE candidates from both sides of every WebRTC negotiation so ICE must
     # fail (exercises the page's WebSocket fallback).
     break_ice: bool = False
@@ -251,6 +254,7 @@ class ServerConfig:
             profile=args.profile,
             max_batch=args.max_batch,
             trace_stamp=args.trace_stamp,
+            playground=not getattr(args, "no_playground", False),
             break_ice=args.break_ice,
             https=args.https or args.ssl_certfile is not None,
             ssl_certfile=args.ssl_certfile,
