@@ -13,7 +13,7 @@ cut short keeps what it measured; a phase that fails records its error and the n
   batched    1/2/4/8 streams in one batch at 832x480, 1 step
   profile    a reduced CUDA profile (engine/profiler.py: the runtime's default KV window, steps 1-4 at
              scales 1 and 0.5, the weights' precision), written beside the JSON
-  serving    the serving loop without media (engine/serving/headless.py: the server's engine core, live
+  serving    the serving loop without media (engine/streaming/headless.py: the server's engine core, live
              slack policy and step processors, device-memory admission from the GPU's free memory) with N
              synthetic 16 fps cameras for N = 1, 2, 4, 8, planning with the profile just measured: each
              stream's on-time chunk ratio, so streams per GPU is measured
@@ -57,8 +57,8 @@ from engine.devices import dtype_name, has_bf16_units, resolve_device, resolve_d
 from engine.pipeline import Pipeline  # noqa: E402
 from engine.profiler import ProfileRun, profile_pipeline, release  # noqa: E402
 from engine.serving.device_memory import DeviceMemory  # noqa: E402
-from engine.serving.headless import serve_headless  # noqa: E402
 from engine.serving.live import runnable_profile  # noqa: E402
+from engine.streaming.headless import serve_headless  # noqa: E402
 
 log = logging.getLogger("gpu_check")
 

@@ -1,4 +1,4 @@
-"""The serving loop without the media stack (engine/serving/headless.py): the server's engine core, live
+"""The serving loop without the media stack (engine/streaming/headless.py): the server's engine core, live
 policy and step processors, fed by synthetic cameras in real time. What it delivers is compared with a
 twin stream that ran the same input chunks alone, undisturbed, through the pipeline's own API."""
 
@@ -12,8 +12,8 @@ import pytest
 
 from engine.pipeline import Pipeline, StreamParams
 from engine.serving.device_memory import DeviceMemory
-from engine.serving.headless import serve_headless
 from engine.serving.live import bundled_live_profile, runnable_profile
+from engine.streaming.headless import serve_headless
 
 FPS = 6.0  # a slow camera: the 2-core box keeps up with two tiny streams whatever else runs
 

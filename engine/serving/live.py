@@ -2,7 +2,7 @@
 runs, and the bundled profile it plans with when none is given.
 
 Shared by the live server (app/server/executors.py) and the headless serving loop
-(engine/serving/headless.py), so that a figure measured without the media stack is what `diffcast
+(engine/streaming/headless.py), so that a figure measured without the media stack is what `diffcast
 serve` does. Pure: the caller says what the device can do.
 """
 
