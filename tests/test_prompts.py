@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from engine.streaming.prompts import LookAnchors, PromptTransition, blend, prompt_cuts, slerp
+from engine.streaming.prompts import (
+    LookAnchors,
+    PromptTransition,
+    blend,
+    prompt_cuts,
+    seconds_to_chunks,
+    slerp,
+)
 
 
 def test_linear_blend_is_the_weighted_mean() -> None:
@@ -126,3 +133,35 @@ def test_a_prompt_naming_two_looks_is_served_half_and_half() -> None:
     sims = anchors.prototypes @ leaning
     assert float(weak_b @ b) < float(sims.max()) and float(weak_b @ b) - float(sims[1]) > 0.05
     assert anchors.named(leaning, _parts((weak_b, a))) == ("b", "a")
+
+
+def test_a_transition_moves_loras_and_noise_with_the_text() -> None:
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    tr = PromptTransition(a, b, chunks=4, mode="linear", loras_source={"ink": 1.0}, loras_target={"clay": 0.5},
+                          noise_source=0.4, noise_target=0.8)
+    assert tr.noise_scale(ahead=1) == pytest.approx(0.5)  # what the controller uses before the first chunk
+    tr.next_embedding()
+    assert tr.loras() == pytest.approx({"ink": 0.75, "clay": 0.125})
+    assert tr.noise_scale() == pytest.approx(0.5)
+    for _ in range(3):
+        tr.next_embedding()
+    assert tr.loras() == {"clay": 0.5}, "the last chunk uses the target, the LoRA faded out dropped"
+    assert tr.noise_scale() == 0.8
+    still = PromptTransition(a, b, chunks=2)
+    still.next_embedding()
+    assert still.loras() is None and still.noise_scale() is None, "a prompt-only transition leaves them alone"
+    with pytest.raises(ValueError, match="both its source and its target"):
+        PromptTransition(a, b, chunks=2, noise_target=0.5)
+
+
+@pytest.mark.parametrize(("seconds", "chunk_seconds", "chunks"), [(0.0, 0.25, 0), (0.75, 0.25, 3), (0.8, 0.25, 4),
+                                                                  (0.01, 0.25, 1)])
+def test_seconds_become_chunks_rounded_up(seconds: float, chunk_seconds: float, chunks: int) -> None:
+    assert seconds_to_chunks(seconds, chunk_seconds) == chunks
+
+
+@pytest.mark.parametrize(("seconds", "chunk_seconds"), [(float("nan"), 0.25), (-1.0, 0.25), (float("inf"), 0.25),
+                                                        (1.0, 0.0)])
+def test_bad_transition_lengths_are_refused(seconds: float, chunk_seconds: float) -> None:
+    with pytest.raises(ValueError, match="seconds"):
+        seconds_to_chunks(seconds, chunk_seconds)

@@ -9,9 +9,10 @@ embeddings; several prompts can be mixed with weights, linearly or by spherical 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -195,19 +196,39 @@ class LookAnchors:
         return torch.stack(rows).to(embeddings.dtype)
 
 
+def seconds_to_chunks(seconds: float, chunk_seconds: float) -> int:
+    """The chunks a transition of ``seconds`` takes at ``chunk_seconds`` per chunk (0: a cut). Rounded up,
+    so a short transition that is asked for still moves over at least one chunk rather than cutting."""
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"a transition's length must be a finite number of seconds >= 0, got {seconds}")
+    if not math.isfinite(chunk_seconds) or chunk_seconds <= 0:
+        raise ValueError(f"a chunk's duration must be a positive number of seconds, got {chunk_seconds}")
+    # The tolerance keeps a length that is a whole number of chunks (0.75 s at 0.25 s) from rounding up.
+    return math.ceil(seconds / chunk_seconds - 1e-9)
+
+
 @dataclass
 class PromptTransition:
-    """Moves the conditioning from ``source`` to ``target`` over ``chunks`` chunks."""
+    """Moves the conditioning from ``source`` to ``target`` over ``chunks`` chunks, and with it, where
+    given, the LoRA strengths (``loras_source`` to ``loras_target``, linearly; a LoRA absent from one
+    side is at 0 there) and the noise strength (``noise_source`` to ``noise_target``), so a look's text,
+    LoRAs and noise arrive together."""
 
     source: torch.Tensor
     target: torch.Tensor
     chunks: int
     mode: BlendMode = "slerp"
     done: int = 0
+    loras_source: dict[str, float] = field(default_factory=dict)
+    loras_target: dict[str, float] | None = None  # None: the transition leaves the LoRA strengths alone
+    noise_source: float | None = None
+    noise_target: float | None = None  # None: the transition leaves the noise strength alone
 
     def __post_init__(self) -> None:
         if self.chunks < 1:
             raise ValueError("a transition takes at least one chunk")
+        if (self.noise_source is None) != (self.noise_target is None):
+            raise ValueError("a noise transition needs both its source and its target")
 
     @property
     def finished(self) -> bool:
@@ -223,3 +244,26 @@ class PromptTransition:
             return slerp(self.source, self.target, t)
         return torch.lerp(self.source.double(), self.target.double(), t).to(self.source.dtype)
 
+    def loras(self) -> dict[str, float] | None:
+        """LoRA strengths of the chunk :meth:`next_embedding` last gave (zeros dropped), or None when the
+        transition does not move them; the last chunk uses the target exactly."""
+        if self.loras_target is None:
+            return None
+        if self.finished:
+            return dict(self.loras_target)
+        t = self.done / self.chunks
+        names = sorted(self.loras_source.keys() | self.loras_target.keys())
+        mixed = {n: (1 - t) * self.loras_source.get(n, 0.0) + t * self.loras_target.get(n, 0.0) for n in names}
+        return {n: s for n, s in mixed.items() if s != 0.0}
+
+    def noise_scale(self, ahead: int = 0) -> float | None:
+        """Noise strength of the chunk :meth:`next_embedding` last gave (``ahead`` 1: of the chunk it gives
+        next, which the motion-aware controller needs before the chunk begins), or None when the
+        transition does not move it."""
+        if self.noise_source is None or self.noise_target is None:
+            return None
+        done = min(self.done + ahead, self.chunks)
+        if done >= self.chunks:
+            return self.noise_target
+        t = done / self.chunks
+        return (1 - t) * self.noise_source + t * self.noise_target

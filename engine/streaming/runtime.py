@@ -300,6 +300,36 @@ class StreamRuntime:
             state.restart_stabilizer = True
         state.force_sink_refresh = refresh_sinks
 
+    def set_look(
+        self,
+        state: StreamState,
+        prompt: str | Sequence[str],
+        weights: Sequence[float] | None = None,
+        blend_mode: BlendMode = "linear",
+        loras: Mapping[str, float] | None = None,
+        noise_scale: float | None = None,
+        transition_chunks: int = 0,
+    ) -> None:
+        """Move to a look (a cue: prompt or blend, LoRA strengths, noise strength) together over
+        ``transition_chunks`` chunks (0: a cut), from where the stream is now: mid-transition that is the
+        blend its last chunk ran with, so firing a look during a transition never jumps. ``loras`` names
+        the strengths it sets (the others keep theirs; 0 turns one off); None keeps them, as does
+        ``noise_scale`` None. Everything is checked before anything changes."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        target = self.prompts.embed(prompts, weights, blend_mode)
+        target_loras = self.checked_loras({**state.loras, **(loras or {})})
+        target_noise = state.noise_scale if noise_scale is None else noise_scale
+        replace(self.config.noise, noise_scale=target_noise)  # validates the noise strength
+        if transition_chunks > 0:
+            state.transition = PromptTransition(state.embedding, target, transition_chunks, mode="slerp",
+                                                loras_source=dict(state.loras), loras_target=target_loras,
+                                                noise_source=state.noise_scale, noise_target=target_noise)
+            return
+        state.transition = None
+        state.embedding, state.loras, state.noise_scale = target, target_loras, target_noise
+        state.prompt = self.encode_prompt(target, target_loras)
+        state.restart_stabilizer = True  # a hard cut to a new look: the stabilizer's history is of the old one
+
     def set_fidelity(self, state: StreamState, fidelity: FidelityConfig) -> None:
         """Takes effect at the next chunk boundary (the next call of :meth:`step`)."""
         self.check_fidelity(fidelity)
@@ -680,12 +710,20 @@ class StreamRuntime:
     # -- internals --------------------------------------------------------------------------------
 
     def _noise_config(self, state: StreamState) -> NoiseControllerConfig:
-        return replace(self.config.noise, noise_scale=state.noise_scale)
+        # The controller runs before the chunk begins (_begin_chunk), so a transition's noise strength is
+        # the one of the chunk about to begin.
+        upcoming = state.transition.noise_scale(ahead=1) if state.transition is not None else None
+        return replace(self.config.noise, noise_scale=state.noise_scale if upcoming is None else upcoming)
 
     def _begin_chunk(self, state: StreamState, local_caches: bool) -> None:
         """Chunk-boundary bookkeeping: prompt transition, cache geometry, RoPE position."""
         if state.transition is not None:
             state.embedding = state.transition.next_embedding()
+            loras, noise_scale = state.transition.loras(), state.transition.noise_scale()
+            if loras is not None:
+                state.loras = loras
+            if noise_scale is not None:
+                state.noise_scale = noise_scale
             if local_caches:
                 state.prompt = self.encode_prompt(state.embedding, state.loras)
             if state.transition.finished:
