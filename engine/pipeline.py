@@ -419,13 +419,22 @@ class Stream:
         if loras is not None:
             runtime.checked_loras(loras)  # names a LoRA that is not loaded
         runtime.set_fidelity(self.state, self.pipe.fidelity_for(new))
-        if loras is not None:
-            runtime.set_loras(self.state, loras)
-        if "prompt" in changes or "prompt_weights" in changes or "blend_mode" in changes:
-            runtime.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
-                               transition_chunks=transition_chunks, refresh_sinks=refresh_sinks)
+        new_look = "prompt" in changes or "prompt_weights" in changes or "blend_mode" in changes
+        if new_look and transition_chunks > 0:
+            # A gradual change of look (a cue) takes the LoRA strengths and the noise strength along with
+            # the text conditioning, from where the stream is now (docs/cues.md).
+            runtime.set_look(self.state, list(new.prompts), new.prompt_weights, new.blend_mode, loras=loras,
+                             noise_scale=noise_scale, transition_chunks=transition_chunks)
+            self.state.force_sink_refresh = refresh_sinks
             self.notice = self._notice(new)
-        self.state.noise_scale = noise_scale
+        else:
+            if loras is not None:
+                runtime.set_loras(self.state, loras)
+            if new_look:
+                runtime.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
+                                   refresh_sinks=refresh_sinks)
+                self.notice = self._notice(new)
+            self.state.noise_scale = noise_scale
         self.state.stabilize = new.stabilize
         if seed is not None and seed != self.params.seed:
             from engine.sampling import NoiseSource

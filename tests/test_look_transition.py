@@ -110,3 +110,18 @@ def test_a_bad_look_changes_nothing() -> None:
     assert state.transition is None
     torch.testing.assert_close(state.embedding, before[0], rtol=0, atol=0)
     assert (dict(state.loras), state.noise_scale) == before[1:]
+
+
+def test_a_gradual_update_of_the_pipeline_moves_noise_with_the_prompt() -> None:
+    """What the server's cues go through: ``Stream.update`` with a transition and a new noise strength
+    starts one look transition; without a transition the noise strength changes at once."""
+    from engine.pipeline import Pipeline, StreamParams
+
+    pipe = Pipeline.load("tiny-random")
+    stream = pipe.open_stream(StreamParams(prompt="oil painting", size=(64, 64), noise_scale=0.5))
+    stream.update(prompt="ink wash", noise_scale=0.9, transition_chunks=3)
+    tr = stream.state.transition
+    assert tr is not None and (tr.noise_source, tr.noise_target, tr.chunks) == (0.5, 0.9, 3)
+    assert stream.state.noise_scale == 0.5, "the noise strength moves with the chunks, not at once"
+    stream.update(prompt="charcoal", noise_scale=0.7)
+    assert stream.state.transition is None and stream.state.noise_scale == 0.7

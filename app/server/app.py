@@ -27,7 +27,15 @@ from starlette.types import Receive, Scope, Send
 
 from app.dashboard import dashboard_router
 from app.server.config import ServerConfig
-from app.server.control import ControlError, StreamOptions, describe_errors, options_from_query
+from app.server.control import (
+    MAX_CUES,
+    ControlError,
+    CueSet,
+    StreamOptions,
+    describe_errors,
+    options_from_query,
+    parse_cue_set,
+)
 from app.server.engine_bridge import InProcessFactory, ProcessorFactory
 from app.server.executors import build_serving_loop
 from app.server.gateway import Gateway
@@ -98,7 +106,15 @@ class ControlReply(BaseModel):
 # size, rate and parse errors all get the same {"type": "error"} reply as on the data channel.
 CONTROL_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "required": ["type"],
-    "properties": {"type": {"type": "string", "enum": ["update", "pause", "resume", "reset"]}},
+    "properties": {"type": {"type": "string", "enum": ["update", "pause", "resume", "reset", "cue"]}},
+}}}}}
+
+
+# The body of PUT /api/streams/{id}/cues: a cue set (docs/cues.md), read as text so that a NaN gets the
+# same clear refusal as in a control message.
+CUES_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["cues"],
+    "properties": {"cues": {"type": "array", "maxItems": MAX_CUES, "items": {"type": "object"}}},
 }}}}}
 
 
@@ -349,6 +365,30 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         text = (await request.body()).decode("utf-8", "replace")
         reply = await session.handle_text(text, config.max_prompt_chars)
         return JSONResponse(reply, status_code=422 if reply["type"] == "error" else 200)
+
+    @app.get("/api/streams/{stream_id}/cues", responses={
+        200: {"description": "The stream's cue list, as the file PUT takes (docs/cues.md)"},
+        **errors("/api/streams/{stream_id}/cues", 404)})
+    async def get_cues(stream_id: str) -> Response:
+        session = manager.get(stream_id)
+        if session is None:
+            return _json_error(404, f"no stream {stream_id}")
+        return JSONResponse(CueSet(cues=session.cues).model_dump(exclude_none=True))
+
+    @app.put("/api/streams/{stream_id}/cues", openapi_extra=CUES_BODY, responses={
+        200: {"description": "The cue list now in place"},
+        422: {"description": "The set is not valid: nothing changed"},
+        **errors("/api/streams/{stream_id}/cues", 404)})
+    async def put_cues(stream_id: str, request: Request) -> Response:
+        session = manager.get(stream_id)
+        if session is None:
+            return _json_error(404, f"no stream {stream_id}")
+        try:
+            cues = parse_cue_set((await request.body()).decode("utf-8", "replace"), config.max_prompt_chars)
+        except ControlError as exc:
+            return _json_error(422, str(exc))
+        session.cues = list(cues.cues)
+        return JSONResponse(cues.model_dump(exclude_none=True))
 
     @app.delete("/api/streams/{stream_id}", status_code=204, responses=errors("/api/streams/{stream_id}", 404))
     async def stop(stream_id: str) -> Response:

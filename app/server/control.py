@@ -88,8 +88,75 @@ class ResetMessage(_Message):
     type: Literal["reset"]
 
 
+# A cue's name: what the page, OSC and HTTP fire it by (printable, checked in ``CueSpec``).
+CueName = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+MAX_CUES = 64  # a stream's cue list: a show's set, small enough to send whole with every PUT
+# The longest transition a cue takes; a fade longer than a minute is a different tool.
+MAX_TRANSITION_S = 60.0
+
+
+class CueMessage(_Message):
+    """Fire one of the stream's cues (PUT /api/streams/{id}/cues sets them) by name."""
+
+    type: Literal["cue"]
+    name: CueName
+
+
+class CueSpec(_Message):
+    """One cue of a set (docs/cues.md): a look (prompt or blend, LoRA strengths, noise strength) and
+    the seconds it takes to get there from wherever the stream is (0: a cut)."""
+
+    name: CueName
+    prompt: str | list[str]
+    prompt_weights: list[float] | None = None
+    loras: LoRAStrengths | None = Field(default=None, max_length=MAX_LORAS)
+    noise_scale: float | None = Field(default=None, ge=MIN_NOISE_SCALE, le=1.0)
+    transition_s: float = Field(default=0.0, ge=0.0, le=MAX_TRANSITION_S)
+
+    @field_validator("name")
+    @classmethod
+    def _printable(cls, name: str) -> str:
+        if not name.isprintable() or name != name.strip():
+            raise ValueError("a cue name is printable characters, without leading or trailing spaces")
+        return name
+
+
+class CueSet(_Message):
+    """A stream's cue list as a file: GET /api/streams/{id}/cues returns it, PUT replaces it."""
+
+    cues: list[CueSpec] = Field(max_length=MAX_CUES)
+
+
+def parse_cue_set(text: str, max_prompt_chars: int) -> CueSet:
+    """A cue set file (JSON) -> :func:`cue_set`."""
+    try:
+        raw = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        raise ControlError(f"cue set is not JSON: {exc}") from exc
+    return cue_set(raw, max_prompt_chars)
+
+
+def cue_set(raw: object, max_prompt_chars: int) -> CueSet:
+    """A decoded cue set with every check a control message gets (prompts, weights, finite values in
+    their ranges) and unique names; ControlError naming the first bad cue."""
+    try:
+        cues = CueSet.model_validate(raw)
+    except ValidationError as exc:
+        raise ControlError(f"bad cue set: {describe_errors(exc.errors())}") from exc
+    seen: set[str] = set()
+    for i, cue in enumerate(cues.cues):
+        if cue.name in seen:
+            raise ControlError(f"bad cue set: cues.{i}: the name {cue.name!r} is used twice")
+        seen.add(cue.name)
+        try:
+            check_prompt(cue.prompt, cue.prompt_weights, max_prompt_chars)
+        except ControlError as exc:
+            raise ControlError(f"bad cue set: cues.{i} ({cue.name}): {exc}") from exc
+    return cues
+
+
 ControlMessage = Annotated[
-    UpdateMessage | PauseMessage | ResumeMessage | ResetMessage, Field(discriminator="type")
+    UpdateMessage | PauseMessage | ResumeMessage | ResetMessage | CueMessage, Field(discriminator="type")
 ]
 _ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
 

@@ -263,6 +263,12 @@ class Playout:
         return interval
 
     @property
+    def chunk_duration_s(self) -> float:
+        """Seconds of output one chunk plays for at the stream's current frame period (what a cue's
+        transition seconds are counted in)."""
+        return self._chunk_frames * min(max(self._frame_period, self._min_interval), self._max_interval)
+
+    @property
     def slack_s(self) -> float:
         """Seconds of generated output not yet played."""
         return len(self._buffer) * self.interval

@@ -72,6 +72,7 @@ CONTROLS: dict[str, OscControl] = {
     "stabilize": OscControl("<true|false>", 1, _update("stabilize")),
     # The `record` field of an update: without --record-dir, the control's own refusal answers.
     "record": OscControl("<true|false>", 1, _update("record")),
+    "cue": OscControl("<name>", 1, lambda values: {"type": "cue", "name": values[0]}),
     "pause": OscControl("", 0, lambda _: {"type": "pause"}),
     "resume": OscControl("", 0, lambda _: {"type": "resume"}),
     "reset": OscControl("", 0, lambda _: {"type": "reset"}),

@@ -104,6 +104,8 @@ STREAM_RULES: tuple[tuple[str, re.Pattern[str], Access], ...] = (
     ("GET", re.compile(r"^/api/streams/([^/]+)$"), Access.VIEWER),
     ("DELETE", re.compile(r"^/api/streams/([^/]+)$"), Access.OWNER),
     ("POST", re.compile(r"^/api/streams/([^/]+)/control$"), Access.OWNER),
+    ("GET", re.compile(r"^/api/streams/([^/]+)/cues$"), Access.OWNER),
+    ("PUT", re.compile(r"^/api/streams/([^/]+)/cues$"), Access.OWNER),
     ("DELETE", re.compile(r"^/whip/([^/]+)$"), Access.OWNER),
     ("POST", re.compile(r"^/whep/([^/]+)$"), Access.VIEWER),
 )

@@ -18,6 +18,8 @@ from app.server.config import ServerConfig
 from app.server.control import (
     ControlError,
     ControlMessage,
+    CueMessage,
+    CueSpec,
     PauseMessage,
     ResetMessage,
     ResumeMessage,
@@ -30,6 +32,7 @@ from app.server.limits import InputTimeout, MessageGuard, control_guard, watch_i
 from app.server.logs import mint_secret
 from app.server.recorder import Recorder
 from app.server.recordings import NOT_ENABLED, RecordingError, RecordingStore
+from engine.streaming.prompts import seconds_to_chunks
 
 if TYPE_CHECKING:
     from app.server.executors import ServingLoop
@@ -71,6 +74,8 @@ class Session:
         self.control_guard: MessageGuard | None = None
         # The publisher's audio, played out as late as the video (None: a video-only stream).
         self.audio: AudioPlayout | None = None
+        # The stream's cue list (PUT /api/streams/{id}/cues), fired by name (docs/cues.md).
+        self.cues: list[CueSpec] = []
         # Server-side recording (--record-dir; None: not enabled) and the one running, if any.
         self.recordings: RecordingStore | None = None
         self.recorder: Recorder | None = None
@@ -174,33 +179,48 @@ class Session:
 
     async def apply(self, message: ControlMessage) -> None:
         if isinstance(message, UpdateMessage):
-            if message.record:
-                self.check_recording()  # first: a refusal (not enabled, storage full) applies nothing
-            changes = message.changes()
-            if changes:
-                await self.runner.update(**changes)
-            if message.record:
-                self.start_recording()
-            shown: dict[str, Any] = {k: changes[k] for k in ("noise_scale", "steps", "seed", "stabilize") if k in changes}
-            if "loras" in changes:
-                shown["loras"] = {**self.settings.loras, **changes["loras"]}
-            if isinstance(message.prompt, str):
-                shown["prompt"] = message.prompt
-            elif message.prompt is not None:
-                shown["prompt"] = " + ".join(message.prompt)
-            self.settings = dataclasses.replace(self.settings, **shown)
-            if "prompt" in shown and self.recorder is not None:
-                self.recorder.note_prompt(shown["prompt"])
-            if message.record is False:
-                await self.stop_recording("requested")
-            if "steps" in changes and self.on_steps is not None:
-                self.on_steps(int(changes["steps"]))
+            await self._update(message)
+        elif isinstance(message, CueMessage):
+            cue = next((c for c in self.cues if c.name == message.name), None)
+            if cue is None:
+                raise ControlError(f"no cue {message.name!r} on this stream (it has {len(self.cues)} cues)")
+            chunks = seconds_to_chunks(cue.transition_s, self.playout.chunk_duration_s)
+            # Built, not validated: the cue was checked when the set was put, and a transition in
+            # seconds may take more chunks than an update message may ask for.
+            await self._update(UpdateMessage.model_construct(
+                type="update", prompt=cue.prompt, prompt_weights=cue.prompt_weights, loras=cue.loras,
+                noise_scale=cue.noise_scale, transition_chunks=chunks or None), cue=cue.name)
         elif isinstance(message, PauseMessage):
             self.runner.pause()
         elif isinstance(message, ResumeMessage):
             self.runner.resume()
         elif isinstance(message, ResetMessage):
             await self.runner.reset()
+
+    async def _update(self, message: UpdateMessage, cue: str | None = None) -> None:
+        """Apply an update message (``cue``: the name of the cue it comes from, for the recording's
+        prompt timeline)."""
+        if message.record:
+            self.check_recording()  # first: a refusal (not enabled, storage full) applies nothing
+        changes = message.changes()
+        if changes:
+            await self.runner.update(**changes)
+        if message.record:
+            self.start_recording()
+        shown: dict[str, Any] = {k: changes[k] for k in ("noise_scale", "steps", "seed", "stabilize") if k in changes}
+        if "loras" in changes:
+            shown["loras"] = {**self.settings.loras, **changes["loras"]}
+        if isinstance(message.prompt, str):
+            shown["prompt"] = message.prompt
+        elif message.prompt is not None:
+            shown["prompt"] = " + ".join(message.prompt)
+        self.settings = dataclasses.replace(self.settings, **shown)
+        if "prompt" in shown and self.recorder is not None:
+            self.recorder.note_prompt(shown["prompt"] if cue is None else f"cue {cue}: {shown['prompt']}")
+        if message.record is False:
+            await self.stop_recording("requested")
+        if "steps" in changes and self.on_steps is not None:
+            self.on_steps(int(changes["steps"]))
 
     async def handle_text(self, text: str, max_prompt_chars: int) -> dict[str, Any]:
         """One control message from a client -> the reply to send back (ack or error)."""
