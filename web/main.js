@@ -1,6 +1,7 @@
 // The diffcast page: camera in, stylized video out; WebRTC first, WebSocket fallback when ICE fails.
 import { fitPane, followAspect } from "./aspect.js";
 import { setupCamera } from "./camera.js";
+import { setupCues } from "./cues.js";
 import { openMedia, playOutput, setupRecording } from "./record.js";
 import { connectWebRTC, logIn } from "./rtc.js";
 import { statCells } from "./stats.js";
@@ -30,6 +31,7 @@ state.camera = cameraChoices;
 let connection = null;
 let paused = false;
 let recording = null; // record.js: microphone, server recording, client-side clip
+let cuePanel = null; // cues.js: the stream's cue list, fired by button or keys 1-9
 
 function setStatus(status) {
   state.status = status;
@@ -154,6 +156,7 @@ async function start() {
     cameraChoices.attach(camera, connection);
     setStatus("live");
     recording.connected(connection);
+    cuePanel.connected(connection);
     $("stop").disabled = false;
     $("pause").disabled = false;
   } catch (error) {
@@ -169,6 +172,7 @@ async function stop() {
   cameraChoices.detach();
   if (connection) await connection.close();
   if (connection) recording.disconnected();
+  if (connection) cuePanel.disconnected();
   connection = null;
   if (camera) camera.getTracks().forEach((track) => track.stop());
   camera = null;
@@ -210,6 +214,7 @@ async function init() {
   $("steps-value").textContent = $("steps").value;
   buildPresets();
   recording = setupRecording({ $, state, config, output: $("output"), canvas: $("output-canvas"), notice });
+  cuePanel = setupCues({ $, notice });
   countVideoFrames($("output"));
   followAspect($("input"));
   followAspect($("output"));
