@@ -297,3 +297,20 @@ def test_strengths_are_checked(pipe: Pipeline) -> None:
         assert stream.params.noise_scale == 0.8 and stream.state.loras == {}  # a refused update changes nothing
     with pytest.raises(LoRAError, match="no LoRA named"):
         pipe.open_stream(StreamParams("x", loras={"zzz": 1.0}))
+
+
+def test_a_look_transition_glides_the_lora_strengths_chunk_by_chunk(pipe: Pipeline) -> None:
+    """A gradual update (what a cue sends) takes the LoRA strengths along with the prompt: each chunk
+    of the transition runs, and encodes its prompt, at the strengths between the two looks."""
+    chunks = _chunks(pipe, 3)
+    stream = pipe.open_stream(StreamParams("oil painting", loras={"a": 1.0}))
+    stream.process(chunks[0])
+    stream.update(prompt="ink wash", loras={"a": 0.0, "b": 0.5}, transition_chunks=2)
+    assert stream.state.loras == {"a": 1.0}, "nothing jumps before the next chunk"
+    stream.process(chunks[1])
+    assert stream.state.loras == pytest.approx({"a": 0.5, "b": 0.25})
+    with pipe.loras.rows([{"a": 0.5, "b": 0.25}]):
+        expected_prompt = pipe.runtime.dit.encode_prompt(stream.state.embedding)
+    torch.testing.assert_close(stream.state.prompt.k[0], expected_prompt.k[0], rtol=0, atol=0)
+    stream.process(chunks[2])
+    assert stream.state.loras == {"b": 0.5} and stream.state.transition is None
