@@ -100,10 +100,11 @@ class Stream:
 
 
 async def settle(loop: ServingLoop) -> None:
-    """One pass of the loop, then wait until the engine has no step in flight."""
+    """One pass of the loop, then wait until the engine has no step in flight, nor a reset after a faulty
+    chunk (no chunk of that stream is taken until the engine has reset it: app/server/frame_path.py)."""
     loop.run_once()
     for _ in range(5000):
-        if not loop.core.jobs:
+        if not loop.core.jobs and not loop.executor._resets:
             return
         await asyncio.sleep(0.002)
     raise AssertionError("the engine did not finish its work")
