@@ -6,9 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from engine.serving.core import Work
-from engine.serving.fidelity import bundled_profile
+from engine.serving.core import StepResult, Work
+from engine.serving.fidelity import ProfilePoint, bundled_profile
+from engine.serving.ledger import Camera
+from engine.serving.live import live_policy_config
 from engine.serving.policy import SlackPolicy, policy_presets, resolve_preset
+from engine.serving.snapshot import Rehome, TickPlan
 from engine.sim.simulator import SimConfig, Simulator
 from engine.sim.workload import EventKind, TraceEvent
 
@@ -128,3 +131,105 @@ def test_a_rehome_at_a_batch_chunk_boundary_waits_for_the_whole_batch() -> None:
                        SimConfig(workers=2, nodes=1, state_slots=64, tick_s=0.5)).run()
     assert result.rehomes >= 1
     assert all(s.chunks_on_time + s.chunks_late > 0 for s in result.streams)
+
+
+def test_two_streams_of_one_batch_rehomed_at_the_same_chunk_boundary() -> None:
+    """Both streams of a batch re-homed at its chunk boundary: the first move used to kick the source
+    worker at once, which started the partner's next chunk there, and the partner's move then raised
+    "has a chunk in flight" out of ``step_done``."""
+    policy = SlackPolicy(PROFILE, replace(resolve_preset("slackserve"), max_batch=2, rehoming=False))
+    sim = Recording(policy, PROFILE, arrivals(2), SimConfig(workers=1, nodes=1, jitter_cv=0.0))
+    step_done = sim.core.step_done
+    requested: list[Rehome] = []
+
+    def done(worker_id: int, measured_s: float | None = None, content_s: object = None) -> StepResult:
+        job = sim.core.jobs.get(worker_id, ())
+        if not requested and len(job) == 2:  # a batch of both streams in flight: move them both
+            sim.add_worker()
+            sim.add_worker()
+            for dst, sid in zip((1, 2), job, strict=True):
+                requested.append(Rehome(sid, worker_id, dst, True, 0.0))
+                sim.core.request_rehome(requested[-1])
+        return step_done(worker_id, measured_s, content_s)  # type: ignore[arg-type]
+
+    sim.core.step_done = done  # type: ignore[method-assign]
+    result = sim.run()
+    assert len(requested) == 2 and result.rehomes == 2
+    assert {sim.core.ledger.entries[m.stream_id].worker for m in requested} == {1, 2}
+
+
+class Measured(Recording):
+    """The simulator as a live engine: each worker's steps take the base profile's time times its
+    slowdown, and the core is told each step's time (calibration on, as on the live server)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.core.calibrate = True
+        step_done, chunk_started = self.core.step_done, self.core.ledger.chunk_started
+        self.scale: dict[int, float] = {}  # each stream's policy scale when its chunk in flight started
+
+        def measured(worker_id: int, measured_s: float | None = None, content_s: object = None) -> StepResult:
+            return step_done(worker_id, self.workers[worker_id].step_s, content_s)  # type: ignore[arg-type]
+
+        def started(sid: int, now: float, point: ProfilePoint, *args: float) -> None:
+            if self.core.ledger.entries[sid].inflight is None:
+                self.scale[sid] = self.core.applied_ratio
+            chunk_started(sid, now, point, *args)
+
+        self.core.step_done = measured  # type: ignore[method-assign]
+        self.core.ledger.chunk_started = started  # type: ignore[method-assign]
+
+    def execute(self, work: Work) -> float:
+        # The simulator times a step by the (calibrated) policy's estimate; a real engine has its own
+        # speed: the base profile's time (the estimate at the scale its chunk started with) x slowdown.
+        base_s = work.est_step_s / self.scale[work.orders[0].stream_id]
+        return super().execute(replace(work, est_step_s=base_s))
+
+
+def test_calibration_measures_a_step_against_the_profile_its_chunk_started_with() -> None:
+    """An engine 8x slower than its profile, chunks of four sequential steps: the policy is rescaled to
+    8x once and stays. The later steps of a chunk started before that recalibration were measured
+    against the new scale, which compounded the two (it went on to 19, 46, 111x, then back down)."""
+    ratios: list[float] = []
+    sim = Measured(SlackPolicy(PROFILE, resolve_preset("credit-only")), PROFILE, arrivals(2, frames=81),
+                   SimConfig(workers=1, nodes=1, jitter_cv=0.0, slowdown=(8.0,)))
+    recalibrate = sim.core.recalibrate
+
+    def recorded(ratio: float) -> None:
+        ratios.append(ratio)
+        recalibrate(ratio)
+
+    sim.core.recalibrate = recorded  # type: ignore[method-assign]
+    sim.run()
+    assert ratios and max(ratios) <= 8.0 * 1.01, ratios
+    assert sim.core.applied_ratio == pytest.approx(8.0, rel=0.2)
+    assert sim.core.worker_speed(0) == pytest.approx(8.0, rel=0.01)
+
+
+def test_live_streams_move_off_a_slow_worker_by_its_measured_speed() -> None:
+    """Three workers, the third 5x slower, six camera-paced live streams (two per worker, as admission
+    places them), the live preset: the per-worker calibration sees the slow worker and the tick moves its
+    streams to the others; nothing is ever moved onto it. The profile's latencies x10 keep the workers
+    busy (on the bare tiny profile a stream alone on the slow worker keeps up, and rightly stays)."""
+    profile = replace(PROFILE, fps=8.0, points=tuple(
+        replace(p, latency_s=10 * p.latency_s, first_chunk_latency_s=10 * p.first_chunk_latency_s) for p in PROFILE.points))
+    policy = SlackPolicy(profile, live_policy_config("slack", 4, True, workers=3))
+    camera = Camera(profile.first_chunk_duration_s, profile.chunk_duration_s, 1 / 8.0)
+    events = [TraceEvent(0.1 * i, EventKind.ARRIVE, i, 20 * 8, 8.0) for i in range(6)]
+    sim = Measured(policy, profile, events, SimConfig(workers=3, nodes=1, state_slots=64, tick_s=0.5, jitter_cv=0.0,
+                                                      camera=camera, slowdown=(1.0, 1.0, 5.0)))
+    plans: list[TickPlan] = []
+    tick = sim.core.tick
+
+    def recorded() -> TickPlan:
+        plans.append(tick())
+        return plans[-1]
+
+    sim.core.tick = recorded  # type: ignore[method-assign]
+    result = sim.run()
+    assert [sim.core.worker_speed(w) for w in range(3)] == [pytest.approx(1.0, rel=0.05),
+                                                            pytest.approx(1.0, rel=0.05), pytest.approx(5.0, rel=0.05)]
+    moves = [m for plan in plans for m in plan.rehomes]
+    assert moves and all(m.src == 2 and m.dst != 2 for m in moves)
+    assert result.rehomes == 2  # both of its streams, each once
+    assert result.worker_busy_s[2] < 0.2 * min(result.worker_busy_s[0], result.worker_busy_s[1])

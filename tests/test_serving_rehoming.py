@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from engine.serving.credit import Tier
@@ -75,3 +77,55 @@ def test_intra_node_receivers_first_and_cost_by_link() -> None:
     assert plan[0].residual_s == tm.residual_s(6e9, Link.INTRA_NODE)
     assert plan[1].residual_s == tm.residual_s(6e9, Link.INTER_NODE)
     assert plan[0].residual_s < plan[1].residual_s
+
+
+# ---- the live rule (RehomingConfig.balance_speed): measured speed x streams ----------------------------
+
+LIVE = RehomingConfig(balance_speed=True)
+
+
+def with_speeds(a: ClusterArrays, speeds: list[float]) -> ClusterArrays:
+    return replace(a, worker_speed=np.array(speeds, dtype=np.float64))
+
+
+def test_live_rule_moves_streams_off_a_slow_worker_where_the_tier_rule_finds_no_receiver() -> None:
+    # Live streams are URGENT on every worker (they cannot get ahead of their camera): 2 per worker,
+    # worker 2 five times slower than its peers.
+    a = with_speeds(arrays([(w, U, 0.1 * i, OLD) for i, w in enumerate((0, 0, 1, 1, 2, 2))], nodes=[0, 0, 0]),
+                    [1.0, 1.0, 5.0])
+    assert plan_rehomes(a, 100.0, RehomingConfig(), TransferModel()) == ()  # no worker without URGENT streams
+    plan = plan_rehomes(a, 100.0, LIVE, TransferModel())
+    assert sorted((r.stream_id, r.src, r.dst) for r in plan) == [(104, 2, 0), (105, 2, 1)]
+
+
+def test_live_rule_leaves_balanced_workers_alone() -> None:
+    two_one = arrays([(0, U, 0.1, OLD), (0, U, 0.2, OLD), (1, U, 0.1, OLD)], nodes=[0, 0])
+    assert plan_rehomes(with_speeds(two_one, [1.0, 1.0]), 100.0, LIVE, TransferModel()) == ()
+    # Within the margin: worker 0 measured 40 % slower, 2 x 1.4 = 2.8 < 1.5 x 2 x 1.0.
+    assert plan_rehomes(with_speeds(two_one, [1.4, 1.0]), 100.0, LIVE, TransferModel()) == ()
+    assert plan_rehomes(with_speeds(two_one, [1.6, 1.0]), 100.0, LIVE, TransferModel())[0].dst == 1
+    # A lone stream gains nothing on an equal worker, and moves off a much slower one.
+    lone = arrays([(0, U, 0.1, OLD)], nodes=[0, 0])
+    assert plan_rehomes(with_speeds(lone, [1.0, 1.0]), 100.0, LIVE, TransferModel()) == ()
+    assert [r.dst for r in plan_rehomes(with_speeds(lone, [3.0, 1.0]), 100.0, LIVE, TransferModel())] == [1]
+
+
+def test_live_rule_counts_an_unmeasured_worker_as_the_median_one() -> None:
+    # A new, empty worker (no step measured yet) takes a stream from the busiest worker.
+    a = with_speeds(arrays([(w, U, 0.1 * i, OLD) for i, w in enumerate((0, 0, 0, 1, 1, 1))], nodes=[0, 0, 0]),
+                    [1.0, 1.2, np.nan])
+    assert [(r.src, r.dst) for r in plan_rehomes(a, 100.0, LIVE, TransferModel())] == [(1, 2)]
+    # Nothing measured at all: stream counts alone.
+    unmeasured = arrays([(0, U, 0.1, OLD), (0, U, 0.2, OLD), (0, U, 0.3, OLD)], nodes=[0, 0])
+    assert [(r.src, r.dst) for r in plan_rehomes(unmeasured, 100.0, LIVE, TransferModel())] == [(0, 1)]
+
+
+def test_live_rule_keeps_caps_cooldown_draining_and_slots() -> None:
+    # Worker 0 is slow with four streams; stream 100 moved 10 s ago; workers 1-3 are empty and fast, but
+    # 1 is draining and 2 has no free state slot.
+    a = arrays([(0, U, -1.0, 90.0), (0, U, 0.1, OLD), (0, U, 0.2, OLD), (0, U, 0.3, OLD)], nodes=[0, 0, 0, 0, 0],
+               slots=8)
+    a = replace(with_speeds(a, [5.0, 1.0, 1.0, 1.0, 1.0]), worker_draining=np.array([False, True, False, False, False]),
+                worker_slots=np.array([8, 8, 0, 8, 8]))
+    plan = plan_rehomes(a, 100.0, RehomingConfig(balance_speed=True, cooldown_s=60.0), TransferModel())
+    assert [(r.stream_id, r.dst) for r in plan] == [(101, 3), (102, 4)]  # send cap 2, one per receiver

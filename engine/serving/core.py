@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 CALIBRATION_MIN_SAMPLES = 5
 CALIBRATION_DRIFT = 0.2  # rebuild the policy when the measured speed moved this much from the last fit
+# Per-worker speed: each step's seconds decay by this per newer step of the worker (about its last 10
+# steps count), so a step batch's long first step and short later ones average out.
+WORKER_SPEED_DECAY = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +168,9 @@ class EngineCore:
     applied_ratio: float = 1.0
     _ratio_samples: int = 0
     _base_policy: SlackPolicy | None = None
+    # Per worker, decayed sums of its steps' measured seconds and their base-profile estimates, and its
+    # steps measured: the sums' ratio is its speed (``WorkerView.speed``), what live re-homing compares.
+    _worker_time: dict[int, tuple[float, float, int]] = field(default_factory=dict)
 
     # ---- admission and stream events ------------------------------------------------------------
     def arrive(self, stream_id: int, content_s: float, max_steps: int | None = None) -> Admission:
@@ -236,7 +242,16 @@ class EngineCore:
         return {sid for job in self.jobs.values() for sid in job}
 
     def snapshot(self) -> Snapshot:
-        return self.ledger.snapshot(self.clock(), list(self.executor.worker_views()), self.running())
+        workers = list(self.executor.worker_views())
+        if self._worker_time:
+            workers = [replace(w, speed=self.worker_speed(w.worker_id)) for w in workers]
+        return self.ledger.snapshot(self.clock(), workers, self.running())
+
+    def worker_speed(self, worker_id: int) -> float | None:
+        """How many times the base profile's time the worker's recent steps took; None: fewer than
+        CALIBRATION_MIN_SAMPLES steps measured (a worker's first steps, its first chunks', mislead)."""
+        measured, profiled, steps = self._worker_time.get(worker_id, (0.0, 0.0, 0))
+        return measured / profiled if steps >= CALIBRATION_MIN_SAMPLES and profiled > 0 else None
 
     def _views(self, worker: WorkerView) -> list[StreamView]:
         now = self.clock()
@@ -296,7 +311,7 @@ class EngineCore:
                 orders.append(StepOrder(sid, inflight.point, False, inflight.steps_left == 1))
         now = self.clock()
         for sid in decision.stream_ids:
-            self.ledger.chunk_started(sid, now, decision.point)
+            self.ledger.chunk_started(sid, now, decision.point, self.applied_ratio)
         lead = self.ledger.entries[decision.stream_ids[0]].inflight
         assert lead is not None
         self.jobs[wid] = decision.stream_ids
@@ -362,7 +377,7 @@ class EngineCore:
         lead = self.ledger.entries[job[0]].inflight
         assert lead is not None
         if measured_s is not None:
-            self._observe_latency(lead, measured_s)
+            self._observe_latency(worker_id, lead, measured_s)
         if lead.steps_left > 0 and len(job) == 1 and self.ledger.is_stale(job[0]):
             # The prompt changed mid-chunk: drop the stale chunk at this step boundary (a batch keeps
             # going for its other streams and the stale output is discarded at the end).
@@ -408,8 +423,10 @@ class EngineCore:
             move = self.pending_rehomes.pop(sid, None)
             if move is not None:
                 moves.append(move)
-        # After every chunk of the batch is done: a move kicks its source worker, whose next dispatch
-        # must not see a batch partner's finished chunk as one still in flight.
+        # The source worker (this one) is kicked only after every chunk of the batch is done and every
+        # move applied: its next dispatch must not see a batch partner's finished chunk as one still in
+        # flight, nor start the next chunk of a partner that moves too (its move then found a chunk in
+        # flight and raised: two streams of one batch re-homed at the same boundary).
         for move in moves:
             self._apply_rehome(move)
         self.kick(worker_id)
@@ -485,7 +502,6 @@ class EngineCore:
         self.ledger.move(entry.sid, move.dst, self.clock(), residual)
         self.counters.rehomes += 1
         self.executor.wake_at(move.dst, entry.available_t)
-        self.kick(move.src)
 
     def request_rehome(self, move: Rehome) -> None:
         """Move a stream at its next chunk boundary (now, if it has no chunk started)."""
@@ -496,6 +512,7 @@ class EngineCore:
             self.pending_rehomes[move.stream_id] = move
         else:
             self._apply_rehome(move)
+            self.kick(move.src)
 
     def tick(self) -> TickPlan:
         """The control tick: credits and tiers for every stream, re-homes (each at its stream's next
@@ -513,8 +530,9 @@ class EngineCore:
         return plan
 
     # ---- calibration ----------------------------------------------------------------------------
-    def _observe_latency(self, inflight: InFlight, measured_s: float) -> None:
-        """One step's measured time against its profiled (currently scaled) time. A batch the profile
+    def _observe_latency(self, worker_id: int, inflight: InFlight, measured_s: float) -> None:
+        """One step's measured time against its base-profile time, for the whole engine's speed ratio
+        and for the worker's (``worker_speed``). A batch the profile
         did not measure is estimated at its streams' single-stream times added up, an upper bound
         (batching is never slower), so its ratio is a lower bound on the engine's: it may raise the
         estimate, never lower it. Ignoring such batches left a server whose lanes all ran batches
@@ -523,7 +541,13 @@ class EngineCore:
         est = inflight.est_step_s
         if not self.calibrate or est <= 0:
             return
-        ratio = self.applied_ratio * measured_s / est
+        # Against the base profile: the policy may have been rescaled since the chunk started, and
+        # measuring it against the current scale compounded the two (ratios of 700 on a 10x engine).
+        base_s = est / inflight.scale
+        measured, profiled, steps = self._worker_time.get(worker_id, (0.0, 0.0, 0))
+        self._worker_time[worker_id] = (WORKER_SPEED_DECAY * measured + measured_s,
+                                        WORKER_SPEED_DECAY * profiled + base_s, steps + 1)
+        ratio = measured_s / base_s
         if inflight.point.source == ASSUMED_BATCH:
             ratio = max(ratio, self.speed_ratio)
         self.speed_ratio = ratio if self._ratio_samples == 0 else 0.8 * self.speed_ratio + 0.2 * ratio

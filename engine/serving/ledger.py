@@ -49,6 +49,9 @@ class InFlight:
     steps_left: int
     epoch: int
     step_started_t: float
+    # The calibration ratio of the profile ``est_step_s`` came from (live: the policy is rebuilt on a
+    # rescaled profile as the engine's speed is measured; a step is measured against that one).
+    scale: float = 1.0
 
 
 @dataclass
@@ -144,7 +147,7 @@ class StreamLedger:
         return e.last_run_at > -math.inf or e.tracker.epoch > 0
 
     # ---- observations -------------------------------------------------------------------------
-    def chunk_started(self, sid: int, now: float, point: ProfilePoint) -> None:
+    def chunk_started(self, sid: int, now: float, point: ProfilePoint, scale: float = 1.0) -> None:
         e = self.entries[sid]
         if e.inflight is not None:
             e.inflight.step_started_t = now  # resuming a preempted chunk
@@ -153,7 +156,7 @@ class StreamLedger:
         if self.camera is not None:
             e.input_s += self.camera.first_chunk_s if e.first_chunk else self.camera.chunk_s
         steps = point.config.sequential_steps
-        e.inflight = InFlight(point, total / steps, steps, e.tracker.epoch, now)
+        e.inflight = InFlight(point, total / steps, steps, e.tracker.epoch, now, scale)
 
     def step_done(self, sid: int, now: float) -> None:
         inflight = self.entries[sid].inflight

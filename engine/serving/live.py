@@ -63,11 +63,12 @@ def live_policy_config(name: str, max_batch: int, step_wise: bool, chunk_batches
     """A preset as it runs live. Each worker (the in-process engine, a Ray worker actor, the ranks) is
     one device (or one lane of the in-process engine), so a preset's ``gpus_per_worker`` (a simulated
     worker's GPU count) does not apply; the preset re-homes streams between ``workers`` where there are
-    several. Presets that route fidelity plan each live stream's chunk into its share of its worker's
-    time (``LIVE_LOAD``, `PolicyConfig.live_load`). ``--max-batch`` bounds the
-    cross-user batch of presets that route fidelity (BMPR) and FIFO's stream batch. Engines that run
-    whole chunks behind ``process`` (Ray) keep each stream's own fidelity, unbatched, with no step
-    preemption: those need the step-wise executor. Engines that run batches of whole chunks at
+    several, by the workers' measured speeds (``RehomingConfig.balance_speed``). Presets that route
+    fidelity plan each live stream's chunk into its share of its worker's time (``LIVE_LOAD``,
+    `PolicyConfig.live_load`). ``--max-batch`` bounds the cross-user batch of presets that route
+    fidelity (BMPR) and FIFO's stream batch. Engines that run whole chunks behind ``process`` (Ray)
+    keep each stream's own fidelity, unbatched, with no step preemption: those need the step-wise
+    executor. Engines that run batches of whole chunks at
     per-chunk fidelity (``chunk_batches``: the pipeline ranks) keep routing and batches, but a chunk
     runs to its end (no step preemption) and states stay where they are (no eviction)."""
     preset = resolve_preset(name)
@@ -77,8 +78,11 @@ def live_policy_config(name: str, max_batch: int, step_wise: bool, chunk_batches
         batch = min(preset.max_batch, max_batch)  # StreamDiffusionV2's stream batching
     else:
         batch = preset.max_batch
+    # Live streams stay URGENT on every worker (they cannot get ahead of their camera), so re-homing
+    # compares the workers' measured speeds instead of looking for workers without URGENT streams.
     live = replace(preset, gpus_per_worker=1, max_batch=batch, rehoming=preset.rehoming and workers > 1,
-                   live_load=LIVE_LOAD if preset.bmpr else None)
+                   live_load=LIVE_LOAD if preset.bmpr else None,
+                   rehome=replace(preset.rehome, balance_speed=True))
     if chunk_batches:
         live = replace(live, step_preemption=False)
     elif not step_wise:

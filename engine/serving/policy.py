@@ -413,6 +413,8 @@ class SlackPolicy:
                 worker_node=np.array([w.node_id for w in snap.workers], dtype=np.int64),
                 worker_slots=np.array([w.state_slots for w in snap.workers], dtype=np.int64),
                 worker_draining=np.array([w.draining for w in snap.workers], dtype=np.bool_),
+                worker_speed=np.array([np.nan if w.speed is None else w.speed for w in snap.workers],
+                                      dtype=np.float64),
             )
             rehomes = plan_rehomes(arrays, snap.now, self.config.rehome, self.transfer)
         desired = None

@@ -54,6 +54,9 @@ class WorkerView:
     # Streams it can host at all, None: no bound. Set where states cannot be parked (then every stream's
     # state stays on the device: engine/serving/device_memory.py).
     max_streams: int | None = None
+    # Its steps' measured time over the profile's (live calibration, ``EngineCore.worker_speed``): what
+    # live re-homing compares across workers. None: not measured (the simulator's workers).
+    speed: float | None = None
 
 
 @dataclass(frozen=True)
