@@ -11,6 +11,9 @@ Every chunk the actors ran (its input frames, the fidelity the policy gave it, t
 back) is recorded at the controller's seam and replayed through an independent stream in this process
 (`engine.pipeline`, never the cluster code): moved, parked and restored states must give bit-identical
 frames to a stream that never moved or parked.
+
+Last, three workers, the third slowed, six streams (two per worker): the live re-homing rule, by
+measured per-worker speed, moves the slow worker's streams to the others.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,16 +39,20 @@ from engine.cluster.controller import ClusterConfig, ClusterController
 from engine.cluster.worker import ChunkOrder, StepCall, StepOutcome
 from engine.fidelity import FidelityConfig
 from engine.pipeline import StreamParams
+from engine.serving.snapshot import Rehome, TickPlan
 
 FPS = 8.0
 SLOW_MS = 400.0  # worker 0's extra latency per chunk: two streams there cannot keep up
-WAIT_S = 40.0
+# Every wait ends at its event; the deadline only bounds a failure, generous for a loaded 2-core box.
+WAIT_S = 120.0
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[ClusterController]:
+    # A killed worker's ping fails at once; the long timeout only keeps a loaded box's slow ping from
+    # being taken for a hung worker (which is then killed, its streams lost).
     config = ClusterConfig(model="tiny-random", workers=2, threads_per_worker=1, health_interval_s=0.5,
-                           object_store_mb=200)
+                           health_timeout_s=30.0, object_store_mb=200)
     controller = ClusterController.start(config)
     controller.start_monitor()
     yield controller
@@ -102,9 +109,12 @@ class Camera:
             task.cancel()
 
 
-async def wait_for(condition: Any, what: str, timeout_s: float = WAIT_S) -> None:
+async def wait_for(condition: Any, what: str, timeout_s: float = WAIT_S, streams: Sequence[Camera] = ()) -> None:
+    """Until ``condition()``; a failure of one of ``streams`` ends the wait with its error."""
     deadline = time.monotonic() + timeout_s
     while not condition():
+        failed = [f for s in streams for f in s.failures]
+        assert not failed, f"a stream failed while waiting for {what}: {failed!r}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.05)
 
@@ -137,32 +147,38 @@ async def test_policy_rehomes_off_a_slow_worker_parks_states_and_survives_a_kill
     placement = {s.sid: loop.core.ledger.entries[s.sid].worker for s in (a, b, c)}
     assert placement == {a.sid: 0, b.sid: 1, c.sid: 0}  # the policy's admission: fewest streams first
     try:
-        await wait_for(lambda: b.playout.frames_shown > 4, "stream 2 to play")
+        # Worker 0: two streams, one state slot: it parks one and restores it every turn. Worker 1 has no
+        # free slot while stream 2 is there, so nothing can move before this.
+        await wait_for(lambda: b.playout.frames_shown > 4, "stream 2 to play", streams=(a, b, c))
+        await wait_for(lambda: loop.counters()["evictions"] >= 1 and loop.counters()["restores"] >= 1,
+                       "worker 0 to park and restore a state", streams=(a, b, c))
         b.stop()
         loop.remove(b.sid)  # worker 1 is free now (the session's end closes its Ray stream too)
         cluster.close(b.ray_id)
-        # Worker 0: two streams, one state slot, a slow engine: parks and restores every turn, falls
-        # behind, and the policy moves one stream to worker 1.
-        await wait_for(lambda: loop.executor.rehomes >= 1, "a policy re-home")
-        counters = loop.counters()
-        assert counters["evictions"] >= 1 and counters["restores"] >= 1, counters
+        # The slow worker's streams fall behind and the policy moves one to worker 1.
+        await wait_for(lambda: loop.executor.rehomes >= 1, "a policy re-home", streams=(a, c))
         moved = next(s for s in (a, c) if cluster.placement()[s.ray_id] == 1)
         stayed = a if moved is c else c
         assert loop.core.ledger.entries[moved.sid].worker == 1
         assert recorder.workers[moved.ray_id][0] == 0
         shown = moved.playout.frames_shown
         await wait_for(lambda: 1 in recorder.workers[moved.ray_id] and moved.playout.frames_shown > shown + 8,
-                       "the moved stream to play on worker 1")
+                       "the moved stream to play on worker 1", streams=(a, c))
 
         # SIGKILL the worker the moved stream now lives on: it is re-admitted on worker 0 and plays on.
+        # Its chunks that finished before the kill continue its first state; a chunk in flight at the
+        # kill is lost, and the next output is from the fresh re-admitted state.
+        finished_before_kill = len(recorder.outputs[moved.ray_id])
         pid = ray.get(cluster.actor(1).info.remote()).pid
         os.kill(pid, signal.SIGKILL)
-        await wait_for(lambda: len(cluster.recoveries) == 1, "the worker's death to be detected")
+        await wait_for(lambda: len(cluster.recoveries) == 1, "the worker's death to be detected", streams=(a, c))
         [recovery] = cluster.recoveries
         assert recovery.readmitted == {moved.ray_id: 0}
-        await wait_for(lambda: loop.core.ledger.entries[moved.sid].worker == 0, "the policy to follow")
+        await wait_for(lambda: loop.core.ledger.entries[moved.sid].worker == 0, "the policy to follow",
+                       streams=(a, c))
         shown = moved.playout.frames_shown
-        await wait_for(lambda: moved.playout.frames_shown > shown + 8, "the re-admitted stream to play")
+        await wait_for(lambda: moved.playout.frames_shown > shown + 8, "the re-admitted stream to play",
+                       streams=(a, c))
         assert not moved.failures and not stayed.failures
     finally:
         for s in (a, b, c):
@@ -173,14 +189,13 @@ async def test_policy_rehomes_off_a_slow_worker_parks_states_and_survives_a_kill
 
     # Moved and parked states gave the frames of a stream that never moved or parked (the comparison can
     # fail: a restarted or foreign state gives other frames). The re-admitted stream restarted fresh, so
-    # only its chunks before the death are compared.
+    # only its chunks finished before the kill are compared (chunks finish in order, one output each).
     for stream in (moved, stayed):
         chunks = recorder.chunks[stream.ray_id]
-        before = [i for i, w in enumerate(recorder.workers[stream.ray_id])]
+        outs = recorder.outputs[stream.ray_id]
         if stream is moved:
-            first_after_death = recorder.workers[stream.ray_id].index(0, recorder.workers[stream.ray_id].index(1))
-            before = before[:first_after_death]
-        outs = recorder.outputs[stream.ray_id][: len(before)]
+            outs = outs[:finished_before_kill]
+            assert 1 in recorder.workers[stream.ray_id][: len(outs)]  # chunks that ran after the move count
         assert len(outs) >= 3
         for got, want in zip(outs, twin_outputs(local, stream.settings, chunks[: len(outs)]), strict=True):
             np.testing.assert_array_equal(got, want)
@@ -230,3 +245,54 @@ def test_a_parked_stream_survives_its_workers_death_bit_identically(cluster: Clu
         frames = chunk(4)
         np.testing.assert_array_equal(run(frames, dst, restore=(901,)), twin.process(frames))
     cluster.close(901)
+
+
+async def test_live_streams_move_off_a_worker_slower_than_its_peers(cluster: ClusterController) -> None:
+    """`serve --ray --workers 3 --worker-delay-ms 0,0,400` with six streams: every live stream is URGENT
+    (it cannot get ahead of its camera), so SlackServe's receivers (workers without URGENT streams)
+    never exist and nothing moved. The live rule compares the workers' measured speeds: the slow
+    worker's streams move to the others within a few ticks of its speed being known, and none ever
+    moves onto it."""
+    if len(cluster.worker_ids) < 3:
+        cluster.add_workers(3 - len(cluster.worker_ids))
+    fast_a, fast_b, slow = cluster.worker_ids[:3]
+    factory = RayFactory(cluster)
+    config = ServerConfig(model="tiny-random", max_fps=FPS, policy="slack", worker_delay_ms=(0.0, 0.0, SLOW_MS))
+    pool = ThreadPoolExecutor(max_workers=3)
+    loop = build_serving_loop(config, factory, pool)
+    ticks: list[tuple[float | None, tuple[Rehome, ...]]] = []  # the slow worker's speed as planned with, moves
+    tick = loop.core.tick
+
+    def recorded() -> TickPlan:
+        plan = tick()
+        ticks.append((loop.core.worker_speed(slow), plan.rehomes))
+        return plan
+
+    loop.core.tick = recorded  # type: ignore[method-assign]
+    runner = asyncio.create_task(loop.run())
+    cams = [Camera(loop, factory, pool, seed) for seed in range(11, 17)]
+    try:
+        homes = [loop.core.ledger.entries[s.sid].worker for s in cams]
+        assert sorted(homes) == sorted([fast_a, fast_b, slow] * 2)  # admission: fewest streams first
+        on_slow = [s for s, home in zip(cams, homes, strict=True) if home == slow]
+        await wait_for(lambda: loop.counters()["rehomes"] >= 1, "a re-home off the slow worker", streams=cams)
+        moved = [s for s in on_slow if cluster.placement()[s.ray_id] != slow]
+        assert moved, "the re-home was not off the slow worker"
+        shown = {s.sid: s.playout.frames_shown for s in moved}
+        await wait_for(lambda: all(s.playout.frames_shown > shown[s.sid] + 8 for s in moved),
+                       "the moved streams to play on their new workers", streams=cams)
+        assert not any(s.failures for s in cams)
+    finally:
+        for s in cams:
+            s.stop()
+            cluster.close(s.ray_id)
+        runner.cancel()
+        pool.shutdown(wait=False)
+    moves = [m for _, plan in ticks for m in plan]
+    assert all(m.src == slow and m.dst != slow for m in moves), moves
+    # Bounded: the first tick that knew the slow worker's speed, or the few after it while its streams
+    # turned URGENT, planned the move (ticks, not seconds: a loaded box slows the steps, not the rule).
+    known = next(i for i, (speed, _) in enumerate(ticks) if speed is not None)
+    first_move = next(i for i, (_, plan) in enumerate(ticks) if plan)
+    assert first_move - known <= 4, ticks[known : first_move + 1]
+    assert loop.counters()["rehomes"] == loop.executor.rehomes <= 2  # the slow worker had two streams
