@@ -220,3 +220,36 @@ async def open_whip_session(base_url: str, camera: CodedCamera, token: str | Non
     await pc.setRemoteDescription(RTCSessionDescription(sdp=raw.decode(), type="answer"))
     return WhipSession(pc, camera, head["x-diffcast-stream-id"], urllib.parse.urljoin(f"{base_url}/", head["location"]),
                        head.get("x-diffcast-owner-token", ""), head.get("x-diffcast-viewer-token", ""))
+
+
+@dataclass
+class WhepViewer:
+    """A WHEP viewer (`/whep/<stream id>`) reading the stream's output with an `OutputProbe`."""
+
+    pc: RTCPeerConnection
+    probe: OutputProbe
+    location: str  # absolute URL of the viewer's session
+
+    async def close(self) -> None:
+        await self.pc.close()
+
+
+async def open_whep_viewer(base_url: str, stream_id: str, probe: OutputProbe | None = None,
+                           token: str | None = None) -> WhepViewer:
+    """Watch a stream through POST /whep/<stream id> (``token``: a viewer or owner token, where viewing
+    is not public); ``probe`` reads what arrives (a new one, without a camera, by default)."""
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    probe = probe if probe is not None else OutputProbe()
+    pc.on("track", lambda track: asyncio.ensure_future(probe.consume(track)))
+    pc.addTransceiver("video", direction="recvonly")
+    complete_video_frames_on_marker(pc)
+    await pc.setLocalDescription(await pc.createOffer())
+    headers = {"Content-Type": "application/sdp", **({"Authorization": f"Bearer {token}"} if token else {})}
+    status, head, raw = await asyncio.to_thread(
+        http, "POST", f"{base_url}/whep/{stream_id}", pc.localDescription.sdp.encode(), headers)
+    if status != 201:
+        await pc.close()
+        raise RuntimeError(f"WHEP viewer refused: {status} {raw.decode(errors='replace')}")
+    head = {k.lower(): v for k, v in head.items()}
+    await pc.setRemoteDescription(RTCSessionDescription(sdp=raw.decode(), type="answer"))
+    return WhepViewer(pc, probe, urllib.parse.urljoin(f"{base_url}/", head["location"]))

@@ -100,10 +100,33 @@ class InputFrame:
     meta: FrameMeta
 
 
-@dataclass(frozen=True)
 class OutputFrame:
-    image: np.ndarray  # uint8 [H, W, 3] RGB
-    meta: FrameMeta | None  # None for the placeholder shown before the first chunk
+    """A frame the playout shows, shared by every consumer of the stream's output (the publisher's
+    return track, each WHEP viewer, the recording, the WebSocket sender, any other output that reads
+    ``Playout.next_frame``): the RGB image, and the yuv420p planes every video encoder takes, converted
+    once for all of them by whichever asks first (on the event loop or a recording's thread), so V
+    viewers cost one conversion per frame, not V + 1."""
+
+    __slots__ = ("_lock", "_yuv", "image", "meta")
+
+    def __init__(self, image: np.ndarray, meta: FrameMeta | None) -> None:
+        self.image = image  # uint8 [H, W, 3] RGB
+        self.meta = meta  # None for the placeholder shown before the first chunk
+        self._yuv: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    def yuv420p(self) -> np.ndarray:
+        """The frame's yuv420p planes, uint8 [H * 3 / 2, W] (Y, then U, then V; what
+        ``av.VideoFrame.to_ndarray`` gives): converted at the first call, the same array after."""
+        with self._lock:
+            if self._yuv is None:
+                self._yuv = yuv_frame(self.image).to_ndarray()
+            return self._yuv
+
+    def video_frame(self) -> av.VideoFrame:
+        """A new yuv420p frame of this one, for an encoder: a copy of the shared planes (no conversion),
+        so each consumer stamps its own ``pts`` on its own frame."""
+        return av.VideoFrame.from_ndarray(self.yuv420p(), format="yuv420p")
 
 
 def to_rgb(source: av.VideoFrame | np.ndarray, size: tuple[int, int]) -> np.ndarray:

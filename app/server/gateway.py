@@ -7,7 +7,6 @@ import logging
 from fractions import Fraction
 
 import av
-import numpy as np
 from aiortc import MediaStreamTrack, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
 from aiortc.contrib.media import MediaRelay
 from aiortc.exceptions import OperationError
@@ -17,7 +16,7 @@ from app.server.audio import AudioPlayout, DelayedAudioTrack, offers_audio, want
 from app.server.config import ServerConfig
 from app.server.encoder import encode_output_frames
 from app.server.engine_bridge import StreamSettings
-from app.server.frame_path import ChunkAssembler, OutputFrame, Playout, video_frames, yuv_frame
+from app.server.frame_path import ChunkAssembler, Playout, video_frames
 from app.server.ice import rtc_configuration, strip_candidates
 from app.server.jitter import complete_video_frames_on_marker
 from app.server.logs import mint_secret
@@ -39,14 +38,12 @@ class PlayoutTrack(MediaStreamTrack):
         super().__init__()
         self._playout = playout
         self._tick = 0
-        self._last: tuple[OutputFrame, np.ndarray] | None = None  # the last frame played, in yuv420p planes
 
     async def recv(self) -> av.VideoFrame:
         self._tick, out, seconds = await self._playout.next_frame(self._tick)
-        if self._last is None or self._last[0] is not out:
-            self._last = out, yuv_frame(out.image).to_ndarray()
-        # A tick that repeats the last frame converts nothing (below the camera's rate, most ticks do).
-        frame = av.VideoFrame.from_ndarray(self._last[1], format="yuv420p")
+        # The frame's planes are converted once for every track and recording of the stream; a tick
+        # that repeats the last frame converts nothing (below the camera's rate, most ticks do).
+        frame = out.video_frame()
         frame.pts = int(seconds * VIDEO_CLOCK)
         frame.time_base = VIDEO_TIME_BASE
         return frame

@@ -35,7 +35,7 @@ import av
 import numpy as np
 
 from app.server.audio import FRAME_S, FRAME_SAMPLES, SAMPLE_RATE, AudioPlayout, audio_frame
-from app.server.frame_path import Playout
+from app.server.frame_path import OutputFrame, Playout
 from engine.aspect import fit_frame
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class RecordingInfo:
 def even_size(image: np.ndarray) -> np.ndarray:
     """H.264 in 4:2:0 wants even dimensions: drop a last odd row or column."""
     h, w = image.shape[:2]
-    return image[: h - h % 2, : w - w % 2]
+    return image if h % 2 == 0 and w % 2 == 0 else image[: h - h % 2, : w - w % 2]
 
 
 class Recorder:
@@ -108,7 +108,8 @@ class Recorder:
         self.info = RecordingInfo(stream_id, name,
                                   datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                                   [PromptMark(0.0, prompt)], audio=audio is not None)
-        self._queue: queue.Queue[tuple[str, np.ndarray, float] | None] = queue.Queue(QUEUE_ITEMS)
+        # Video frames (shared with the stream's other outputs) and audio samples, with their times.
+        self._queue: queue.Queue[tuple[OutputFrame | np.ndarray, float] | None] = queue.Queue(QUEUE_ITEMS)
         self.full = threading.Event()  # the encoder stopped: the storage quota was reached
         # No part of the recording id in the thread's name: it would reach logs that name threads.
         self._thread = threading.Thread(target=self._encode, name="record", daemon=True)
@@ -129,9 +130,9 @@ class Recorder:
     def note_prompt(self, prompt: str) -> None:
         self.info.prompts.append(PromptMark(self.elapsed_s, prompt))
 
-    def _put(self, kind: str, data: np.ndarray, at: float) -> None:
+    def _put(self, data: OutputFrame | np.ndarray, at: float) -> None:
         try:
-            self._queue.put_nowait((kind, data, at))
+            self._queue.put_nowait((data, at))
         except queue.Full:
             self.info.dropped += 1
 
@@ -140,7 +141,7 @@ class Recorder:
         tick = self._playout.tick_count
         while not self.full.is_set():
             tick, frame, seconds = await self._playout.next_frame(tick)
-            self._put("video", frame.image, self._playout.started_at + seconds)
+            self._put(frame, self._playout.started_at + seconds)
 
     async def feed_audio(self) -> None:
         audio = self._audio
@@ -149,7 +150,7 @@ class Recorder:
         tick = audio.tick_count
         while not self.full.is_set():
             tick, samples = await audio.next_frame(tick)
-            self._put("audio", samples, audio.start + tick * FRAME_S)
+            self._put(samples, audio.start + tick * FRAME_S)
 
     async def finish(self, reason: str) -> RecordingInfo:
         """Stop taking frames, let the thread finish the file, and wait for it (off the loop)."""
@@ -203,9 +204,9 @@ class Recorder:
                 item = self._queue.get()
                 if item is None:
                     break
-                kind, data, at = item
-                if kind == "video":
-                    image = even_size(data)
+                data, at = item
+                if isinstance(data, OutputFrame):
+                    image = even_size(data.image)
                     if video is not None and image.shape[:2] != (video.height, video.width):
                         # The black frame before the stream's first chunk can be at the model's default
                         # size: the encoder would stretch a frame of another size, so it is cropped.
@@ -217,7 +218,10 @@ class Recorder:
                         video.codec_context.time_base = VIDEO_TIME_BASE
                         if self._audio is not None:
                             sound = container.add_stream(AUDIO_CODEC, rate=SAMPLE_RATE, layout="stereo")
-                    frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
+                    # The frame's yuv420p planes, shared with the stream's tracks (converted once for
+                    # all); only a cropped frame is converted here.
+                    frame = data.video_frame() if image is data.image else \
+                        av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
                     last_video_pts = max(round((at - self.started) * VIDEO_CLOCK_HZ), last_video_pts + 1)
                     frame.pts = last_video_pts
                     frame.time_base = VIDEO_TIME_BASE
