@@ -130,6 +130,7 @@ class EngineThreadPipeline:
         self._executor = executor
         self.default_size = pipe.default_size
         self.stream_size = pipe.stream_size  # pure arithmetic on the model's sizes: no engine call
+        self.with_knobs = pipe.with_knobs  # reads the model's config: no engine call either
         self.first_chunk_frames = pipe.first_chunk_frames
         self.chunk_frames = pipe.chunk_frames
 
@@ -230,7 +231,7 @@ class Playground:
             raise ValueError("upload a video file first")
         if not Path(video).is_file():
             raise ValueError("the uploaded video is gone (an upload is deleted once a job used it): upload it again")
-        params = controls.params(self.max_prompt_chars).with_(precision=self.precision)
+        params = pipe.with_knobs(controls.params(self.max_prompt_chars), precision=self.precision)
         dst = self._out_path(".mp4")
         try:
             frames = stylize_file(cast("Pipeline", pipe), Path(video), dst, params, progress=True)
@@ -246,7 +247,8 @@ class Playground:
         pipe = self._require("t2v")
         if not 1 <= chunks <= MAX_T2V_CHUNKS:
             raise ValueError(f"chunks must be between 1 and {MAX_T2V_CHUNKS}, got {chunks}")
-        stream = pipe.open_stream(controls.params(self.max_prompt_chars).with_(mode="t2v", precision=self.precision))
+        params = controls.params(self.max_prompt_chars).with_(mode="t2v")
+        stream = pipe.open_stream(pipe.with_knobs(params, precision=self.precision))
         dst = self._out_path(".mp4")
         writer = VideoWriter(dst, 16.0, pipe.default_size)
         last = np.zeros((pipe.default_size[1], pipe.default_size[0], 3), np.uint8)

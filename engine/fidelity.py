@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRECISIONS = ("fp32", "bf16", "fp8")
+# The one default: the precision every device runs. Commands' ``auto`` (engine.devices.resolve_precision)
+# picks bf16 where the processor has bf16 units; profiles name each point's precision.
+DEFAULT_PRECISION = "fp32"
 # What a command's --precision takes: auto (engine.devices.resolve_precision) or a precision every device runs.
 PRECISION_CHOICES = ("auto", "fp32", "bf16")
 
@@ -34,7 +37,7 @@ class FidelityConfig:
     steps: int = 4
     kv_window_frames: int = 21
     resolution_scale: float = 1.0
-    precision: str = "bf16"
+    precision: str = DEFAULT_PRECISION
     attention_sparsity: float = 0.0
     stream_batch: int = 1
     gpus: int = 1

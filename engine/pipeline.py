@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -89,11 +89,9 @@ class StreamParams:
     blend_mode: BlendMode = "linear"
     size: tuple[int, int] | None = None  # (width, height); None = from the first chunk's aspect
     mode: Literal["v2v", "t2v"] = "v2v"  # t2v: text-to-video with the Self-Forcing recipe, no input
-    kv_window_frames: int | None = None
-    resolution_scale: float = 1.0
-    precision: str = "fp32"
-    attention_sparsity: float = 0.0
-    step_batch: bool = False  # a serving knob (executors batch a stream's steps); process() runs chunk by chunk
+    # The per-chunk knobs to open with (None: the model's own, at ``steps``); a serving policy changes
+    # them per chunk with ``Stream.set_fidelity``. Its steps are the stream's steps.
+    fidelity: FidelityConfig | None = None
     stabilize: bool = True  # the temporal stabilizer, where the model's runtime config has one
     # LoRA strengths by name, over the pipeline's defaults (Pipeline.load_lora); 0 turns one off.
     loras: Mapping[str, float] = field(default_factory=dict)
@@ -119,8 +117,11 @@ class StreamParams:
             raise ValueError(f"mode must be 'v2v' or 't2v', got {self.mode!r}")
         if self.noise_scale is not None and not 0.1 < self.noise_scale <= 1.0:
             raise ValueError(f"noise_scale must be in (0.1, 1.0], got {self.noise_scale}")
-        if not 0.0 < self.resolution_scale <= 1.0:
-            raise ValueError(f"resolution_scale must be in (0, 1], got {self.resolution_scale}")
+        if self.fidelity is not None:
+            if self.steps is None:
+                object.__setattr__(self, "steps", self.fidelity.steps)
+            elif self.steps != self.fidelity.steps:
+                raise ValueError(f"steps={self.steps} but the fidelity's steps are {self.fidelity.steps}")
 
     @property
     def prompts(self) -> tuple[str, ...]:
@@ -275,15 +276,20 @@ class Pipeline:
         noise_scale, steps = self.operating_point(params)
         return params.with_(noise_scale=noise_scale, steps=steps)
 
-    def fidelity_for(self, params: StreamParams) -> FidelityConfig:
-        return FidelityConfig(
+    def fidelity_for(self, params: StreamParams, **knobs: Any) -> FidelityConfig:
+        """The knobs a stream of ``params`` opens with (``params.fidelity``, else this model's own at the
+        stream's steps), with ``knobs`` (FidelityConfig fields) replaced."""
+        config = params.fidelity or FidelityConfig(
             steps=self.operating_point(params)[1],
-            kv_window_frames=params.kv_window_frames or self.runtime_for(params).config.kv_window_frames,
-            resolution_scale=params.resolution_scale,
-            precision=params.precision,
-            attention_sparsity=params.attention_sparsity,
-            step_batch=params.step_batch,
+            kv_window_frames=self.runtime_for(params).config.kv_window_frames,
         )
+        return replace(config, **knobs) if knobs else config
+
+    def with_knobs(self, params: StreamParams, **knobs: Any) -> StreamParams:
+        """``params`` opening with ``knobs`` (FidelityConfig fields, e.g. ``precision``) over the
+        knobs it would open with."""
+        fidelity = self.fidelity_for(params, **knobs)
+        return params.with_(steps=fidelity.steps, fidelity=fidelity)
 
     def open_stream(self, params: StreamParams, stream_id: str | None = None) -> Stream:
         """A new stream; UnsupportedModeError (a ValueError) for a mode this model lacks."""
@@ -303,15 +309,48 @@ class Pipeline:
         return [(look_name(n), share) for n, share in self.runtime.prompts.looks(prompts, weights)]
 
 
-class Stream:
-    """One live stream: feed chunks of frames, get stylised chunks back."""
+class StreamHost(Protocol):
+    """What holds a stream's state between chunks and changes its controls: the in-process
+    `StreamRuntime`, or the pipeline ranks' `engine.parallel.ring.RingRuntime` (rank 0 of `--gpus N`)."""
 
-    def __init__(self, pipe: Pipeline, params: StreamParams, stream_id: str) -> None:
+    def open(self, stream_id: str, prompt: str | Sequence[str], size: tuple[int, int], fidelity: FidelityConfig,
+             seed: int = 0, weights: Sequence[float] | None = None, blend_mode: BlendMode = "linear",
+             noise_scale: float = 0.8, stabilize: bool = True, loras: Mapping[str, float] | None = None,
+             fit_input: bool = False) -> StreamState: ...
+
+    def check_fidelity(self, fidelity: FidelityConfig) -> None: ...
+
+    def set_fidelity(self, state: StreamState, fidelity: FidelityConfig) -> None: ...
+
+    def checked_loras(self, loras: Mapping[str, float]) -> dict[str, float]: ...
+
+    def set_loras(self, state: StreamState, loras: Mapping[str, float]) -> None: ...
+
+    def set_prompt(self, state: StreamState, prompt: str | Sequence[str], weights: Sequence[float] | None = None,
+                   blend_mode: BlendMode = "linear", transition_chunks: int = 0, refresh_sinks: bool = False) -> None: ...
+
+    def set_look(self, state: StreamState, prompt: str | Sequence[str], weights: Sequence[float] | None = None,
+                 blend_mode: BlendMode = "linear", loras: Mapping[str, float] | None = None,
+                 noise_scale: float | None = None, transition_chunks: int = 0) -> None: ...
+
+
+# The controls of `StreamControls.update` that are per-chunk knobs (FidelityConfig fields); the rest
+# are the stream's own controls (prompt, noise, seed, ...).
+FIDELITY_CONTROLS = ("steps", "kv_window_frames", "precision", "resolution_scale", "attention_sparsity", "step_batch")
+
+
+class StreamControls:
+    """One stream's controls, written once for every engine that holds streams: open a state, change
+    its prompt, look, LoRA strengths, noise, seed and fidelity at a chunk boundary, start over.
+    `Stream` (the in-process engine) adds running chunks; the pipeline ranks' processor
+    (app/server/engine_bridge.py) runs them through the ring."""
+
+    def __init__(self, pipe: Pipeline, params: StreamParams, stream_id: str, host: StreamHost | None = None) -> None:
         self.pipe = pipe
         self.id = stream_id
         self.params = params
+        self.host: StreamHost = host or pipe.runtime_for(params)
         self.state = self._open(params)
-        self.last: ChunkResult | None = None
         self.notice = self._notice(params)
 
     def _notice(self, params: StreamParams) -> str | None:
@@ -320,12 +359,8 @@ class Stream:
             log.warning("stream %s: %s", self.id, notice)
         return notice
 
-    @property
-    def runtime(self) -> StreamRuntime:
-        return self.pipe.runtime_for(self.params)
-
     def _open(self, params: StreamParams) -> StreamState:
-        return self.pipe.runtime_for(params).open(
+        return self.host.open(
             self.id,
             list(params.prompts),
             params.size or self.pipe.default_size,
@@ -340,32 +375,10 @@ class Stream:
         )
 
     @property
-    def size(self) -> tuple[int, int]:
-        """(width, height) of the stream's output frames: ``StreamParams.size``, else the model's default
-        size until the first chunk sets it from the input's aspect."""
-        size: tuple[int, int] = self.state.size
-        return size
-
-    @property
-    def expected_frames(self) -> int:
-        """Frames the next chunk entering needs: the first chunk of a stream is shorter (a chunk
-        counts from when it enters, so a step batch's chunks in flight count too)."""
-        return self.pipe.chunk_frames if self.state.frame else self.pipe.first_chunk_frames
-
-    def process(self, frames: np.ndarray) -> np.ndarray:
-        """V2V: uint8 RGB frames [T, H, W, 3] -> stylised uint8 RGB frames [T, h, w, 3]."""
-        if self.params.mode != "v2v":
-            raise ValueError("this is a text-to-video stream; call generate(), not process()")
-        chunk = frames_to_tensor(frames, self.expected_frames)
-        self.last = self.runtime.step(self.state, chunk)
-        return tensor_to_frames(self.last.frames)
-
-    def generate(self) -> np.ndarray:
-        """T2V: the next chunk of a text-to-video stream (no input; open it with mode="t2v")."""
-        if self.params.mode != "t2v":
-            raise ValueError("this is a video-to-video stream; open it with StreamParams(mode='t2v') to generate")
-        self.last = self.runtime.generate(self.state)
-        return tensor_to_frames(self.last.frames)
+    def fidelity(self) -> FidelityConfig:
+        """The per-chunk knobs the stream's next chunk runs with."""
+        config: FidelityConfig = self.state.fidelity
+        return config
 
     def update(
         self,
@@ -400,39 +413,41 @@ class Stream:
             changes["prompt_weights"] = tuple(prompt_weights)
         if blend_mode is not None:
             changes["blend_mode"] = blend_mode
-        for key, value in (("noise_scale", noise_scale), ("steps", steps), ("seed", seed),
-                           ("kv_window_frames", kv_window_frames), ("precision", precision),
-                           ("stabilize", stabilize), ("resolution_scale", resolution_scale),
-                           ("attention_sparsity", attention_sparsity), ("step_batch", step_batch)):
+        for key, value in (("noise_scale", noise_scale), ("seed", seed), ("stabilize", stabilize)):
             if value is not None:
                 changes[key] = value
+        knobs: dict[str, Any] = {key: value for key, value in zip(FIDELITY_CONTROLS, (
+            steps, kv_window_frames, precision, resolution_scale, attention_sparsity, step_batch), strict=True)
+            if value is not None}
+        fidelity = replace(self.fidelity, **knobs)  # validates the knobs
         if loras is not None:
             changes["loras"] = {**self.params.loras, **loras}
-        new = self.params.with_(**changes)  # validates
+        new = self.params.with_(**changes, steps=fidelity.steps, fidelity=fidelity)  # validates
         if new.mode != self.params.mode:
             raise ValueError("a stream's mode (v2v / t2v) is fixed when it opens")
-        runtime = self.runtime
+        host = self.host
         noise_scale = self.pipe.operating_point(new)[0]
-        replace(runtime.config.noise, noise_scale=noise_scale)  # validates the noise strength
-        # Validates steps, window and engine size (a scale too small for the stream's size) before the
-        # prompt changes, so a refused update changes nothing.
+        replace(self.pipe.runtime_for(new).config.noise, noise_scale=noise_scale)  # validates the noise strength
+        # Steps, window and engine size (a scale too small for the stream's size) and LoRA names are
+        # checked before anything changes, so a refused update changes nothing.
+        host.check_fidelity(fidelity)
         if loras is not None:
-            runtime.checked_loras(loras)  # names a LoRA that is not loaded
-        runtime.set_fidelity(self.state, self.pipe.fidelity_for(new))
+            host.checked_loras(loras)  # names a LoRA that is not loaded
+        host.set_fidelity(self.state, fidelity)
         new_look = "prompt" in changes or "prompt_weights" in changes or "blend_mode" in changes
         if new_look and transition_chunks > 0:
             # A gradual change of look (a cue) takes the LoRA strengths and the noise strength along with
             # the text conditioning, from where the stream is now (docs/cues.md).
-            runtime.set_look(self.state, list(new.prompts), new.prompt_weights, new.blend_mode, loras=loras,
-                             noise_scale=noise_scale, transition_chunks=transition_chunks)
+            host.set_look(self.state, list(new.prompts), new.prompt_weights, new.blend_mode, loras=loras,
+                          noise_scale=noise_scale, transition_chunks=transition_chunks)
             self.state.force_sink_refresh = refresh_sinks
             self.notice = self._notice(new)
         else:
             if loras is not None:
-                runtime.set_loras(self.state, loras)
+                host.set_loras(self.state, loras)
             if new_look:
-                runtime.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
-                                   refresh_sinks=refresh_sinks)
+                host.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
+                                refresh_sinks=refresh_sinks)
                 self.notice = self._notice(new)
             self.state.noise_scale = noise_scale
         self.state.stabilize = new.stabilize
@@ -444,13 +459,55 @@ class Stream:
 
     def set_fidelity(self, config: FidelityConfig) -> None:
         """Every per-chunk knob of ``config`` (what a serving policy picks), from the next chunk on."""
-        self.update(steps=config.steps, kv_window_frames=config.kv_window_frames, precision=config.precision,
-                    resolution_scale=config.resolution_scale, attention_sparsity=config.attention_sparsity,
-                    step_batch=config.step_batch)
+        self.host.set_fidelity(self.state, config)  # validates
+        self.params = replace(self.params, steps=config.steps, fidelity=config)
 
     def reset(self) -> None:
         """Start over (fresh caches and noise) with the current controls."""
         self.state = self._open(self.params)
+
+
+class Stream(StreamControls):
+    """One live stream: feed chunks of frames, get stylised chunks back."""
+
+    def __init__(self, pipe: Pipeline, params: StreamParams, stream_id: str) -> None:
+        super().__init__(pipe, params, stream_id)
+        self.last: ChunkResult | None = None
+
+    @property
+    def runtime(self) -> StreamRuntime:
+        return self.pipe.runtime_for(self.params)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) of the stream's output frames: ``StreamParams.size``, else the model's default
+        size until the first chunk sets it from the input's aspect."""
+        size: tuple[int, int] = self.state.size
+        return size
+
+    @property
+    def expected_frames(self) -> int:
+        """Frames the next chunk entering needs: the first chunk of a stream is shorter (a chunk
+        counts from when it enters, so a step batch's chunks in flight count too)."""
+        return self.pipe.chunk_frames if self.state.frame else self.pipe.first_chunk_frames
+
+    def process(self, frames: np.ndarray) -> np.ndarray:
+        """V2V: uint8 RGB frames [T, H, W, 3] -> stylised uint8 RGB frames [T, h, w, 3]."""
+        if self.params.mode != "v2v":
+            raise ValueError("this is a text-to-video stream; call generate(), not process()")
+        chunk = frames_to_tensor(frames, self.expected_frames)
+        self.last = self.runtime.step(self.state, chunk)
+        return tensor_to_frames(self.last.frames)
+
+    def generate(self) -> np.ndarray:
+        """T2V: the next chunk of a text-to-video stream (no input; open it with mode="t2v")."""
+        if self.params.mode != "t2v":
+            raise ValueError("this is a video-to-video stream; open it with StreamParams(mode='t2v') to generate")
+        self.last = self.runtime.generate(self.state)
+        return tensor_to_frames(self.last.frames)
+
+    def reset(self) -> None:
+        super().reset()
         self.last = None
 
     def stats(self) -> dict[str, Any]:

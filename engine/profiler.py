@@ -167,11 +167,9 @@ class _Measured:
     the step batch, an older chunk's, or none while it fills; ``drain`` returns the rest)."""
 
     def __init__(self, pipe: Pipeline, config: FidelityConfig, size: tuple[int, int], seed: int) -> None:
-        self.stream = pipe.open_stream(StreamParams(
-            prompt=PROFILE_PROMPT, steps=config.steps, seed=seed, size=size, kv_window_frames=config.kv_window_frames,
-            resolution_scale=config.resolution_scale, precision=config.precision,
-            attention_sparsity=config.attention_sparsity,
-        ))
+        # The stream runs chunk by chunk; a step batch is the StreamBatch's, a stream batch the profiler's.
+        fidelity = replace(config, step_batch=False, stream_batch=1, gpus=1)
+        self.stream = pipe.open_stream(StreamParams(prompt=PROFILE_PROMPT, seed=seed, size=size, fidelity=fidelity))
         self.batch = StreamBatch(pipe.runtime, [self.stream.state]) if config.step_batch else None
 
     def process(self, frames: np.ndarray) -> tuple[float, list[np.ndarray]]:

@@ -207,7 +207,7 @@ def test_stylize_deletes_its_upload_when_done(tmp_path: Path, monkeypatch: pytes
     stylize_file = engine.video_io.stylize_file
 
     def recording(pipe: Any, src: Path, dst: Path, params: StreamParams, **kwargs: Any) -> int:
-        precisions.append(params.precision)
+        precisions.append(params.fidelity.precision if params.fidelity else None)
         return stylize_file(pipe, src, dst, params, **kwargs)
 
     monkeypatch.setattr(engine.video_io, "stylize_file", recording)

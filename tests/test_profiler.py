@@ -48,8 +48,8 @@ def test_two_configs_make_a_valid_profile(engine_factory: Any, tmp_path: Path) -
     clip = synthetic_clip(size, 1 + 3 * pipe.chunk_frames, seed=0)
 
     def outputs(c: FidelityConfig) -> np.ndarray:
-        stream = pipe.open_stream(StreamParams(prompt="oil painting", steps=c.steps, seed=0, size=size,
-                                               kv_window_frames=c.kv_window_frames, precision=c.precision))
+        params = StreamParams(prompt="oil painting", steps=c.steps, seed=0, size=size)
+        stream = pipe.open_stream(pipe.with_knobs(params, kv_window_frames=c.kv_window_frames, precision=c.precision))
         chunks = [stream.process(clip[:1])]
         chunks += [stream.process(clip[1 + k * 4 : 5 + k * 4]) for k in range(3)]
         return np.concatenate(chunks).astype(np.float64)
@@ -147,7 +147,7 @@ def test_teacher_quality_is_psnr_against_the_teachers_on_held_out_clips() -> Non
     frames = render_clip(heldout_specs()[0])
     psnrs = []
     for style, prompt in prompts.items():
-        stream = pipe.open_stream(StreamParams(prompt=prompt, seed=0, resolution_scale=0.5))
+        stream = pipe.open_stream(pipe.with_knobs(StreamParams(prompt=prompt, seed=0), resolution_scale=0.5))
         out = np.concatenate([stream.process(frames[:1])] + [stream.process(frames[a : a + 4])
                                                              for a in range(1, len(frames), 4)])
         mse = np.mean((out.astype(np.float64) - stylize_clip(frames, style).astype(np.float64)) ** 2)

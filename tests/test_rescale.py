@@ -221,7 +221,8 @@ def test_tiny_random_stream_switches_scale_with_update(pipe: Pipeline) -> None:
 
 
 def _fresh(pipe: Pipeline, scale: float, chunks: int) -> StreamState:
-    stream = pipe.open_stream(StreamParams(prompt="oil painting", size=(128, 128), seed=2, resolution_scale=scale))
+    params = StreamParams(prompt="oil painting", size=(128, 128), seed=2)
+    stream = pipe.open_stream(pipe.with_knobs(params, resolution_scale=scale))
     _feed(stream, chunks)
     return stream.state
 
@@ -232,7 +233,7 @@ def test_update_refuses_a_scale_outside_its_range_and_changes_nothing(pipe: Pipe
         stream.update(resolution_scale=1.5)
     with pytest.raises(ValueError, match="too small"):
         stream.update(prompt="neon", resolution_scale=0.25)  # 8 px: below the 16 px the model divides
-    assert stream.params.resolution_scale == 1.0 and stream.params.prompt == "oil painting"
+    assert stream.fidelity.resolution_scale == 1.0 and stream.params.prompt == "oil painting"
     assert stream.state.transition is None
 
 

@@ -106,14 +106,14 @@ def test_derived_latency_reproduces_published_fps(res: tuple[int, int]) -> None:
     """Reference window/bf16/dense points at 1..4 steps must give back StreamDiffusionV2's FPS (fit error)."""
     prof = derived_h100_profile(res)
     for steps, fps in enumerate(SDV2_FPS[res], start=1):
-        p = prof.find(FidelityConfig(steps=steps))
+        p = prof.find(FidelityConfig(steps=steps, precision="bf16"))
         assert 12 / p.latency_s == pytest.approx(fps, rel=0.03)
 
 
 def test_profile_reference_is_best_quality_single_stream() -> None:
     prof: FidelityProfile = derived_h100_profile()
     ref = prof.reference()
-    assert ref.config == FidelityConfig()
+    assert ref.config == FidelityConfig(precision="bf16")
     qs = np.array([p.quality for p in prof.per_stream()])
     assert ref.quality == qs.max()
     assert all(p.config.stream_batch == 1 and p.config.gpus == 1 for p in prof.per_stream())

@@ -95,7 +95,8 @@ def test_file_to_virtual_camera(recorder: type[RecordingBackend], tmp_path: Path
     # And the frames reach the camera whole and in order: the engine's output for this file, at the
     # precision the command's default (auto) resolves to on this processor.
     precision = resolve_precision("auto", "cpu")
-    stream = Pipeline.load().open_stream(StreamParams(prompt="oil painting", size=size, precision=precision))
+    pipe = Pipeline.load()
+    stream = pipe.open_stream(pipe.with_knobs(StreamParams(prompt="oil painting", size=size), precision=precision))
     expected = np.concatenate([stream.process(np.stack(c)) for c in (inputs[:1], inputs[1:5], inputs[5:9])])
     assert np.abs(got.astype(int) - expected.astype(int)).max() <= 1
     # Paced at the camera's rate (the schedule itself: test_sink_paces_at_the_camera_rate). Wall-clock

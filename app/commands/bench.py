@@ -104,8 +104,6 @@ def measure_row(pipe: Any, size: tuple[int, int], steps: int, streams: int, chun
     """One row of `diffcast bench engine`: ``streams`` streams batched at ``size`` and ``steps``, a full KV
     window of warm-up chunks, then ``chunks`` timed ones (the median is the row's chunk time); stage
     times, the first chunk of fresh streams, park/restore of one state, its bytes and the CUDA peak."""
-    from dataclasses import replace
-
     import numpy as np
     import torch
 
@@ -119,8 +117,9 @@ def measure_row(pipe: Any, size: tuple[int, int], steps: int, streams: int, chun
     cuda = rt.device.type == "cuda"
     if cuda:  # untested here: no GPU in this repository's CI
         torch.cuda.reset_peak_memory_stats(rt.device)
-    params = StreamParams(prompt="oil painting", steps=steps, size=size, kv_window_frames=kv_window)
-    fidelity = replace(pipe.fidelity_for(params), attention_sparsity=sparsity)
+    params = StreamParams(prompt="oil painting", steps=steps, size=size)
+    fidelity = pipe.fidelity_for(params, attention_sparsity=sparsity,
+                                 **({} if kv_window is None else {"kv_window_frames": kv_window}))
 
     states = [rt.open(f"bench{i}", "oil painting", size, fidelity, seed=i) for i in range(streams)]
     unstarted = park(states)  # fresh copies for the first-chunk timing, without encoding the prompt again

@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         pipe.capabilities.require("v2v")
         # Unset steps / noise scale: the model's own operating point (Pipeline.capabilities).
         params = StreamParams(prompt=args.prompt, seed=args.seed, steps=args.steps, noise_scale=args.noise_scale,
-                              stabilize=args.stabilize, precision=chunk_precision(args))
+                              stabilize=args.stabilize)
+        params = pipe.with_knobs(params, precision=chunk_precision(args))
         frames = stylize_file(pipe, args.input, args.output, params, size=args.size, progress=True)
     except (VideoInputError, UnsupportedModeError, ValueError) as exc:
         log.error("%s", exc)

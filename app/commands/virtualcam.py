@@ -160,8 +160,7 @@ def _frames(
 
     if pipe is None:  # stream: source, stylized by the server already
         return whep_frames(args.server, source[len(STREAM_PREFIX):], args.token)
-    stream = pipe.open_stream(
-        StreamParams(prompt=args.prompt, steps=args.steps, noise_scale=args.noise_scale, seed=args.seed, size=size,
-                     precision=chunk_precision(args))
-    )
+    params = StreamParams(prompt=args.prompt, steps=args.steps, noise_scale=args.noise_scale, seed=args.seed,
+                          size=size)
+    stream = pipe.open_stream(pipe.with_knobs(params, precision=chunk_precision(args)))
     return stylized_frames(source_frames if source_frames is not None else _source_frames(args, source, size), stream)

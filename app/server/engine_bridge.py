@@ -32,7 +32,7 @@ from engine.streaming.step_processor import StepProcessor as StepProcessor
 if TYPE_CHECKING:
     from app.server.config import LoRASpec
     from engine.parallel.ring import RingRuntime
-    from engine.pipeline import Pipeline, StreamParams
+    from engine.pipeline import Pipeline, StreamControls, StreamParams
     from engine.streaming.state import StreamState
 
 log = logging.getLogger(__name__)
@@ -210,9 +210,15 @@ class RankProcessor:
 
     def __init__(self, factory: RankFactory, params: StreamParams) -> None:
         self._factory = factory
-        self.params = params
+        from engine.pipeline import StreamControls
+
         self.id = uuid.uuid4().hex
-        self.state = factory.open_state(self.id, params)
+        self.controls = StreamControls(factory.pipeline, params, self.id, host=factory.ring)
+        factory.register(self.controls)
+
+    @property
+    def state(self) -> StreamState:
+        return self.controls.state
 
     @property
     def first_chunk_frames(self) -> int:
@@ -230,8 +236,7 @@ class RankProcessor:
         return self._factory.run_chunks([(self, frames, None)])[0]
 
     def fidelity(self) -> FidelityConfig:
-        config: FidelityConfig = self.state.fidelity
-        return config
+        return self.controls.fidelity
 
     def set_fidelity(self, config: FidelityConfig) -> None:
         """The engine core's point for the stream's next chunk (a ValueError for one the ranks cannot
@@ -240,47 +245,17 @@ class RankProcessor:
         reason = self._factory.unsupported(config)
         if reason is not None:
             raise ValueError(f"fidelity {config.label()} cannot run on the pipeline ranks: {reason}")
-        if config != self.state.fidelity:
-            self._factory.ring.set_fidelity(self.state, config)
+        if config != self.fidelity():
+            self.controls.set_fidelity(config)
 
     def update(self, **changes: Any) -> None:
-        """The controls of `engine.pipeline.Stream.update` (a step-count change takes effect at the
-        next chunk: every rank fits the stream's per-step caches, as the single-process engine does)."""
-        from engine.sampling import NoiseSource
-
-        transition_chunks = int(changes.pop("transition_chunks", 0))
-        refresh_sinks = bool(changes.pop("refresh_sinks", False))
-        changes = {k: v for k, v in changes.items() if v is not None}
-        if isinstance(changes.get("prompt"), list):
-            changes["prompt"] = tuple(changes["prompt"])
-        if "prompt" in changes:
-            changes.setdefault("prompt_weights", None)
-        if changes.get("prompt_weights") is not None:
-            changes["prompt_weights"] = tuple(changes["prompt_weights"])
-        seed = changes.get("seed")
-        pipeline, ring = self._factory.pipeline, self._factory.ring
-        loras = changes.get("loras")
-        if loras is not None:
-            ring.rt.checked_loras(loras)  # names a LoRA that is not loaded, before anything changes
-            changes["loras"] = {**self.params.loras, **loras}
-        new = self.params.with_(**changes)  # validates
-        fidelity = pipeline.fidelity_for(new)
-        ring.rt.check_fidelity(fidelity)
-        if {"prompt", "prompt_weights", "blend_mode"} & changes.keys():
-            ring.set_prompt(self.state, list(new.prompts), new.prompt_weights, new.blend_mode,
-                            transition_chunks=transition_chunks, refresh_sinks=refresh_sinks)
-        if loras is not None:
-            ring.set_loras(self.state, loras)
-        ring.set_fidelity(self.state, fidelity)
-        self.state.noise_scale = pipeline.operating_point(new)[0]
-        self.state.stabilize = new.stabilize
-        if seed is not None and seed != self.params.seed:
-            self.state.noise = NoiseSource(seed)
-        self.params = new
+        """The controls of `engine.pipeline.StreamControls.update` (a step-count change takes effect at
+        the next chunk: every rank fits the stream's per-step caches, as the single-process engine does)."""
+        self.controls.update(**changes)
 
     def reset(self) -> None:
         self._factory.ring.close_stream(self.state)
-        self.state = self._factory.open_state(self.id, self.params)
+        self.controls.reset()
 
 
 class RankFactory:
@@ -291,7 +266,7 @@ class RankFactory:
     def __init__(self, ring: RingRuntime, pipeline: Pipeline) -> None:
         self.ring = ring
         self.pipeline = pipeline
-        self._states: dict[str, StreamState] = {}
+        self._streams: dict[str, StreamControls] = {}
         self._dropped: list[str] = []
         self._lock = threading.Lock()
         self._running = threading.Lock()  # held while chunks are in the ring
@@ -364,14 +339,10 @@ class RankFactory:
             raise RuntimeError(f"the pipeline returned no chunk for streams {missing}")
         return [tensor_to_frames(done[id(state)].frames) for state in states]
 
-    def open_state(self, stream_id: str, params: StreamParams) -> StreamState:
-        state = self._states[stream_id] = self.ring.open(
-            stream_id, list(params.prompts), params.size or self.pipeline.default_size,
-            self.pipeline.fidelity_for(params), seed=params.seed, weights=params.prompt_weights,
-            blend_mode=params.blend_mode, noise_scale=self.pipeline.operating_point(params)[0],
-            stabilize=params.stabilize, loras={**self.pipeline.lora_strengths, **params.loras},
-            fit_input=params.size is None and params.mode == "v2v")
-        return state
+    def register(self, controls: StreamControls) -> None:
+        """A stream opened on the ring: its caches leave every rank when its processor is dropped."""
+        with self._lock:
+            self._streams[controls.id] = controls
 
     @property
     def loras(self) -> list[dict[str, Any]]:
@@ -383,7 +354,9 @@ class RankFactory:
         with self._lock:
             dropped, self._dropped = self._dropped, []
         for stream_id in dropped:
-            self.ring.close_stream(self._states.pop(stream_id))
+            with self._lock:
+                controls = self._streams.pop(stream_id)
+            self.ring.close_stream(controls.state)
 
     def _drop(self, stream_id: str) -> None:
         with self._lock:

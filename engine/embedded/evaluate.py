@@ -28,7 +28,7 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +94,8 @@ def stylize_stream(pipe: Pipeline, frames: np.ndarray, prompt: str, seed: int = 
     spans = chunk_spans(pipe, frames.shape[0])
     params = StreamParams(prompt=prompt, seed=seed, steps=steps, noise_scale=noise_scale)
     if fidelity is not None:
-        params = params.with_(steps=fidelity.steps, kv_window_frames=fidelity.kv_window_frames,
-                              resolution_scale=fidelity.resolution_scale, precision=fidelity.precision,
-                              attention_sparsity=fidelity.attention_sparsity)
+        # Chunk by chunk, one stream: a step batch or a stream batch is a serving choice, not the clip's.
+        params = params.with_(steps=fidelity.steps, fidelity=replace(fidelity, step_batch=False, stream_batch=1, gpus=1))
     stream = pipe.open_stream(params)
     runtime, state = stream.runtime, stream.state
     shipped, raw, timings, rates = [], [], [], []

@@ -173,6 +173,24 @@ class RingRuntime:
             state.restart_stabilizer = True
         state.force_sink_refresh = refresh_sinks
 
+    def set_look(self, state: StreamState, prompt: str | Sequence[str], weights: Sequence[float] | None = None,
+                 blend_mode: BlendMode = "linear", loras: Mapping[str, float] | None = None,
+                 noise_scale: float | None = None, transition_chunks: int = 0) -> None:
+        """Like :meth:`StreamRuntime.set_look`, except that only the text conditioning glides: the LoRA
+        strengths and the noise strength change at the next chunk (each rank re-encodes its blocks'
+        prompt K/V once per prompt version, not per chunk of a transition)."""
+        strengths = self.rt.checked_loras({**state.loras, **(loras or {})})
+        self.set_prompt(state, prompt, weights, blend_mode, transition_chunks=transition_chunks)
+        state.loras = strengths
+        if noise_scale is not None:
+            state.noise_scale = noise_scale
+
+    def check_fidelity(self, fidelity: FidelityConfig) -> None:
+        self.rt.check_fidelity(fidelity)
+
+    def checked_loras(self, loras: Mapping[str, float]) -> dict[str, float]:
+        return self.rt.checked_loras(loras)
+
     def set_fidelity(self, state: StreamState, fidelity: FidelityConfig) -> None:
         """Like :meth:`StreamRuntime.set_fidelity`: from the stream's next chunk on. A new step count or
         engine size needs the stream's chunks out of the ring first (see :meth:`_refit`)."""

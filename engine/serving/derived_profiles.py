@@ -142,9 +142,9 @@ def derive_point(
 
 
 def pipeline_point(batch: int, resolution: tuple[int, int]) -> ProfilePoint:
-    single = derive_point(FidelityConfig(steps=4), resolution)
+    single = derive_point(FidelityConfig(steps=4, precision="bf16"), resolution)
     fps = SDV2_PIPELINE_FPS[resolution]
-    config = FidelityConfig(steps=4, stream_batch=batch, gpus=SDV2_PIPELINE_GPUS)
+    config = FidelityConfig(steps=4, precision="bf16", stream_batch=batch, gpus=SDV2_PIPELINE_GPUS)
     return ProfilePoint(
         config=config,
         latency_s=max(single.latency_s, 12 * batch / fps),
@@ -164,7 +164,7 @@ def derived_h100_profile(resolution: tuple[int, int] = (832, 480), fps: float = 
                      resolution)
         for s, w, p, r, x in grid
     ]
-    points += [derive_point(FidelityConfig(steps=4, stream_batch=b), resolution) for b in (2, 3, 4)]
+    points += [derive_point(FidelityConfig(steps=4, precision="bf16", stream_batch=b), resolution) for b in (2, 3, 4)]
     if resolution in SDV2_PIPELINE_FPS:
         points += [pipeline_point(b, resolution) for b in (1, 2, 3, 4)]
     return FidelityProfile(
