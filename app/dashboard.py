@@ -98,6 +98,7 @@ def snapshot(manager: SessionManager, config: ServerConfig, rate: ChunkRate) -> 
             "max_streams": config.max_streams,
             "load": row["load"],
             "draining": row["draining"],
+            "threads": row.get("threads"),
             "tiers": {name: sum(1 for s in mine if s["tier"] == name) for name in tier_names},
         })
     return {

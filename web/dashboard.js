@@ -36,7 +36,7 @@ function renderWorkers(workers) {
       mine.innerHTML = (w.stream_ids || []).map((id) => `<span style="color:${color(id)}">●</span> ${esc(id.slice(0, 8))}`).join(" ");
       row.dataset.worker = w.id;
       row.append(cell(w.draining ? `${w.id} (draining)` : w.id), cell(w.device), cell(w.model), cell(w.policy || "–"),
-        cell(`${w.streams} / ${w.max_streams}`), load, cell(w.tiers.URGENT), cell(w.tiers.NORMAL), cell(w.tiers.RELAXED), mine);
+        cell(`${w.streams} / ${w.max_streams}`), load, cell(w.threads ?? "–"), cell(w.tiers.URGENT), cell(w.tiers.NORMAL), cell(w.tiers.RELAXED), mine);
       return row;
     }),
   );

@@ -4,7 +4,10 @@
 Every engine row is measured in this one run, side by side, so ratios between rows are meaningful on
 the machine at hand. Streams x steps x sizes x attention sparsity x {sequential, stream batch}. The
 prompt switch (text encoder, then the prompt's cross-attention K/V) happens once per prompt, not per
-chunk, so it is measured once, apart from the rows.
+chunk, so it is measured once, apart from the rows. On a CPU each chunk runs as one engine lane's step,
+on the threads the engine's thread budget allows as in the server (engine/streaming/thread_budget.py;
+``--fixed-threads`` keeps ``--threads``). ``--busy N`` measures every row again beside N busy
+processes (app/busy_neighbours.py): the quiet rows, then the loaded ones.
 """
 
 from __future__ import annotations
@@ -13,12 +16,18 @@ import argparse
 import json
 import logging
 import statistics
-from typing import Any
+from collections import Counter
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
 
+from app.busy_neighbours import BusyNeighbours
 from app.commands.arguments import add_vae_argument, parse_size
 
 NAME = "bench"
 HELP = "Benchmark the engine (per-chunk latency, FPS, stage times) or work out its memory per stream."
+
+if TYPE_CHECKING:
+    from engine.streaming.lanes import EngineLanes
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV window in latent frames (default: the model's); sparsity skips blocks of it")
     parser.add_argument("--stream-batch", action="store_true", help="also measure the pipelined stream batch")
     parser.add_argument("--chunks", type=int, default=12, help="measured chunks per row (after warm-up)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice); on a CPU the most a step takes: fewer "
+                             "while other programs keep cores busy, as in the server")
+    parser.add_argument("--fixed-threads", action="store_true",
+                        help="every step on --threads, whatever else runs (no thread budget)")
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="measure every row again beside N busy processes (CPU spinners): quiet rows, "
+                             "then loaded ones")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N; cuda fails clearly without CUDA")
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                         help="weight dtype (default auto: bf16 on cuda, fp32 on cpu; memory: bf16)")
@@ -100,7 +116,7 @@ def _ms(seconds: float) -> float:
 
 
 def measure_row(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks: int, stream_batch: bool,
-                sparsity: float = 0.0, kv_window: int | None = None) -> dict[str, Any]:
+                sparsity: float = 0.0, kv_window: int | None = None, lanes: EngineLanes | None = None) -> dict[str, Any]:
     """One row of `diffcast bench engine`: ``streams`` streams batched at ``size`` and ``steps``, a full KV
     window of warm-up chunks, then ``chunks`` timed ones (the median is the row's chunk time); stage
     times, the first chunk of fresh streams, park/restore of one state, its bytes and the CUDA peak."""
@@ -134,21 +150,23 @@ def measure_row(pipe: Any, size: tuple[int, int], steps: int, streams: int, chun
         hi = pipe.first_chunk_frames if k == 0 else lo + per
         return frames_to_tensor(np.stack(clips[i][lo:hi]))
 
-    latencies, stages = [], []
-    if stream_batch:
-        batch = StreamBatch(rt, states)
-        for k in range(warm + chunks):
-            t = rt.clock()
-            batch.push([chunk(k, i) for i in range(streams)])
-            if k >= warm:
-                latencies.append(rt.clock() - t)
-    else:
-        for k in range(warm + chunks):
-            t = rt.clock()
-            rt.step_batch(states, [chunk(k, i) for i in range(streams)])
-            if k >= warm:
-                latencies.append(rt.clock() - t)
+    # With ``lanes`` every chunk runs as one lane's step, on the threads the server would give it; the
+    # row counts its timed chunks at each thread count.
+    latencies, stages, threads = [], [], Counter[int]()
+    batch = StreamBatch(rt, states) if stream_batch else None
+    for k in range(warm + chunks):
+        t = rt.clock()
+        with lanes.step() if lanes is not None else nullcontext():
+            if batch is not None:
+                batch.push([chunk(k, i) for i in range(streams)])
+            else:
+                rt.step_batch(states, [chunk(k, i) for i in range(streams)])
+        if k >= warm:
+            latencies.append(rt.clock() - t)
+            if batch is None:
                 stages.append(rt.last_timings)
+            if lanes is not None and 0 in lanes.last_threads:
+                threads[lanes.last_threads[0]] += 1
     chunk_s = statistics.median(latencies)
     row: dict[str, Any] = {
         "size": list(size),
@@ -163,6 +181,8 @@ def measure_row(pipe: Any, size: tuple[int, int], steps: int, streams: int, chun
         "fps_per_stream": round(per / chunk_s, 2),
         "fps_total": round(per * streams / chunk_s, 2),
     }
+    if threads:
+        row["step_threads"] = {str(n): threads[n] for n in sorted(threads)}  # thread count -> timed chunks
     if stages:
         row["encode_ms"] = _ms(statistics.median(s.encode_s for s in stages))
         row["dit_ms"] = _ms(statistics.median(s.dit_s for s in stages))
@@ -244,9 +264,15 @@ def _run_engine(args: argparse.Namespace) -> int:
     from engine.devices import dtype_name, resolve_device, resolve_dtype
     from engine.models.wan_dit import attention_kernel
     from engine.pipeline import ModelNotAvailableError, Pipeline
+    from engine.streaming.lanes import EngineLanes
+    from engine.streaming.thread_budget import thread_budget
 
+    if args.busy < 0:
+        log.error("--busy must be 0 or more, got %d", args.busy)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
     try:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
@@ -255,51 +281,73 @@ def _run_engine(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else [pipe.default_size]
+    # One lane, as a server with one stream runs it: on a CPU its threads follow the thread budget.
+    budget = thread_budget(threads) if device.type == "cpu" and not args.fixed_threads else None
+    lanes = EngineLanes(1, threads, budget)
+
+    def measure_rows(busy: int) -> list[dict[str, Any]]:
+        rows = []
+        modes = [False, True] if args.stream_batch else [False]
+        for size in sizes:
+            for steps in args.steps:
+                for streams in args.streams:
+                    for stream_batch in modes:
+                        if stream_batch and pipe.runtime.config.cache_mode != "per-step":
+                            continue
+                        # Sparsity innermost: dense and sparse rows of one setting run back to back.
+                        for sparsity in args.sparsity:
+                            row = measure_row(pipe, size, steps, streams, args.chunks, stream_batch, sparsity,
+                                              args.kv_window, lanes)
+                            rows.append({**row, "busy": busy})
+                            log.debug("%s", rows[-1])
+        return rows
+
     prompt_switch = _prompt_switch(pipe)
-    rows = []
-    modes = [False, True] if args.stream_batch else [False]
-    for size in sizes:
-        for steps in args.steps:
-            for streams in args.streams:
-                for stream_batch in modes:
-                    if stream_batch and pipe.runtime.config.cache_mode != "per-step":
-                        continue
-                    # Sparsity innermost: dense and sparse rows of one setting run back to back.
-                    for sparsity in args.sparsity:
-                        rows.append(measure_row(pipe, size, steps, streams, args.chunks, stream_batch, sparsity,
-                                             args.kv_window))
-                        log.debug("%s", rows[-1])
+    rows = measure_rows(0)
+    loaded_switch = None
+    if args.busy:
+        with BusyNeighbours(args.busy):
+            loaded_switch = _prompt_switch(pipe)
+            rows += measure_rows(args.busy)
     report = {
         "model": pipe.name,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": dtype_name(dtype),
         "attention": attention_kernel(torch.empty(0, device=device, dtype=dtype)),
-        "threads": torch.get_num_threads(),
+        "threads": threads,
+        "thread_budget": budget is not None,
+        "busy": args.busy,
         "chunk_frames": pipe.chunk_frames,
         "prompt_switch": prompt_switch,
         "results": rows,
     }
+    if loaded_switch is not None:
+        report["prompt_switch_busy"] = loaded_switch
     if args.json:
         print(json.dumps(report))
         return 0
     table = Table(title=f"diffcast engine bench: {pipe.name} ({report['dtype']}, {report['attention']}) on "
                         f"{report['device_name']} ({report['threads']} threads)")
-    for col in ("size", "steps", "streams", "window", "sparsity", "mode", "chunk ms", "p90 ms", "first ms",
-                "FPS/stream", "FPS total", "enc/DiT/dec/deblock/stab ms", "state MB", "park/restore GB/s"):
+    for col in ("busy", "size", "steps", "streams", "window", "sparsity", "mode", "threads", "chunk ms", "p90 ms",
+                "first ms", "FPS/stream", "FPS total", "enc/DiT/dec/deblock/stab ms", "state MB", "park/restore GB/s"):
         table.add_column(col)
     for r in rows:
         stage = "/".join(str(r.get(k, "-")) for k in ("encode_ms", "dit_ms", "decode_ms", "deblock_ms", "stabilize_ms"))
-        table.add_row(f"{r['size'][0]}x{r['size'][1]}", str(r["steps"]), str(r["streams"]), str(r["kv_window"]),
-                      f"{r['sparsity']:g}", r["mode"], str(r["chunk_ms"]), str(r["chunk_ms_p90"]),
-                      str(r.get("first_chunk_ms", "-")), str(r["fps_per_stream"]), str(r["fps_total"]), stage,
-                      str(r["state_mb"]), f"{r.get('park_gbps', '-')}/{r.get('restore_gbps', '-')}")
+        # The timed chunks at each thread count, e.g. "2x3 1x9".
+        step_threads = " ".join(f"{n}x{c}" for n, c in sorted(r.get("step_threads", {}).items(), reverse=True))
+        table.add_row(str(r["busy"]), f"{r['size'][0]}x{r['size'][1]}", str(r["steps"]), str(r["streams"]),
+                      str(r["kv_window"]), f"{r['sparsity']:g}", r["mode"], step_threads or "-", str(r["chunk_ms"]),
+                      str(r["chunk_ms_p90"]), str(r.get("first_chunk_ms", "-")), str(r["fps_per_stream"]),
+                      str(r["fps_total"]), stage, str(r["state_mb"]),
+                      f"{r.get('park_gbps', '-')}/{r.get('restore_gbps', '-')}")
     console = Console()
     console.print(table)
-    ps = prompt_switch
-    console.print(f"prompt switch (once per prompt, not per chunk): {ps['total_ms']} ms = text encoder "
-                  f"{ps['text_encode_ms']} ms + prompt K/V {ps['prompt_kv_ms']} ms; "
-                  f"a cached prompt's text: {ps['cached_text_ms']} ms")
+    for label, ps in (("", prompt_switch), (f" beside {args.busy} busy", loaded_switch)):
+        if ps is not None:
+            console.print(f"prompt switch{label} (once per prompt, not per chunk): {ps['total_ms']} ms = text encoder "
+                          f"{ps['text_encode_ms']} ms + prompt K/V {ps['prompt_kv_ms']} ms; "
+                          f"a cached prompt's text: {ps['cached_text_ms']} ms")
     return 0
 
 

@@ -92,6 +92,20 @@ class SessionCollector(Collector):
         for direction in ("up", "down"):
             scale.add_metric([direction], events.get(direction, 0))
         yield from (workers, scale)
+        # The in-process engine's lanes: the threads each ran its last step on, and the cores other
+        # programs left this process, which those threads follow (engine/streaming/thread_budget.py).
+        lanes = getattr(loop.executor, "lanes", None) if loop is not None else None
+        if lanes is not None:
+            threads = GaugeMetricFamily("diffcast_engine_threads", "Intra-op threads of each engine lane's last step",
+                                        labels=["worker"])
+            for lane, count in sorted(lanes.last_threads.items()):
+                threads.add_metric([str(lane)], count)
+            yield threads
+            if lanes.budget is not None and lanes.budget.cores_left is not None:
+                left = GaugeMetricFamily("diffcast_engine_cores_left",
+                                         "Cores of this process's affinity that other programs left it")
+                left.add_metric([], lanes.budget.cores_left)
+                yield left
         yield from (fps, latency, slack, viewers, frames_in, frames_out, dropped)
         yield from (steps, credit, tier, downshifts)
 

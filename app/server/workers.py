@@ -29,6 +29,8 @@ class WorkerRow(BaseModel):
     tiers: WorkerTiers = Field(description="Its streams per urgency tier (the policy's last control tick)")
     load: float = Field(ge=0, le=1, description="Share of the last 5 s its engine was busy")
     draining: bool = Field(description="The autoscaler is moving its streams away before removing it")
+    threads: int | None = Field(None, ge=1, description="Intra-op threads of its last step (an in-process engine "
+                                                        "lane: fewer beside busy programs); null elsewhere")
 
 
 def worker_rows(manager: SessionManager) -> list[dict[str, Any]]:
