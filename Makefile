@@ -13,8 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch 2.13.0; an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	# cluster: Ray, for the scale-out workers (engine/cluster) and their tests.
-	$(PY) -m pip install -q -e '.[dev,cluster]'
+	# cluster: Ray, for the scale-out workers (engine/cluster) and their tests; ndi: the NDI runtime
+	# (docs/ndi.md), so the NDI tests run rather than skip.
+	$(PY) -m pip install -q -e '.[dev,cluster,ndi]'
 	touch $@
 
 run: setup

@@ -155,6 +155,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--record-max-gb", type=float, default=10.0,
         help="most disk the recordings may use, in GB; full = new recordings refused (default 10)",
     )
+    parser.add_argument(
+        "--ndi-out", action="store_true",
+        help="let streams publish their output as NDI sources (the control field ndi_out; docs/ndi.md): NDI has "
+             "no viewer authentication, anyone on the network can watch",
+    )
+    parser.add_argument(
+        "--ndi-in", default=None, metavar='"MACHINE (SOURCE)"',
+        help="open one stream at start whose camera is this NDI source (docs/ndi.md)",
+    )
+    parser.add_argument(
+        "--ndi-allow", action="append", default=[], metavar="PATTERN",
+        help="NDI sources stream owners may open through POST /api/ndi, as shell-style patterns "
+             "(e.g. 'STUDIO (*)'; repeatable; default: none)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads for the engine (0 = torch default)")
     parser.add_argument(
         "--lanes", type=int, default=0,

@@ -41,6 +41,7 @@ from app.server.executors import build_serving_loop
 from app.server.gateway import Gateway
 from app.server.ice import allow_loopback_candidates, browser_ice_servers
 from app.server.metrics import CONTENT_TYPE, build_registry
+from app.server.ndi import NdiError, SourceNames, allowed
 from app.server.openapi import SDP_NOT_BLANK, allow_documented_methods, document, errors
 from app.server.recordings import GB, RecordingStore, recordings_router
 from app.server.sdp import OfferError
@@ -75,6 +76,23 @@ class OfferRequest(StreamOptions):
     # an offer with no character but blanks. The rest of the SDP grammar is the check's (400s too).
     sdp: str = Field(json_schema_extra={"minLength": 1, "pattern": SDP_NOT_BLANK})
     type: Literal["offer"]
+
+
+class NdiRequest(StreamOptions):
+    # An NDI source's full name, as NDI tools list it: "MACHINE (SOURCE)".
+    source: str = Field(min_length=1, max_length=256)
+
+
+class NdiReply(BaseModel):
+    stream_id: str
+    whep_url: str
+    view_url: str
+    owner_token: str  # added by the edge (app/server/security.py), as for /api/offer
+    viewer_token: str
+
+
+# How long POST /api/ndi looks for the source before answering that it is not on the network.
+NDI_FIND_S = 3.0
 
 
 class LookShare(BaseModel):
@@ -205,6 +223,8 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     config = with_model_defaults(config, caps)
     manager = SessionManager(factory, config)
     manager.loop = build_serving_loop(config, factory, manager.executor)
+    if config.ndi_out:
+        manager.ndi_names = SourceNames()
     gateway = Gateway(manager, config)
     registry = build_registry(manager)
 
@@ -216,6 +236,8 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             from app.server.osc import OscServer
 
             osc = await OscServer.start(config, osc_socket, manager, access)
+        if config.ndi_in is not None:
+            await open_ndi_in(config.ndi_in)
         yield
         if osc is not None:
             await osc.close()
@@ -322,6 +344,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
                 config.default_prompt, config.max_prompt_chars, *config.stream_defaults()
             )
             session, answer = await gateway.publish(body.sdp, settings, kind="webrtc", send_output=True)
+            session.label = body.label or session.label
         except ControlError as exc:
             return _json_error(422, str(exc))
         except OfferError as exc:
@@ -338,6 +361,41 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
                 **await manager.prompt_report((settings.prompt,)),
             }
         )
+
+    async def open_ndi_in(source: str) -> None:
+        """--ndi-in: the operator's NDI source as a stream; a failure is logged, the server goes on."""
+        from app.server.ndi_in import open_ndi_stream
+
+        try:
+            settings = StreamOptions().to_settings(config.default_prompt, config.max_prompt_chars,
+                                                   *config.stream_defaults())
+            session = await open_ndi_stream(manager, source, settings, None)
+        except Exception:
+            log.exception("--ndi-in %r: the stream could not open", source)
+            return
+        log.info("--ndi-in %r: stream %s opened", source, session.id)
+
+    @app.post("/api/ndi", responses={200: {"model": NdiReply}, **errors("/api/ndi", 403, 404, 503)})
+    async def ndi_stream(body: NdiRequest) -> Response:
+        """A stream whose camera is an NDI source the operator allows (--ndi-allow), with audio."""
+        if not allowed(body.source, config.ndi_allow):
+            return _json_error(403, f"NDI source {body.source!r} is not one this server lets streams open "
+                                    "(the operator allows sources with diffcast serve --ndi-allow PATTERN)")
+        from app.server.ndi_in import open_ndi_stream, source_exists
+
+        try:
+            settings = body.to_settings(config.default_prompt, config.max_prompt_chars, *config.stream_defaults())
+            manager.check_capacity()  # before looking for the source
+            await asyncio.to_thread(source_exists, body.source, NDI_FIND_S)
+            session = await open_ndi_stream(manager, body.source, settings, body.label)
+        except NdiError as exc:
+            return _json_error(404, str(exc))
+        except ControlError as exc:
+            return _json_error(422, str(exc))
+        except CapacityError as exc:
+            return _json_error(503, str(exc), {"Retry-After": str(config.retry_after_s)})
+        return JSONResponse({"stream_id": session.id, "whep_url": f"/whep/{session.id}",
+                             "view_url": f"/view/{session.id}"})
 
     @app.get("/api/streams", responses=errors("/api/streams", 401))
     async def streams() -> Response:

@@ -190,6 +190,12 @@ class ServerConfig:
     osc_host: str = "127.0.0.1"
     # UDP port on the sender's host that refusals (and acks) go to when a message names none.
     osc_reply_port: int | None = None
+    # NDI (app/server/ndi*.py, docs/ndi.md): publishing streams as NDI sources (the control field
+    # ndi_out, once the operator opts in: NDI has no viewer authentication); an NDI source opened as
+    # a stream at start; and the sources stream owners may open through POST /api/ndi (patterns).
+    ndi_out: bool = False
+    ndi_in: str | None = None
+    ndi_allow: tuple[str, ...] = ()
     presets: tuple[str, ...] = (
         "oil painting",
         "watercolor sketch",
@@ -264,6 +270,9 @@ class ServerConfig:
             osc_reply_port=args.osc_reply,
             record_dir=args.record_dir,
             record_max_gb=args.record_max_gb,
+            ndi_out=args.ndi_out,
+            ndi_in=args.ndi_in,
+            ndi_allow=tuple(args.ndi_allow),
         )
 
     def stream_defaults(self) -> tuple[float, int]:
@@ -297,6 +306,12 @@ class ServerConfig:
             raise ValueError(f"--min-workers must be at least 1, got {self.min_workers}")
         if not 0 <= self.lanes <= 64:
             raise ValueError(f"--lanes must be between 0 (auto) and 64, got {self.lanes}")
+        if self.ndi_in is not None and not self.ndi_in.strip():
+            raise ValueError('--ndi-in names an NDI source, "MACHINE (SOURCE)"; got an empty name')
+        if self.ndi_out or self.ndi_in is not None or self.ndi_allow:
+            from app.server.ndi import runtime
+
+            runtime()  # NdiError (a ValueError) in plain words when the ndi extra is missing
         if self.max_workers and self.max_workers < self.min_workers:
             raise ValueError(f"--max-workers ({self.max_workers}) must be at least --min-workers ({self.min_workers})")
 

@@ -70,10 +70,12 @@ class UpdateMessage(_Message):
     loras: LoRAStrengths | None = Field(default=None, max_length=MAX_LORAS)
     # Start (true) or stop (false) recording the stream's output on the server (--record-dir).
     record: bool | None = None
+    # Publish (true) or stop publishing (false) the stream's output as an NDI source (--ndi-out).
+    ndi_out: bool | None = None
 
     def changes(self) -> dict[str, Any]:
-        """The engine's share of the message (recording is the session's)."""
-        return self.model_dump(exclude={"type", "record"}, exclude_none=True)
+        """The engine's share of the message (recording and NDI output are the session's)."""
+        return self.model_dump(exclude={"type", "record", "ndi_out"}, exclude_none=True)
 
 
 class PauseMessage(_Message):
@@ -226,6 +228,8 @@ class StreamOptions(_Message):
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     stabilize: bool = True
     loras: LoRAStrengths | None = Field(default=None, max_length=MAX_LORAS)  # over the served defaults
+    # What the stream is called where a name is shown: its NDI source's name (docs/ndi.md).
+    label: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
     # A live stream takes a camera in and sends a look out; text-to-video runs in the playground and
     # the Python API, where the model has it (GET /api/config lists the model's modes).
     mode: Literal["v2v"] = "v2v"
@@ -238,6 +242,13 @@ class StreamOptions(_Message):
                              "text-to-video runs in the playground and the Python API where the model has it "
                              "(GET /api/config lists the model's modes)")
         return mode
+
+    @field_validator("label")
+    @classmethod
+    def _printable_label(cls, label: str | None) -> str | None:
+        if label is not None and (not label.isprintable() or label != label.strip()):
+            raise ValueError("a label is printable characters, without leading or trailing spaces")
+        return label
 
     def to_settings(
         self, default_prompt: str, max_prompt_chars: int, default_noise_scale: float = GENERIC_NOISE_SCALE,

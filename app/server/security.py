@@ -114,7 +114,7 @@ RECORDINGS = re.compile(r"^/api/streams/[^/]+/recordings(/[^/]+)?$")
 # Routes that reveal every stream's id: admin only.
 LISTING = {("GET", "/api/streams"), ("GET", "/api/dashboard"), ("GET", "/api/workers"), ("GET", "/metrics")}
 # Routes that create a stream: the API token (when set) and the per-client limit apply.
-CREATION = {("POST", "/api/offer"), ("POST", "/whip"), ("WEBSOCKET", "/ws")}
+CREATION = {("POST", "/api/offer"), ("POST", "/api/ndi"), ("POST", "/whip"), ("WEBSOCKET", "/ws")}
 # The Gradio playground runs engine work and stores uploads: it needs what creating a stream needs.
 PLAYGROUND = "/playground"
 # Its file uploads: bounded by --max-upload-bytes (announced in Content-Length) instead of the body
@@ -646,9 +646,9 @@ class EdgeGuard:
         return http_send
 
     def _with_tokens(self, path: str, head: Message, body: Message, created: list[str]) -> tuple[Message, Message]:
-        if path == "/api/offer" and head["status"] == 200:
+        if path in ("/api/offer", "/api/ndi") and head["status"] == 200:
             if body.get("more_body"):
-                raise RuntimeError("/api/offer answered with a streamed body")
+                raise RuntimeError(f"{path} answered with a streamed body")
             reply = json.loads(body["body"])
             grant = self._mint(reply["stream_id"], created)
             reply.update(owner_token=grant.owner, viewer_token=grant.viewer,

@@ -30,6 +30,8 @@ from app.server.engine_bridge import ProcessorFactory, StreamSettings, parallel_
 from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
 from app.server.limits import InputTimeout, MessageGuard, control_guard, watch_input
 from app.server.logs import mint_secret
+from app.server.ndi import DEFAULT_LABEL, NDI_OUT_OFF, SourceNames
+from app.server.ndi_out import NdiOutput
 from app.server.recorder import Recorder
 from app.server.recordings import NOT_ENABLED, RecordingError, RecordingStore
 from engine.streaming.prompts import seconds_to_chunks
@@ -81,6 +83,13 @@ class Session:
         self.recorder: Recorder | None = None
         self.record_error: str | None = None
         self._record_task: asyncio.Task[Any] | None = None
+        # What the stream is called where a name is shown (its NDI source); the NDI names of the
+        # server (None: no --ndi-out) and the stream's NDI output while it publishes one.
+        self.label = DEFAULT_LABEL
+        self.ndi_names: SourceNames | None = None
+        self.ndi_fps = 30.0
+        self.ndi: NdiOutput | None = None
+        self._ndi_task: asyncio.Task[Any] | None = None
         # What a new prompt is served as on a model with looks (None: the model has none): the notice
         # for prompts far from every look it ships and the looks the prompt gets.
         self.prompt_report: Callable[[tuple[str, ...], list[float] | None], Awaitable[dict[str, Any]]] | None = None
@@ -146,6 +155,24 @@ class Session:
                 self.recordings.finished(self.id, recorder.name)
         log.info("stream %s: recording %s finished (%s, %d frames)", self.id, recorder.name, info.ended, info.frames)
 
+    def start_ndi(self) -> None:
+        """Publish the output (with its audio) as an NDI source named after the label."""
+        if self.ndi is not None:
+            return
+        if self.ndi_names is None:
+            raise ControlError(NDI_OUT_OFF)
+        self.ndi = NdiOutput(self.ndi_names, self.label, self.playout, self.audio, self.ndi_fps)
+        self._ndi_task = self.spawn(self.ndi.feed(), "ndi-out")
+
+    async def stop_ndi(self) -> None:
+        ndi, task = self.ndi, self._ndi_task
+        if ndi is None:
+            return
+        self.ndi = None
+        if task is not None:
+            task.cancel()
+        await ndi.close()
+
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str, ends_session: bool = False) -> asyncio.Task[Any]:
         """Run a task that lives as long as the session; a crash ends the session, and so does the
         task's end when ``ends_session`` (the publisher's input: a track ends when its peer leaves)."""
@@ -202,11 +229,17 @@ class Session:
         prompt timeline)."""
         if message.record:
             self.check_recording()  # first: a refusal (not enabled, storage full) applies nothing
+        if message.ndi_out and self.ndi_names is None:
+            raise ControlError(NDI_OUT_OFF)  # first, like recording: nothing is applied
         changes = message.changes()
         if changes:
             await self.runner.update(**changes)
         if message.record:
             self.start_recording()
+        if message.ndi_out:
+            self.start_ndi()
+        elif message.ndi_out is False:
+            await self.stop_ndi()
         shown: dict[str, Any] = {k: changes[k] for k in ("noise_scale", "steps", "seed", "stabilize") if k in changes}
         if "loras" in changes:
             shown["loras"] = {**self.settings.loras, **changes["loras"]}
@@ -291,6 +324,8 @@ class Session:
             "recording": self.recorder is not None,
             "record_error": self.record_error,
             "audio": self.audio is not None,
+            "label": self.label,
+            "ndi_out": None if self.ndi is None else self.ndi.name,  # the NDI source's name, while published
             "audio_delay_ms": None if self.audio is None or self.audio.delay_s is None
             else round(1000 * self.audio.delay_s, 1),
             "audio_resyncs": None if self.audio is None else self.audio.resyncs,
@@ -313,6 +348,7 @@ class Session:
         await asyncio.gather(*(pc.close() for pc in self.peers.values()), return_exceptions=True)
         self.peers.clear()
         await self.stop_recording("stream ended")  # a recording is finished properly, never cut
+        await self.stop_ndi()  # the NDI source goes off the network with the stream
         log.info("stream %s (%s) closed", self.id, self.kind)
 
 
@@ -336,6 +372,8 @@ class SessionManager:
         self._policy_ids: dict[str, int] = {}
         # The recordings directory (--record-dir; set by create_app), None when recording is off.
         self.recordings: RecordingStore | None = None
+        # The NDI source names of this server's streams (--ndi-out; set by create_app), None when off.
+        self.ndi_names: SourceNames | None = None
 
     @property
     def size(self) -> tuple[int, int]:
@@ -406,6 +444,8 @@ class SessionManager:
         )
         session.control_guard = control_guard(cfg.max_message_bytes, cfg.max_messages_per_s)
         session.recordings = self.recordings
+        session.ndi_names = self.ndi_names
+        session.ndi_fps = cfg.max_fps
         if getattr(getattr(self.factory, "pipeline", None), "styles", None) is not None:
             session.prompt_report = self.prompt_report  # an open-vocabulary model's acks carry no notice
         self.sessions[session.id] = session

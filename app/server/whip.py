@@ -113,12 +113,12 @@ def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig,
                      VIEWER_HEADER: "The stream's viewer token"}), **errors("/whip", 400, 401, 415, 503)})
     async def whip_publish(request: Request) -> Response:
         async def handle() -> Response:
-            settings = options_from_query(request.query_params).to_settings(
-                config.default_prompt, config.max_prompt_chars, *config.stream_defaults()
-            )
+            options = options_from_query(request.query_params)
+            settings = options.to_settings(config.default_prompt, config.max_prompt_chars, *config.stream_defaults())
             manager.check_capacity()  # before reading a large body or touching the engine
             offer = await read_offer(request)
             session, answer = await gateway.publish(offer, settings, kind="whip", send_output=False)
+            session.label = options.label or session.label
             return _sdp_response(answer, f"/whip/{session.id}/{session.publisher_session}", session.id)
 
         return await guarded(request, handle)
