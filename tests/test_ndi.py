@@ -247,6 +247,7 @@ class NdiCamera:
         self.sender.set_audio_frame(sound)
         self.sender.open()
         self.name = self.sender.name  # "MACHINE (name)"
+        self.sent = 0  # frames sent so far: their IDs are 0 .. sent - 1
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._send, daemon=True)
         self._thread.start()
@@ -260,6 +261,7 @@ class NdiCamera:
             draw_id(image, n)
             self.sender.write_video_and_audio(rgbx_bytes(image), np.stack([tone, tone]))
             n += 1
+            self.sent = n
             time.sleep(max(0.0, start + n * period - time.monotonic()))
 
     def close(self) -> None:
@@ -270,9 +272,10 @@ class NdiCamera:
 
 async def test_ndi_in_is_a_stream_camera_and_the_api_opens_only_allowed_sources(cy: ModuleType, live_server: Live) -> None:
     camera = NdiCamera(cy, "diffcast test cam", (160, 120))
+    watcher = NdiWatcher(cy)
     try:
         with live_server(max_streams=3, ndi_in=camera.name, ndi_allow=("* (diffcast test *)",),
-                         trace_stamp=True) as url:
+                         trace_stamp=True, ndi_out=True) as url:
             await wait_for(lambda: len(streams(url)) == 1, "the --ndi-in stream")
             stream = streams(url)[0]
             assert stream["kind"] == "ndi" and stream["label"] == camera.name and stream["audio"] is True
@@ -318,11 +321,22 @@ async def test_ndi_in_is_a_stream_camera_and_the_api_opens_only_allowed_sources(
                                reply["owner_token"]))[0] == 200
             assert (await call("GET", f"{url}/api/streams/{sid}"))[0] == 200  # the first one undisturbed
 
+            # NDI in to NDI out: the source's frames restyled, and its tone passed through.
+            assert (await call("POST", f"{second}/control", {"type": "update", "ndi_out": True},
+                               reply["owner_token"]))[0] == 200
+            await wait_for(lambda: watcher.named("second view") is not None, "the API stream's NDI source")
+            watcher.receive(str(watcher.named("second view")))
+            await wait_for(lambda: len(watcher.frames.by_id) >= 3 and watcher.audio_peak > 0.1, lambda: (
+                f"frames and the tone back over NDI: {len(watcher.frames.by_id)} frames, peak {watcher.audio_peak}, "
+                f"receiver error {watcher.error!r}"))
+            assert max(watcher.frames.by_id) < camera.sent, "frame IDs the NDI camera never sent"
+
             # The source vanishes: both its streams end.
             camera.close()
             await wait_for(lambda: not streams(url), "the streams to end")
     finally:
         camera.close()
+        watcher.close()
 
 
 def test_pixel_layouts_and_source_names() -> None:
