@@ -25,8 +25,10 @@ from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSes
 
 from app.avsync import BeepMicrophone
 from app.client import CodedCamera, http, pattern_frame, video_frames
+from app.server.frame_path import ChunkAssembler
 from app.server.framecode import band_height, draw_id, read_id
 from app.server.ndi import BGRA, MISSING, NdiError, SourceNames, rgb_image, rgbx_bytes
+from app.server.ndi_in import NdiInput, NdiInputConfig
 
 Live = Callable[..., AbstractContextManager[str]]
 
@@ -337,6 +339,13 @@ async def test_ndi_in_is_a_stream_camera_and_the_api_opens_only_allowed_sources(
     finally:
         camera.close()
         watcher.close()
+
+
+async def test_an_unknown_ndi_in_source_is_said_plainly(cy: ModuleType, caplog: pytest.LogCaptureFixture) -> None:
+    assembler = ChunkAssembler(capacity=4)
+    await NdiInput("NOWHERE (diffcast test ghost)", assembler, None, NdiInputConfig(find_s=1.0)).run()
+    assert "no NDI source 'NOWHERE (diffcast test ghost)' on the network after 1 s" in caplog.text
+    assert assembler.received == 0
 
 
 def test_pixel_layouts_and_source_names() -> None:

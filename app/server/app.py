@@ -375,7 +375,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             return
         log.info("--ndi-in %r: stream %s opened", source, session.id)
 
-    @app.post("/api/ndi", responses={200: {"model": NdiReply}, **errors("/api/ndi", 403, 404, 503)})
+    @app.post("/api/ndi", responses={200: {"model": NdiReply}, **errors("/api/ndi", 400, 403, 404, 503)})
     async def ndi_stream(body: NdiRequest) -> Response:
         """A stream whose camera is an NDI source the operator allows (--ndi-allow), with audio."""
         if not allowed(body.source, config.ndi_allow):

@@ -10,6 +10,7 @@ The source vanishing ends the stream, with the reason logged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -81,12 +82,35 @@ class NdiInput:
         """Until the source vanishes, is never found, or sends what cannot be taken (each logged);
         cancelled with the stream."""
         loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        # A thread of its own, not asyncio.to_thread: the loop's default pool is aiortc's codec pool
+        # (app/server/app.py), and an input holds its thread for the stream's whole life.
+        thread = threading.Thread(target=self._thread, args=(loop, done), name="ndi-in", daemon=True)
+        thread.start()
         try:
-            await asyncio.to_thread(self._receive, loop)
+            await done
         except NdiError as exc:  # said in plain words; the stream ends as for a vanished source
             log.error("NDI input: %s; its stream ends", exc)
         finally:
-            self._stop.set()  # a cancelled wait leaves the thread running: it stops at its next poll
+            self._stop.set()  # cancelled with the stream: the thread stops at its next poll
+
+    def _thread(self, loop: asyncio.AbstractEventLoop, done: asyncio.Future[None]) -> None:
+        error: BaseException | None = None
+        try:
+            self._receive(loop)
+        except Exception as exc:
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop already closed (the server stopped)
+            loop.call_soon_threadsafe(self._settle, done, error)
+
+    @staticmethod
+    def _settle(done: asyncio.Future[None], error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
 
     def _push_video(self, image: np.ndarray) -> None:
         self._assembler.push(image)
