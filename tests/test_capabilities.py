@@ -78,7 +78,7 @@ async def test_serve_lists_capabilities_and_notices_far_prompts() -> None:
         pc, sdp = await publisher_offer()
         api.peers.append(pc)
         whip = await api.client.post("/whip?mode=t2v", content=sdp, headers={"Content-Type": "application/sdp"})
-        assert whip.status_code == 400 and "a live stream is video-to-video" in whip.text, whip.text
+        assert whip.status_code == 422 and "a live stream is video-to-video" in whip.text, whip.text
         far = await api.offer(prompt="underwater scene")
         assert far.status_code == 200, far.text
         notice = far.json()["notice"]

@@ -141,7 +141,7 @@ async def test_whip_whep_errors(live_server: Callable[..., AbstractContextManage
         status, _, body = await _post(f"{url}/whip", audio_only.localDescription.sdp, auth)
         assert status == 400 and "no video track" in body
         status, _, body = await _post(f"{url}/whip?prompt={'x' * 501}", offer, auth)
-        assert status == 400 and "limit is 500" in body
+        assert status == 422 and "limit is 500" in body  # as on /api/offer: one status per refusal
         status, _, body = await _post(f"{url}/whep/unknown", offer, auth)
         assert status == 404
         # A viewer offer must receive video; a publisher offer sent to WHEP is refused.

@@ -41,10 +41,10 @@ from app.server.executors import build_serving_loop
 from app.server.gateway import Gateway
 from app.server.ice import allow_loopback_candidates, browser_ice_servers
 from app.server.metrics import CONTENT_TYPE, build_registry
-from app.server.ndi import NdiError, SourceNames, allowed
+from app.server.ndi import SourceNames, allowed
 from app.server.openapi import SDP_NOT_BLANK, allow_documented_methods, document, errors
 from app.server.recordings import GB, RecordingStore, recordings_router
-from app.server.sdp import OfferError
+from app.server.refusals import REFUSED, refusal_for
 from app.server.security import (
     LOGIN_PAGE,
     SESSION_COOKIE,
@@ -57,7 +57,7 @@ from app.server.security import (
     Throttled,
     client_host,
 )
-from app.server.session import CapacityError, SessionManager
+from app.server.session import SessionManager
 from app.server.whip import whip_router
 from app.server.workers import workers_router
 from app.server.ws import serve_websocket
@@ -228,6 +228,10 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     gateway = Gateway(manager, config)
     registry = build_registry(manager)
 
+    def _refused(exc: Exception) -> JSONResponse:
+        answer = refusal_for(exc, config.retry_after_s)
+        return _json_error(answer.status, answer.reason, answer.headers)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         codec_pool = started_default_executor(asyncio.get_running_loop())
@@ -345,12 +349,8 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             )
             session, answer = await gateway.publish(body.sdp, settings, kind="webrtc", send_output=True)
             session.label = body.label or session.label
-        except ControlError as exc:
-            return _json_error(422, str(exc))
-        except OfferError as exc:
-            return _json_error(400, str(exc))
-        except CapacityError as exc:
-            return _json_error(503, str(exc), {"Retry-After": str(config.retry_after_s)})
+        except REFUSED as exc:
+            return _refused(exc)
         return JSONResponse(
             {
                 "sdp": answer,
@@ -388,12 +388,8 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
             manager.check_capacity()  # before looking for the source
             await asyncio.to_thread(source_exists, body.source, NDI_FIND_S)
             session = await open_ndi_stream(manager, body.source, settings, body.label)
-        except NdiError as exc:
-            return _json_error(404, str(exc))
-        except ControlError as exc:
-            return _json_error(422, str(exc))
-        except CapacityError as exc:
-            return _json_error(503, str(exc), {"Retry-After": str(config.retry_after_s)})
+        except REFUSED as exc:
+            return _refused(exc)
         return JSONResponse({"stream_id": session.id, "whep_url": f"/whep/{session.id}",
                              "view_url": f"/view/{session.id}"})
 
@@ -444,7 +440,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         try:
             cues = parse_cue_set((await request.body()).decode("utf-8", "replace"), config.max_prompt_chars)
         except ControlError as exc:
-            return _json_error(422, str(exc))
+            return _refused(exc)
         session.cues = list(cues.cues)
         return JSONResponse(cues.model_dump(exclude_none=True))
 

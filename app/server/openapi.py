@@ -29,14 +29,14 @@ ERROR_JSON: dict[str, Any] = {
 }
 TEXT: dict[str, Any] = {"type": "string"}
 REASONS = {
-    400: "The request cannot be used (the reason says why: e.g. a malformed SDP offer, a bad stream option)",
+    400: "The request cannot be used (the reason says why: e.g. a malformed SDP offer)",
     401: "A credential is needed (`Authorization: Bearer <token>`)",
     403: "Not allowed: an origin not in --allowed-origin, or a viewer token used for an owner action",
     404: "No such stream or session (also the answer to a token that does not grant it)",
     405: "The method is not supported here (`Allow` lists those that are)",
     413: "The request body is over --max-body-bytes",
     415: "The body must be `application/sdp`",
-    422: "The request's parameters or JSON body are not valid (the reason names each)",
+    422: "The request's parameters, stream options or JSON body are not valid (the reason names each)",
     429: "The client already has --max-streams-per-client streams, or its address waits after wrong "
          "credentials (`Retry-After`)",
     503: "The server is full (--max-streams, --max-viewers or the serving policy's admission; `Retry-After`)",

@@ -20,12 +20,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse
 
 from app.server.config import ServerConfig
-from app.server.control import ControlError, options_from_query
+from app.server.control import options_from_query
 from app.server.gateway import Gateway
 from app.server.openapi import errors, options_answer, sdp_answer, sdp_body
-from app.server.sdp import OfferError
+from app.server.refusals import REFUSED, refusal_for
 from app.server.security import OWNER_HEADER, STREAM_ID_HEADER, VIEWER_HEADER, GuessThrottle, client_host
-from app.server.session import CapacityError, SessionManager
+from app.server.session import SessionManager
 
 SDP = "application/sdp"
 SESSION_METHODS = "DELETE, OPTIONS"
@@ -87,12 +87,9 @@ def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig,
             return await handler()
         except _Refusal as refusal:
             return refusal.response
-        except OfferError as exc:
-            return _error(400, str(exc))
-        except ControlError as exc:
-            return _error(400, str(exc))
-        except CapacityError as exc:
-            return _error(503, str(exc), {"Retry-After": str(config.retry_after_s)})
+        except REFUSED as exc:
+            answer = refusal_for(exc, config.retry_after_s)
+            return _error(answer.status, answer.reason, answer.headers)
 
     endpoint_methods = options_answer("POST, OPTIONS", {"Accept-Post": f"The body type of POST: {SDP}"})
 
@@ -110,7 +107,7 @@ def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig,
     @router.post("/whip", status_code=201, openapi_extra=sdp_body("The publisher's SDP offer (RFC 9725)"),
                  responses={201: sdp_answer("The SDP answer; Location is the session's URL", {
                      "Location": "/whip/<stream id>: DELETE it to stop", OWNER_HEADER: "The stream's owner token",
-                     VIEWER_HEADER: "The stream's viewer token"}), **errors("/whip", 400, 401, 415, 503)})
+                     VIEWER_HEADER: "The stream's viewer token"}), **errors("/whip", 400, 401, 415, 422, 503)})
     async def whip_publish(request: Request) -> Response:
         async def handle() -> Response:
             options = options_from_query(request.query_params)
