@@ -413,6 +413,8 @@ class EngineCore:
             duration = self.policy.chunk_duration_s(first=entry.first_chunk)
             if content_s is not None and sid in content_s:
                 duration = content_s[sid]
+            elif not entry.left:
+                duration = self.ledger.step_batch_content(sid, duration)
             fresh = not entry.left and not self.ledger.is_stale(sid)
             if duration <= 0 and not entry.left:
                 # A step batch filling up: the chunk is in the engine, its frames come out with a later one.

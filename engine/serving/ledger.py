@@ -25,6 +25,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from engine.fidelity import FidelityConfig
 from engine.serving.fidelity import ProfilePoint
 from engine.serving.playout import ChunkOutcome, PlayoutTracker
 from engine.serving.snapshot import Admission, Snapshot, StreamView, WorkerView
@@ -74,6 +75,10 @@ class StreamEntry:
     input_s: float = 0.0  # camera content its started chunks consumed (``StreamLedger.camera``)
     camera_paused_s: float = 0.0  # how long the camera stood still (pauses) before ``paused_at``
     paused_at: float | None = None
+    # The step batch the stream's chunks run in and the content of those of its chunks the engine still
+    # holds, oldest first (see ``StreamLedger.step_batch_content``).
+    step_batch: FidelityConfig | None = None
+    step_batch_held: tuple[float, ...] = ()
 
     def captured_s(self, now: float) -> float:
         """Camera content captured by ``now``."""
@@ -85,7 +90,7 @@ class StreamEntry:
 
     @property
     def first_chunk(self) -> bool:
-        return self.tracker.generated_s == 0.0 and self.tracker.epoch == 0
+        return self.tracker.generated_s == 0.0 and self.tracker.epoch == 0 and not self.step_batch_held
 
 
 @dataclass
@@ -136,6 +141,7 @@ class StreamLedger:
         self._by_worker.setdefault(dst, set()).add(sid)
         e.last_rehomed_at = now
         e.available_t = now + residual_s
+        e.step_batch, e.step_batch_held = None, ()  # a moved state leaves its step batch's chunks behind
 
     def evict(self, sid: int) -> None:
         self.entries[sid].resident = False
@@ -178,6 +184,27 @@ class StreamLedger:
 
     def preempted(self, sid: int, now: float) -> None:
         self.entries[sid].last_run_at = now
+
+    def step_batch_content(self, sid: int, duration_s: float) -> float:
+        """Seconds of content the stream's finishing chunk (of ``duration_s``) brings out, where the
+        engine does not say (the simulator; live executors count the frames). A step batch
+        (``FidelityConfig.step_batch``, StreamDiffusionV2's) holds a stream's chunks in the engine until
+        their last step: its first ``steps - 1`` chunks bring out nothing, each later one the chunk
+        ``steps - 1`` before it. Leaving it (another point) brings out the chunks still held with the
+        chunk itself, as the live engine drains them (engine/streaming/step_processor.py)."""
+        e = self.entries[sid]
+        assert e.inflight is not None
+        config = e.inflight.point.config
+        held = e.step_batch_held
+        if not config.step_batch:
+            e.step_batch, e.step_batch_held = None, ()
+            return sum(held) + duration_s
+        if e.step_batch != config:  # a new step batch: the old one's chunks come out, this one starts filling
+            e.step_batch, e.step_batch_held = config, (duration_s,)
+            return sum(held)
+        held += (duration_s,)
+        out, e.step_batch_held = held[: max(0, len(held) - (config.steps - 1))], held[-(config.steps - 1):]
+        return sum(out)
 
     def chunk_done(self, sid: int, now: float, duration_s: float) -> ChunkOutcome | None:
         """The chunk became playable. Returns None when it was started under an older prompt (discarded)."""
