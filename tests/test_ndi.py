@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from fractions import Fraction
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -167,18 +168,19 @@ async def publish(url: str, camera: CodedCamera, label: str) -> tuple[RTCPeerCon
 
 
 async def test_ndi_out_publishes_the_stylized_output_with_audio_under_distinct_names(cy: ModuleType, live_server: Live) -> None:
+    stage = f"stage {os.getpid()}"  # NDI names are machine-wide: another test run's must not collide
     watcher = NdiWatcher(cy)
     with live_server(max_streams=2, ndi_out=True, trace_stamp=True) as url:
         camera = CodedCamera((128, 128), fps=15)
-        pc, answer, back = await publish(url, camera, "stage")
+        pc, answer, back = await publish(url, camera, stage)
         sid, owner = answer["stream_id"], answer["owner_token"]
         await wait_for(lambda: len(back.by_id) > 3, "the stylized output over WebRTC")
-        assert watcher.named("stage") is None  # nothing is published before the owner asks
+        assert watcher.named(stage) is None  # nothing is published before the owner asks
         assert await call("POST", f"{url}/api/streams/{sid}/control", {"type": "update", "ndi_out": True}, owner) == (
             200, {"type": "ack", "applied": "update"})
-        assert (await call("GET", f"{url}/api/streams/{sid}"))[1]["ndi_out"] == "stage"
-        await wait_for(lambda: watcher.named("stage") is not None, "the NDI source")
-        watcher.receive(str(watcher.named("stage")))
+        await wait_for(lambda: watcher.named(stage) is not None, "the NDI source")
+        assert (await call("GET", f"{url}/api/streams/{sid}"))[1]["ndi_out"] == stage
+        watcher.receive(str(watcher.named(stage)))
 
         # The same frames as the WebRTC output, frame ID by frame ID, with the microphone's beeps.
         def common() -> list[int]:
@@ -195,21 +197,26 @@ async def test_ndi_out_publishes_the_stylized_output_with_audio_under_distinct_n
             to_webrtc, to_input = float(np.abs(ndi - webrtc).mean()), float(np.abs(ndi - source).mean())
             assert to_webrtc < to_input / 2, (frame_id, to_webrtc, to_input)  # the stylized output, not the camera
 
-        # A second stream with the same label: a distinct source name; switched off, its source leaves.
-        pc2, answer2, _ = await publish(url, CodedCamera((96, 96), fps=15, variant=1), "stage")
-        control2 = f"{url}/api/streams/{answer2['stream_id']}/control"
-        assert (await call("POST", control2, {"type": "update", "ndi_out": True}, answer2["owner_token"]))[0] == 200
-        await wait_for(lambda: watcher.named("stage 2") is not None, "the second stream's NDI source")
-        assert watcher.named("stage") is not None
-        assert (await call("GET", f"{url}/api/streams/{answer2['stream_id']}"))[1]["ndi_out"] == "stage 2"
-        assert (await call("POST", control2, {"type": "update", "ndi_out": False}, answer2["owner_token"]))[0] == 200
-        await wait_for(lambda: watcher.named("stage 2") is None, "the switched-off source to leave")
-        await pc2.close()
+        # A second stream with the same label gets a distinct name: not "<label> 2" either, which
+        # another program on this machine publishes already; switched off, its source leaves.
+        holder = NdiCamera(cy, f"{stage} 2", (64, 48))
+        try:
+            pc2, answer2, _ = await publish(url, CodedCamera((96, 96), fps=15, variant=1), stage)
+            control2 = f"{url}/api/streams/{answer2['stream_id']}/control"
+            assert (await call("POST", control2, {"type": "update", "ndi_out": True}, answer2["owner_token"]))[0] == 200
+            await wait_for(lambda: watcher.named(f"{stage} 3") is not None, "the second stream's NDI source")
+            assert watcher.named(stage) is not None
+            assert (await call("GET", f"{url}/api/streams/{answer2['stream_id']}"))[1]["ndi_out"] == f"{stage} 3"
+            assert (await call("POST", control2, {"type": "update", "ndi_out": False}, answer2["owner_token"]))[0] == 200
+            await wait_for(lambda: watcher.named(f"{stage} 3") is None, "the switched-off source to leave")
+            await pc2.close()
+        finally:
+            holder.close()
 
         # The stream ends: its source leaves the network.
         assert (await call("DELETE", f"{url}/api/streams/{sid}", token=owner))[0] == 204
         await pc.close()
-        await wait_for(lambda: watcher.named("stage") is None, "the ended stream's source to leave", timeout_s=10)
+        await wait_for(lambda: watcher.named(stage) is None, "the ended stream's source to leave", timeout_s=10)
     watcher.close()
 
 
@@ -272,12 +279,13 @@ class NdiCamera:
         self.sender.close()
 
 
-async def test_ndi_in_is_a_stream_camera_and_the_api_opens_only_allowed_sources(cy: ModuleType, live_server: Live) -> None:
-    camera = NdiCamera(cy, "diffcast test cam", (160, 120))
+async def test_ndi_in_is_a_stream_camera_and_the_api_opens_only_allowed_sources(cy: ModuleType, live_server: Live,
+                                                                                 tmp_path: Path) -> None:
+    camera = NdiCamera(cy, f"diffcast test cam {os.getpid()}", (160, 120))
     watcher = NdiWatcher(cy)
     try:
         with live_server(max_streams=3, ndi_in=camera.name, ndi_allow=("* (diffcast test *)",),
-                         trace_stamp=True, ndi_out=True) as url:
+                         trace_stamp=True, ndi_out=True, record_dir=str(tmp_path)) as url:
             await wait_for(lambda: len(streams(url)) == 1, "the --ndi-in stream")
             stream = streams(url)[0]
             assert stream["kind"] == "ndi" and stream["label"] == camera.name and stream["audio"] is True
@@ -323,8 +331,8 @@ async def test_ndi_in_is_a_stream_camera_and_the_api_opens_only_allowed_sources(
                                reply["owner_token"]))[0] == 200
             assert (await call("GET", f"{url}/api/streams/{sid}"))[0] == 200  # the first one undisturbed
 
-            # NDI in to NDI out: the source's frames restyled, and its tone passed through.
-            assert (await call("POST", f"{second}/control", {"type": "update", "ndi_out": True},
+            # NDI in to NDI out: the source's frames restyled, and its tone passed through (and recorded).
+            assert (await call("POST", f"{second}/control", {"type": "update", "ndi_out": True, "record": True},
                                reply["owner_token"]))[0] == 200
             await wait_for(lambda: watcher.named("second view") is not None, "the API stream's NDI source")
             watcher.receive(str(watcher.named("second view")))
@@ -333,9 +341,14 @@ async def test_ndi_in_is_a_stream_camera_and_the_api_opens_only_allowed_sources(
                 f"receiver error {watcher.error!r}"))
             assert max(watcher.frames.by_id) < camera.sent, "frame IDs the NDI camera never sent"
 
-            # The source vanishes: both its streams end.
+            # The source vanishes: both its streams end, and the recording tells the owner why.
             camera.close()
             await wait_for(lambda: not streams(url), "the streams to end")
+            recordings = f"{second}/recordings"
+            await wait_for(lambda: http("GET", recordings, None, {"Authorization": f"Bearer {reply['owner_token']}"})[0]
+                           == 200, "the recordings")
+            listing = (await call("GET", recordings, token=reply["owner_token"]))[1]
+            assert [item["ended"] for item in listing] == [f"NDI source {camera.name!r} vanished"], listing
     finally:
         camera.close()
         watcher.close()

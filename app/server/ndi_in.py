@@ -77,6 +77,7 @@ class NdiInput:
         self._stop = threading.Event()
         self.frames = 0
         self.size: tuple[int, int] | None = None
+        self.ended: str | None = None  # why the input ended: the source vanished, was never found, ...
 
     async def run(self) -> None:
         """Until the source vanishes, is never found, or sends what cannot be taken (each logged);
@@ -90,6 +91,7 @@ class NdiInput:
         try:
             await done
         except NdiError as exc:  # said in plain words; the stream ends as for a vanished source
+            self.ended = str(exc)
             log.error("NDI input: %s; its stream ends", exc)
         finally:
             self._stop.set()  # cancelled with the stream: the thread stops at its next poll
@@ -159,7 +161,8 @@ class NdiInput:
                     if self.source in finder.get_source_names():
                         seen_at = now
                     elif now - seen_at > cfg.lost_s:
-                        log.warning("NDI source %r vanished; its stream ends", self.source)
+                        self.ended = f"NDI source {self.source!r} vanished"
+                        log.warning("%s; its stream ends", self.ended)
                         return
                 time.sleep(cfg.poll_s)
         finally:
@@ -184,10 +187,16 @@ async def open_ndi_stream(manager: SessionManager, source: str, settings: Stream
                           label: str | None) -> Session:
     """A stream whose camera is the NDI source ``source``, with audio passthrough; it ends when the
     source vanishes. The source is assumed to exist (``source_exists``): one that never appears
-    ends the stream with the reason logged."""
+    ends the stream with the reason logged (and in a running recording's ``ended``)."""
     session = await manager.open("ndi", settings)
     session.label = label or source
     audio = session.enable_audio()
     ndi = NdiInput(source, session.assembler, audio)
-    session.spawn(ndi.run(), "ndi-in", ends_session=True)
+
+    async def receive() -> None:
+        await ndi.run()
+        if ndi.ended is not None:  # the owner reads it in the recording's sidecar after the end
+            session.end_reason = ndi.ended
+
+    session.spawn(receive(), "ndi-in", ends_session=True)
     return session

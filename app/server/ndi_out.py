@@ -21,11 +21,12 @@ import numpy as np
 
 from app.server.audio import CHANNELS, FRAME_SAMPLES, SAMPLE_RATE, AudioPlayout
 from app.server.frame_path import Playout
-from app.server.ndi import SourceNames, rgbx_bytes, runtime
+from app.server.ndi import NdiError, SourceNames, rgbx_bytes, runtime
 from engine.aspect import fit_frame
 
 log = logging.getLogger(__name__)
 
+OPEN_TRIES = 8  # names tried ("stage", "stage 2", ...) when other programs publish the first ones
 QUEUE_ITEMS = 256  # about 3 s of video and audio: a sender further behind drops, never blocks the loop
 
 
@@ -36,6 +37,7 @@ class NdiOutput:
                  fps: float) -> None:
         self._cyndilib = runtime()  # NdiError at once when the extra is missing
         self._names = names
+        self._label = label
         self.name = names.claim(label)
         self._playout = playout
         self._audio = audio
@@ -112,6 +114,27 @@ class NdiOutput:
                 log.info("NDI source %r closed", self.name)
 
     def _open(self, size: tuple[int, int]) -> Any:
+        """The sender, under the stream's name or, when another program on this machine publishes
+        that name already (libndi refuses it: cyndilib raises MemoryError), the next free one."""
+        refused: list[str] = []
+        try:
+            for _ in range(OPEN_TRIES):
+                try:
+                    sender = self._sender(size)
+                    break
+                except MemoryError:
+                    log.warning("NDI source name %r is taken on this machine; trying the next", self.name)
+                    refused.append(self.name)
+                    self.name = self._names.claim(self._label)
+            else:
+                raise NdiError(f"no free NDI source name for {self._label!r} after {OPEN_TRIES} tries")
+        finally:
+            for name in refused:
+                self._names.release(name)
+        log.info("NDI source %r published (%dx%d%s)", sender.name, *size, ", with audio" if self._audio else "")
+        return sender
+
+    def _sender(self, size: tuple[int, int]) -> Any:
         cy = self._cyndilib
         # clock_video/clock_audio off: the playout clock paces the frames already; libndi's own
         # clock would block this thread a frame period per frame on top of that.
@@ -121,12 +144,12 @@ class NdiOutput:
         video.set_fourcc(cy.FourCC.RGBX)
         video.set_frame_rate(Fraction(round(self._fps)))
         sender.set_video_frame(video)
-        if self._audio is not None:
-            sound = cy.AudioSendFrame()
-            sound.sample_rate = SAMPLE_RATE
-            sound.num_channels = CHANNELS
-            sound.set_max_num_samples(FRAME_SAMPLES)
-            sender.set_audio_frame(sound)
+        # An audio frame even for a stream without sound: cyndilib 0.1.3's clean-up after a refused
+        # open destroys both frames unconditionally, and a missing one crashed the process (SIGSEGV).
+        sound = cy.AudioSendFrame()
+        sound.sample_rate = SAMPLE_RATE
+        sound.num_channels = CHANNELS
+        sound.set_max_num_samples(FRAME_SAMPLES)
+        sender.set_audio_frame(sound)
         sender.open()
-        log.info("NDI source %r published (%dx%d%s)", sender.name, *size, ", with audio" if self._audio else "")
         return sender

@@ -83,6 +83,8 @@ class Session:
         self.recorder: Recorder | None = None
         self.record_error: str | None = None
         self._record_task: asyncio.Task[Any] | None = None
+        # Why the stream ends, as its recording's sidecar says (its owner reads it after the end).
+        self.end_reason = "stream ended"
         # What the stream is called where a name is shown (its NDI source); the NDI names of the
         # server (None: no --ndi-out) and the stream's NDI output while it publishes one.
         self.label = DEFAULT_LABEL
@@ -347,7 +349,7 @@ class Session:
             task.cancel()
         await asyncio.gather(*(pc.close() for pc in self.peers.values()), return_exceptions=True)
         self.peers.clear()
-        await self.stop_recording("stream ended")  # a recording is finished properly, never cut
+        await self.stop_recording(self.end_reason)  # a recording is finished properly, never cut
         await self.stop_ndi()  # the NDI source goes off the network with the stream
         log.info("stream %s (%s) closed", self.id, self.kind)
 
@@ -379,14 +381,6 @@ class SessionManager:
     def size(self) -> tuple[int, int]:
         """The model's default size: a stream's until its first frame says its camera's aspect."""
         return self.factory.size
-
-    def size_for(self, camera: tuple[int, int]) -> tuple[int, int]:
-        """The size a stream from a ``camera``-sized source runs at (``ProcessorFactory.size_for``)."""
-        size_for = getattr(self.factory, "size_for", None)  # an engine without one: every stream at its size
-        if size_for is None:
-            return self.size
-        width, height = size_for(camera)
-        return int(width), int(height)
 
     async def prompt_report(self, prompts: tuple[str, ...], weights: list[float] | None = None) -> dict[str, Any]:
         """What prompts (mixed by ``weights``) are served as: ``notice``, for prompts far from every look
@@ -436,8 +430,7 @@ class SessionManager:
         assembler = ChunkAssembler(capacity=max(processor.first_chunk_frames, processor.chunk_frames),
                                    backlog=1)
         playout = Playout(self.size, processor.chunk_frames, cfg.max_fps, cfg.min_fps)
-        runner = StreamRunner(processor, assembler, playout, self.executor, self.size, cfg.trace_stamp,
-                              size_for=self.size_for)
+        runner = StreamRunner(processor, assembler, playout, self.executor, self.size, cfg.trace_stamp)
         # Unguessable (128 bits): with public viewing, knowing the id is what lets a viewer watch.
         session = Session(
             mint_secret(16), kind, settings, runner, assembler, playout, on_close=self._forget
