@@ -19,11 +19,22 @@ padding (padding would be compute spent on nothing). A square size at any budget
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import cv2
 import numpy as np
 
 Size = tuple[int, int]  # (width, height) in pixels
+
+
+class StreamSizes(NamedTuple):
+    """A stream's two sizes for one chunk: ``stream``, what it plays out at (its camera's aspect at the
+    model's pixel budget, :func:`fit_size`, picked once), and ``engine``, what the model runs the chunk
+    at (``stream`` at the chunk's resolution scale). A chunk's frames go in resized straight from the
+    camera to ``engine`` and come out resized once to ``stream``."""
+
+    stream: Size
+    engine: Size
 
 
 @functools.lru_cache(maxsize=1024)

@@ -58,24 +58,23 @@ class Stream:
         self.playout = Playout(factory.size, self.processor.chunk_frames, max_fps=FPS, min_fps=FPS, clock=clock)
         self.runner = StreamRunner(self.processor, self.assembler, self.playout, executor, factory.size)
         self.size = factory.size
-        self.chunks: list[np.ndarray] = []  # inputs, chunk by chunk, as the engine took them
+        self.chunks: list[np.ndarray] = []  # inputs, chunk by chunk, as the engine took them (at its size)
         self.configs: list[FidelityConfig] = []
         self.outputs: list[np.ndarray] = []
         self.rng = np.random.default_rng(1000 + seed)
-        set_fidelity, take = self.processor.set_fidelity, self.runner.next_chunk
+        set_fidelity, chunk_inputs = self.processor.set_fidelity, self.runner.chunk_inputs
 
         def record_fidelity(config: FidelityConfig) -> None:
             self.configs.append(config)
             set_fidelity(config)
 
-        def record_take() -> Any:
-            frames = take()
-            if frames is not None:
-                self.chunks.append(np.stack([f.source for f in frames]))
-            return frames
+        def record_inputs(frames: Any, config: FidelityConfig | None = None) -> np.ndarray:
+            inputs = chunk_inputs(frames, config)
+            self.chunks.append(inputs)
+            return inputs
 
         self.processor.set_fidelity = record_fidelity
-        self.runner.next_chunk = record_take
+        self.runner.chunk_inputs = record_inputs
         deliver = self.runner.deliver
 
         def record_output(frames: Any, out: np.ndarray) -> None:
@@ -95,6 +94,7 @@ class Stream:
         outs = []
         for config, chunk in zip(self.configs, self.chunks, strict=False):
             twin.set_fidelity(config)
+            twin.sizes(self.size, config)  # as the server asks: the stream's size from its camera's
             outs.append(twin.process(chunk))
         return outs
 

@@ -10,11 +10,15 @@ from typing import Any
 import cv2
 import numpy as np
 import pytest
+from _output_checks import assert_undistorted, circles_clip
 
 from app.server.config import ServerConfig
+from app.server.engine_bridge import StreamSettings
 from app.server.executors import ServingLoop, build_serving_loop
 from app.server.frame_path import (
     ChunkAssembler,
+    FrameMeta,
+    InputFrame,
     Playout,
     StreamRunner,
     _reformatter,
@@ -24,6 +28,7 @@ from app.server.frame_path import (
     yuv_frame,
 )
 from app.server.framecode import MAX_ID, draw_id, read_id
+from engine.aspect import StreamSizes, fit_size
 
 
 class FakeClock:
@@ -177,11 +182,15 @@ class Negate:
     first_chunk_frames = 1
     chunk_frames = 4
 
-    def __init__(self) -> None:
+    def __init__(self, size: tuple[int, int] = (8, 8)) -> None:
+        self.size = size  # the stream's, and the engine's at every fidelity
         self.updates: list[dict[str, Any]] = []
 
     def process(self, frames: np.ndarray) -> np.ndarray:
         return 255 - frames
+
+    def sizes(self, camera: tuple[int, int], config: Any = None) -> StreamSizes:
+        return StreamSizes(self.size, self.size)
 
     def update(self, **changes: Any) -> None:
         self.updates.append(changes)
@@ -209,7 +218,7 @@ async def test_runner_first_chunk_then_steady_chunks_with_trace_stamp() -> None:
     size = (64, 48)
     assembler = ChunkAssembler(capacity=4)
     playout = Playout(size, chunk_frames=4, max_fps=30, min_fps=2)
-    processor = Negate()
+    processor = Negate(size)
     with ThreadPoolExecutor(1) as executor:
         runner = StreamRunner(processor, assembler, playout, executor, size, trace_stamp=True)
         task = _serve(runner, playout, size, executor)
@@ -336,3 +345,57 @@ async def test_no_chunk_is_taken_until_the_engine_has_reset_the_stream() -> None
         release.set()
         await reset
         assert len(runner.next_chunk() or []) == 1  # after it: a fresh stream's one-frame first chunk
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_a_frame_is_resized_once_each_way_at_any_resolution_scale(
+        engine_factory: Any, scale: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4:3 camera's frames through the runner and the real engine at resolution scale 1 and 0.5: each
+    frame is resized once on the way in (camera -> the chunk's engine size, cropped and resized in one
+    go) and, below scale 1, once on the way out (engine size -> the stream's size); nothing in the
+    engine resizes again. The output is the stream's size the engine picked from the camera's aspect,
+    follows the camera's picture undistorted, and carries each input frame's ID."""
+    from dataclasses import replace
+
+    from engine.streaming.step_processor import StepRow, run_step
+
+    resized: list[tuple[tuple[int, ...], tuple[int, int]]] = []  # (source shape, target size) of each frame
+    resize = cv2.resize
+
+    def counting(image: np.ndarray, size: tuple[int, int], *args: Any, **kwargs: Any) -> np.ndarray:
+        if image.ndim == 3 and image.shape[2] == 3:  # a frame (the stabilizer's flow fields are not)
+            resized.append((image.shape, tuple(size)))
+        return resize(image, size, *args, **kwargs)
+
+    camera = (320, 240)
+    clip = circles_clip(camera, 9)
+    for i, image in enumerate(clip):
+        draw_id(image, 40 + i)
+    processor = engine_factory.open(StreamSettings(prompt="oil painting", steps=1))
+    config = replace(processor.fidelity(), resolution_scale=scale)
+    playout = Playout(engine_factory.size, chunk_frames=4, max_fps=30, min_fps=2)
+    runner = StreamRunner(processor, ChunkAssembler(capacity=4), playout, ThreadPoolExecutor(1), engine_factory.size,
+                          trace_stamp=True)
+    monkeypatch.setattr(cv2, "resize", counting)
+    outputs, counts = [], []
+    for frames in (clip[:1], clip[1:5], clip[5:9]):
+        resized.clear()
+        inputs = runner.chunk_inputs([InputFrame(f, FrameMeta(0, 0.0)) for f in frames], config)
+        finished: list[np.ndarray] = []
+        while not finished:
+            done, _ = run_step([StepRow(processor, config, inputs)])
+            finished = done[0]
+            inputs_entered, inputs = inputs, None
+        outputs.append(runner.chunk_outputs(inputs_entered, finished[0]))
+        counts.append(len(resized) / len(frames))
+    monkeypatch.undo()
+    stream = runner.size
+    engine = processor.sizes(camera, config).engine
+    assert stream == fit_size(camera, engine_factory.size[0] * engine_factory.size[1], 16)
+    assert (engine == stream) == (scale == 1.0)
+    assert counts == [1.0 if scale == 1.0 else 2.0] * 3, counts  # in, and out below scale 1
+    output = np.concatenate(outputs)
+    assert output.shape == (9, stream[1], stream[0], 3)
+    assert [read_id(frame) for frame in output] == [40 + i for i in range(9)]
+    if engine_factory.size == (256, 256):  # the default model: a stylisation of the camera's picture
+        assert_undistorted(output[1:], clip[1:], moving=False)

@@ -96,27 +96,26 @@ def _png(image: np.ndarray) -> bytes:
     ids=["1x1", "1-row strip", "1-column strip", "odd 3x7", "grey", "rgba"],
 )
 def test_odd_frames_are_fitted_never_crash(image: np.ndarray) -> None:
-    out, sent = decode_frame(_png(image), (160, 128), max_pixels=1 << 24)
-    assert out.shape == (128, 160, 3) and out.dtype == np.uint8
-    assert sent == (image.shape[1], image.shape[0])  # the size the client sent, not the fitted one
-    if image.ndim == 3 and image.shape[2] == 3:
-        assert fit_frame(image, (160, 128)).shape == (128, 160, 3)
+    out, sent = decode_frame(_png(image), 160 * 128, max_pixels=1 << 24)
+    assert out.shape == (image.shape[0], image.shape[1], 3) and out.dtype == np.uint8  # RGB, as sent
+    assert sent == (image.shape[1], image.shape[0])
+    assert fit_frame(out, (160, 128)).shape == (128, 160, 3)  # what the engine thread makes of it
 
 
 def test_large_frames_are_downscaled_and_bombs_refused() -> None:
     rng = np.random.default_rng(0)
     big = rng.integers(0, 255, (1080, 1920, 3), dtype=np.uint8)
-    out, sent = decode_frame(encode_jpeg(big, 80), (128, 128), max_pixels=4096 * 4096)
-    assert out.shape == (128, 128, 3) and sent == (1920, 1080)
+    out, sent = decode_frame(encode_jpeg(big, 80), 128 * 128, max_pixels=4096 * 4096)
+    assert out.shape == (135, 240, 3) and sent == (1920, 1080)  # decoded at 1/8: still 128x128 pixels or more
     # Compare with a full decode, crop and resize: the reduced decode shows the same picture.
     full = cv2.imdecode(np.frombuffer(encode_jpeg(big, 80), np.uint8), cv2.IMREAD_COLOR)
     assert full is not None
     reference = fit_frame(cv2.cvtColor(full, cv2.COLOR_BGR2RGB), (128, 128))
-    assert np.abs(out.astype(int) - reference.astype(int)).mean() < 12
+    assert np.abs(fit_frame(out, (128, 128)).astype(int) - reference.astype(int)).mean() < 12
     with pytest.raises(MessageLimitError, match="1920x1080; frames may have at most 1000000 pixels"):
-        decode_frame(encode_jpeg(big, 80), (128, 128), max_pixels=1_000_000)
+        decode_frame(encode_jpeg(big, 80), 128 * 128, max_pixels=1_000_000)
     with pytest.raises(MessageLimitError, match="not a JPEG/PNG image"):
-        decode_frame(b"\xff\xd8garbage", (128, 128), max_pixels=1 << 24)
+        decode_frame(b"\xff\xd8garbage", 128 * 128, max_pixels=1 << 24)
 
 
 def test_rate_limit_token_bucket() -> None:

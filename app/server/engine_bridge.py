@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from engine.aspect import StreamSizes
 from engine.serving.fidelity import FidelityConfig
 from engine.streaming.lanes import EngineLanes, auto_lanes
 
@@ -60,7 +61,15 @@ class StreamProcessor(Protocol):
     def chunk_frames(self) -> int: ...
 
     def process(self, frames: np.ndarray) -> np.ndarray:
-        """uint8 [T, H, W, 3] RGB at the factory's size -> uint8 [T, H, W, 3]."""
+        """uint8 [T, H, W, 3] RGB at the chunk's engine size (`sizes`) -> uint8 [T, H, W, 3] at the
+        stream's size."""
+        ...
+
+    def sizes(self, camera: tuple[int, int], config: FidelityConfig | None = None) -> StreamSizes:
+        """The stream's size and the engine size of its next chunk at ``config`` (None: the stream's own
+        fidelity), for frames from a ``camera``-sized source (engine/aspect.py: the engine decides, the
+        stream taking its size from its first chunk's camera): the server resizes each camera frame once,
+        straight to the engine size, and gets the chunk back at the stream's size."""
         ...
 
     def update(self, **changes: Any) -> None:
@@ -74,11 +83,6 @@ class ProcessorFactory(Protocol):
     @property
     def size(self) -> tuple[int, int]:
         """(width, height) of the model's default size (its pixel budget, and its profile's resolution)."""
-        ...
-
-    def size_for(self, camera: tuple[int, int]) -> tuple[int, int]:
-        """(width, height) a stream from a ``camera``-sized source runs at (engine/aspect.py): the server
-        centre-crops and resizes its frames to it, and the engine's stream takes it from its first chunk."""
         ...
 
     def open(self, settings: StreamSettings) -> StreamProcessor: ...
@@ -165,10 +169,6 @@ class InProcessFactory:
         width, height = self._pipe.default_size
         return int(width), int(height)
 
-    def size_for(self, camera: tuple[int, int]) -> tuple[int, int]:
-        size: tuple[int, int] = self._pipe.stream_size(camera)
-        return size
-
     def open(self, settings: StreamSettings) -> StreamProcessor:
         from engine.pipeline import StreamParams
 
@@ -185,8 +185,6 @@ class ChunkBatchFactory(Protocol):
 
     @property
     def size(self) -> tuple[int, int]: ...
-
-    def size_for(self, camera: tuple[int, int]) -> tuple[int, int]: ...
 
     def open(self, settings: StreamSettings) -> StreamProcessor: ...
 
@@ -235,6 +233,9 @@ class RankProcessor:
     def process(self, frames: np.ndarray) -> np.ndarray:
         return self._factory.run_chunks([(self, frames, None)])[0]
 
+    def sizes(self, camera: tuple[int, int], config: FidelityConfig | None = None) -> StreamSizes:
+        return self._factory.ring.rt.sizes(self.state, camera, config or self.fidelity())
+
     def fidelity(self) -> FidelityConfig:
         return self.controls.fidelity
 
@@ -276,9 +277,6 @@ class RankFactory:
     def size(self) -> tuple[int, int]:
         width, height = self.pipeline.default_size
         return int(width), int(height)
-
-    def size_for(self, camera: tuple[int, int]) -> tuple[int, int]:
-        return self.pipeline.stream_size(camera)
 
     def device_memory(self) -> tuple[int | None, int]:
         """Rank 0's device bytes free for stream states and its weights' bytes: a stream's caches are
@@ -382,6 +380,17 @@ class RayProcessor:
     def process(self, frames: np.ndarray) -> np.ndarray:
         return np.asarray(self._controller.process(self.stream_id, frames), dtype=np.uint8)
 
+    def sizes(self, camera: tuple[int, int], config: FidelityConfig | None = None) -> StreamSizes:
+        """The stream's size by the engine's rule on the cluster's model (engine/aspect.py), for the
+        engine size too: the stream lives on a worker, whose chunk takes the frames at the stream's size
+        (its stream adopts that size from them) and resizes them to its engine size there."""
+        from engine.aspect import fit_size
+
+        info = self._controller.info
+        width, height = info.default_size
+        size = fit_size(camera, int(width) * int(height), int(info.size_granularity))
+        return StreamSizes(size, size)
+
     def update(self, **changes: Any) -> None:
         self._controller.update(self.stream_id, **changes)
 
@@ -418,12 +427,6 @@ class RayFactory:
     def size(self) -> tuple[int, int]:
         width, height = self.controller.info.default_size
         return int(width), int(height)
-
-    def size_for(self, camera: tuple[int, int]) -> tuple[int, int]:
-        from engine.aspect import fit_size
-
-        width, height = self.size
-        return fit_size(camera, width * height, int(self.controller.info.size_granularity))
 
     @property
     def loras(self) -> list[dict[str, Any]]:

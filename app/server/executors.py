@@ -299,7 +299,7 @@ class StepExecutor(_LiveExecutor):
             if order.new_chunk:
                 if not stream.taken:
                     continue  # paused or reset between the readiness check and now
-                inputs = stream.runner.chunk_inputs(stream.taken)
+                inputs = stream.runner.chunk_inputs(stream.taken, order.point.config)
                 stream.in_engine.append((stream.taken, inputs))
                 stream.taken = []
             active.append((stream, order, inputs))
@@ -386,7 +386,7 @@ class RankExecutor(ChunkExecutor):
         for config, stream in rows:
             if not stream.taken:
                 continue  # paused or reset between the readiness check and now
-            batch.append((stream, stream.taken, stream.runner.chunk_inputs(stream.taken), config))
+            batch.append((stream, stream.taken, stream.runner.chunk_inputs(stream.taken, config), config))
             stream.taken = []
         if not batch:
             return

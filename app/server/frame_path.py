@@ -35,6 +35,7 @@ from av.video.reformatter import VideoReformatter
 from app.server.engine_bridge import StreamProcessor
 from app.server.framecode import copy_band
 from engine.aspect import crop_box, fit_frame
+from engine.fidelity import FidelityConfig
 
 log = logging.getLogger(__name__)
 
@@ -453,17 +454,12 @@ class StreamRunner:
         executor: Executor,
         size: tuple[int, int],
         trace_stamp: bool = False,
-        size_for: Callable[[tuple[int, int]], tuple[int, int]] | None = None,
     ) -> None:
         self._processor = processor
         self._assembler = assembler
         self._playout = playout
         self._executor = executor
-        self._size = size
-        # The stream's size from its camera's (ProcessorFactory.size_for), picked at its first chunk and
-        # again after a reset; None: always ``size``.
-        self._size_for = size_for
-        self._pick_size = size_for is not None
+        self._size = size  # the model's default until the engine sizes the stream at its first chunk
         self._trace_stamp = trace_stamp
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -520,8 +516,7 @@ class StreamRunner:
         try:
             await self.call(self._processor.reset)
         finally:
-            self._restart = True
-            self._pick_size = self._size_for is not None  # a camera turned since: the stream refits to it
+            self._restart = True  # the engine sizes the stream again from its next chunk's camera
             self._resetting = False
         self._playout.mark_gap()
 
@@ -546,14 +541,17 @@ class StreamRunner:
         self._restart = False
         return self._assembler.take(n)
 
-    def chunk_inputs(self, frames: list[InputFrame]) -> np.ndarray:
-        """Engine thread: decode and resize a chunk's frames to the stream's size (from the camera's aspect)."""
-        if self._pick_size and self._size_for is not None:
-            source = frames[0].source
-            camera = (source.shape[1], source.shape[0]) if isinstance(source, np.ndarray) else (source.width, source.height)
-            self._size, self._pick_size = self._size_for(camera), False
+    def chunk_inputs(self, frames: list[InputFrame], config: FidelityConfig | None = None) -> np.ndarray:
+        """Engine thread: decode a chunk's frames, each resized once, straight from the camera's size to
+        the engine size the chunk runs at (``config``: its fidelity; None: the stream's own), as the
+        engine sizes the stream (its camera's aspect, engine/aspect.py)."""
+        source = frames[0].source
+        camera = (source.shape[1], source.shape[0]) if isinstance(source, np.ndarray) else (source.width, source.height)
+        sizes = self._processor.sizes(camera, config)
+        if sizes.stream != self._size:  # the stream's first chunk: the placeholder takes its size
+            self._size = sizes.stream
             self._playout.fit_placeholder(self._size)
-        return np.stack([to_rgb(frame.source, self._size) for frame in frames])
+        return np.stack([to_rgb(frame.source, sizes.engine) for frame in frames])
 
     def deliver(self, frames: list[InputFrame], out: np.ndarray) -> None:
         """Event loop: a finished chunk goes to the playout buffer."""
@@ -561,10 +559,11 @@ class StreamRunner:
         self._playout.push_chunk(out, [frame.meta for frame in frames])
 
     def chunk_outputs(self, inputs: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Engine thread: check the engine's output, fit it to our size, stamp the frame-ID band."""
+        """Engine thread: check the engine's output (at the stream's size), stamp the frame-ID band."""
         if out.ndim != 4 or out.shape[0] != len(inputs) or out.shape[3] != 3:
             raise RuntimeError(f"engine returned {out.shape} for an input chunk of {inputs.shape}")
-        if out.shape != inputs.shape:  # an engine working at another size: play out at ours
+        width, height = self._size
+        if out.shape[1:3] != (height, width):  # an engine that sized the stream otherwise: play out at ours
             out = np.stack([fit_frame(image, self._size) for image in out])
         if self._trace_stamp:
             out = np.array(out, copy=True)

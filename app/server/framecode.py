@@ -52,6 +52,13 @@ def read_id(image: np.ndarray) -> int | None:
 
 
 def copy_band(source: np.ndarray, target: np.ndarray) -> None:
-    """Copy the code band of ``source`` onto ``target`` (same size), in place."""
-    rows = band_height(source.shape[0])
-    target[:rows] = source[:rows]
+    """Copy the code band of ``source`` onto ``target``, in place: the band's pixels where the two are of
+    one size, else the ID read off ``source`` drawn again at ``target``'s size (a chunk's input at the
+    engine size, its output at the stream's)."""
+    if source.shape == target.shape:
+        rows = band_height(source.shape[0])
+        target[:rows] = source[:rows]
+        return
+    frame_id = read_id(source)
+    if frame_id is not None:
+        draw_id(target, frame_id)

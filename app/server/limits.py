@@ -18,7 +18,6 @@ import numpy as np
 from PIL import Image
 
 from app.server.frame_path import ChunkAssembler
-from engine.aspect import fit_frame
 
 Clock = Callable[[], float]
 # cv2.imdecode's reduced modes decode a JPEG at 1/2, 1/4 or 1/8 size for little more than the
@@ -90,28 +89,25 @@ def image_size(data: bytes) -> tuple[int, int]:
     return int(width), int(height)
 
 
-def decode_frame(data: bytes, size: tuple[int, int] | Callable[[tuple[int, int]], tuple[int, int]],
-                 max_pixels: int) -> tuple[np.ndarray, tuple[int, int]]:
-    """JPEG/PNG bytes -> (uint8 RGB at ``size`` = (width, height), the engine's size, or at
-    ``size(image's size)`` (the stream's size from the image's aspect, ``SessionManager.size_for``);
-    the image's own (width, height) as it was sent).
+def decode_frame(data: bytes, budget_px: int, max_pixels: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """JPEG/PNG bytes -> (uint8 RGB, the image's own (width, height) as it was sent).
 
     Images over ``max_pixels`` are refused before decoding (a decompression bomb); large JPEGs are
-    decoded at a reduced scale that still covers ``size``; any other aspect ratio is centre-cropped."""
+    decoded at a reduced scale that still holds ``budget_px`` pixels (the model's pixel budget, which
+    no stream's size exceeds). Nothing is cropped or resized here: the engine thread resizes the frame
+    once, straight to the size its chunk runs at (app/server/frame_path.py)."""
     width, height = image_size(data)
     if width < 1 or height < 1 or width * height > max_pixels:
         raise MessageLimitError(f"frame is {width}x{height}; frames may have at most {max_pixels} pixels")
-    if callable(size):
-        size = size((width, height))
     flag = cv2.IMREAD_COLOR
     for factor, reduced in REDUCED:
-        if width // factor >= size[0] and height // factor >= size[1]:
+        if (width // factor) * (height // factor) >= budget_px:
             flag = reduced
             break
     image = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), flag)
     if image is None:
         raise MessageLimitError(f"binary message of {len(data)} bytes is not a decodable JPEG/PNG image")
-    return fit_frame(cv2.cvtColor(image, cv2.COLOR_BGR2RGB), size), (width, height)
+    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB), (width, height)
 
 
 class InputTimeout(RuntimeError):

@@ -65,6 +65,7 @@ async def serve_websocket(
                     return  # the client left mid-send: the receive loop ends the session
 
     frames = frame_guard(config.max_frame_bytes, config.max_fps)
+    budget_px = width * height  # the model's pixel budget: frames are decoded at a scale that holds it
     session.spawn(send_output(), "ws-output")
     session.spawn(session.send_stats(send_text, is_open), "stats")
     try:
@@ -76,7 +77,7 @@ async def serve_websocket(
                 try:
                     frames.check(message["bytes"])
                     image, arrived = await asyncio.to_thread(
-                        decode_frame, message["bytes"], manager.size_for, config.max_frame_pixels
+                        decode_frame, message["bytes"], budget_px, config.max_frame_pixels
                     )
                 except ValueError as exc:  # MessageLimitError: over a limit, or not an image
                     await send_text(json.dumps({"type": "error", "message": str(exc)}))

@@ -34,7 +34,7 @@ import cv2
 import numpy as np
 import torch
 
-from engine.aspect import crop_box, fit_size
+from engine.aspect import StreamSizes, crop_box, fit_size
 from engine.fidelity import FidelityConfig, unsupported_reason
 from engine.models.bf16_weights import keep_bf16_weights
 from engine.models.lora import LoRABank, check_strengths
@@ -369,11 +369,22 @@ class StreamRuntime:
             raise ValueError(f"frame size {size} at scale {scale} is too small: the model needs {g}x{g} pixels at least")
         return fit_size(size, budget, g)
 
+    def sizes(self, state: StreamState, frame_size: tuple[int, int], fidelity: FidelityConfig) -> StreamSizes:
+        """The stream's size and the engine size of its next chunk at ``fidelity``, for frames of
+        ``frame_size`` (the camera's): what a server resizes a chunk's frames to before it enters (once,
+        straight from the camera's size), so that :meth:`enter_chunks` resizes nothing. A stream that takes
+        its size from its input takes it from ``frame_size`` here (:meth:`adopt_input_size`)."""
+        self.adopt_input_size(state, frame_size)
+        return StreamSizes(state.size, self.engine_size(state.size, fidelity))
+
     def adopt_input_size(self, state: StreamState, frame_size: tuple[int, int]) -> None:
         """A stream opened with ``fit_input`` takes its size from its first chunk's frames (``frame_size``,
         width and height): the grid size at its pixel budget closest to their aspect (engine/aspect.py).
-        Later chunks of another size are centre-cropped and resized to the stream's size: the stream
-        keeps its size, caches and context (a reset picks the size again from the next chunk)."""
+        The one place a stream's size is decided: a server asks it through :meth:`sizes` with its
+        camera's size before the first chunk (whose frames then come at the engine size), a caller of
+        :meth:`enter_chunks` with raw frames gets it from them. Later chunks of another size are
+        centre-cropped and resized to the stream's size: the stream keeps its size, caches and context
+        (a reset picks the size again from the next chunk)."""
         if not state.fit_input:
             return
         state.fit_input = False

@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
 
+from engine.aspect import StreamSizes
 from engine.serving.fidelity import FidelityConfig
 from engine.streaming.parcel import Parcel, park, unpark
 
@@ -94,6 +95,7 @@ class InProcessProcessor:
         self._queue: list[Any] = []  # the runtime's ChunkInFlight objects, oldest first
         self._drained: list[np.ndarray] = []  # frames of chunks finished while making room
         self._parked: Parcel | None = None  # state and chunks in flight while offloaded to host memory
+        self._size: tuple[int, int] | None = None  # the stream's size once :meth:`sizes` has settled it
         self.lock = threading.RLock()  # run_step holds it over a whole step; control calls take it too
 
     @property
@@ -123,7 +125,24 @@ class InProcessProcessor:
         with self.lock:
             self._parked = None
             self._queue, self._drained = [], []
+            self._size = None  # the next chunk's camera sizes the stream again
             self._stream.reset()
+
+    def sizes(self, camera: tuple[int, int], config: FidelityConfig | None = None) -> StreamSizes:
+        """The stream's size and the engine size its next chunk runs at (``config``: the fidelity it will
+        run at; None: the stream's own) for frames from a ``camera``-sized source, the stream taking its
+        size from it at its first chunk (`StreamRuntime.sizes`). A parked stream's settled size needs no
+        state: it stays in host memory until the engine core restores it."""
+        with self.lock:
+            runtime = self._stream.runtime
+            if self._size is None or config is None:
+                self._resident()
+                state = self._stream.state
+                sizes: StreamSizes = runtime.sizes(state, camera, config or state.fidelity)
+                self._size = sizes.stream
+                return sizes
+            return StreamSizes(self._size, runtime.engine_size(self._size, config))
+
 
     def fidelity(self) -> FidelityConfig:
         self._resident()
@@ -208,6 +227,7 @@ class InProcessProcessor:
         self._parked = parked
         self._resident()
         self._queue, self._drained = [], []
+        self._size = None
 
     @property
     def stream(self) -> Any:
