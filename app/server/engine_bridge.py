@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 from engine.aspect import StreamSizes
-from engine.serving.fidelity import FidelityConfig
+from engine.fidelity import FidelityConfig
 from engine.streaming.lanes import EngineLanes, auto_lanes
 
 # The step-wise stream lives in engine/ (Ray worker actors run it too); the server's name for it stays.
@@ -207,12 +207,12 @@ class RankProcessor:
     """
 
     def __init__(self, factory: RankFactory, params: StreamParams) -> None:
-        self._factory = factory
         from engine.pipeline import StreamControls
 
         self.id = uuid.uuid4().hex
         self.controls = StreamControls(factory.pipeline, params, self.id, host=factory.ring)
         factory.register(self.controls)
+        self._factory = factory
 
     @property
     def state(self) -> StreamState:

@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeGuard, runtime_checkable
 import numpy as np
 
 from engine.aspect import StreamSizes
-from engine.serving.fidelity import FidelityConfig
+from engine.fidelity import FidelityConfig
 from engine.streaming.parcel import Parcel, park, unpark
 
 
@@ -142,7 +142,6 @@ class InProcessProcessor:
                 self._size = sizes.stream
                 return sizes
             return StreamSizes(self._size, runtime.engine_size(self._size, config))
-
 
     def fidelity(self) -> FidelityConfig:
         self._resident()
