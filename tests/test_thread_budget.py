@@ -6,7 +6,14 @@ from __future__ import annotations
 import torch
 
 from engine.streaming.lanes import EngineLanes
-from engine.streaming.thread_budget import CpuTimes, ThreadBudget, process_cpu_times, process_cpus
+from engine.streaming.thread_budget import (
+    CpuTimes,
+    ThreadBudget,
+    ThreadBudgetConfig,
+    openmp_spins,
+    process_cpu_times,
+    process_cpus,
+)
 
 
 class Machine:
@@ -31,8 +38,9 @@ class Machine:
         self.readings += 1
         return CpuTimes(machine_busy_s=self.busy, own_s=self.own)
 
-    def budget(self, most: int = 2) -> ThreadBudget:
-        return ThreadBudget(most, self.cores, self.sample, clock=lambda: self.now)
+    def budget(self, most: int = 2, spinning: bool = True) -> ThreadBudget:
+        return ThreadBudget(most, self.cores, self.sample, clock=lambda: self.now,
+                            config=ThreadBudgetConfig(spinning=spinning))
 
 
 def follow(machine: Machine, budget: ThreadBudget, neighbour: float, seconds: float = 3.0) -> int:
@@ -74,6 +82,15 @@ def test_more_cores_give_more_threads_back_one_by_one() -> None:
     assert follow(machine, budget, 3.0) == 5
     assert follow(machine, budget, 7.0) == 1
     assert follow(machine, budget, 0.0) == 8
+
+
+def test_sleeping_openmp_threads_keep_every_thread_and_the_budget_still_reports_the_cores_left() -> None:
+    machine = Machine()
+    budget = machine.budget(spinning=False)
+    assert follow(machine, budget, 1.0) == 2 and budget.changes == 0
+    assert budget.cores_left is not None and budget.cores_left < 1.1
+    assert openmp_spins({}) and openmp_spins({"OMP_WAIT_POLICY": "active"})
+    assert not openmp_spins({"OMP_WAIT_POLICY": "PASSIVE"}) and not openmp_spins({"GOMP_SPINCOUNT": "0"})
 
 
 def test_the_budget_reads_the_kernel_once_a_window_and_keeps_its_most_without_figures() -> None:

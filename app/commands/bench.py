@@ -265,7 +265,7 @@ def _run_engine(args: argparse.Namespace) -> int:
     from engine.models.wan_dit import attention_kernel
     from engine.pipeline import ModelNotAvailableError, Pipeline
     from engine.streaming.lanes import EngineLanes
-    from engine.streaming.thread_budget import thread_budget
+    from engine.streaming.thread_budget import openmp_spins, thread_budget
 
     if args.busy < 0:
         log.error("--busy must be 0 or more, got %d", args.busy)
@@ -317,6 +317,7 @@ def _run_engine(args: argparse.Namespace) -> int:
         "attention": attention_kernel(torch.empty(0, device=device, dtype=dtype)),
         "threads": threads,
         "thread_budget": budget is not None,
+        "openmp_spins": openmp_spins(),  # where OpenMP's threads sleep at a barrier the budget keeps them all
         "busy": args.busy,
         "chunk_frames": pipe.chunk_frames,
         "prompt_switch": prompt_switch,

@@ -14,6 +14,11 @@ its scheduler share (CFS: the same per runnable thread; one spinner beside two e
 cores used 2/3 of a core, wanting 1): its demand is then its use scaled by the engine's threads over
 this process's use. The count changes with a gap between the thresholds down and up, so it does not
 flap. Without the kernel's figures (not Linux) the budget stays at its most.
+
+Only where OpenMP's threads spin: with `OMP_WAIT_POLICY=PASSIVE` (what `diffcast serve` sets) a thread
+waiting at a barrier sleeps and gives its core back, and beside one busy process two threads ran a
+chunk faster than one (docs/performance.md, "The CPU engine beside busy programs"): the budget then
+keeps every thread and only reports the cores left.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +54,8 @@ class ThreadBudgetConfig:
     # ``up_margin`` of the next (the gap between keeps the count from flapping on a noisy neighbour).
     down_margin: float = 0.4
     up_margin: float = 0.3
+    # Whether OpenMP's threads spin at a barrier (`openmp_spins`); sleeping ones keep every thread.
+    spinning: bool = True
 
 
 class ThreadBudget:
@@ -93,6 +100,8 @@ class ThreadBudget:
         return others * self.threads / own
 
     def _decide(self, left: float) -> None:
+        if not self.config.spinning:
+            return
         threads = self.threads
         while threads > 1 and left < threads - self.config.down_margin:
             threads -= 1
@@ -130,7 +139,16 @@ def process_cpus() -> frozenset[int]:
         return frozenset(range(os.cpu_count() or 1))
 
 
+def openmp_spins(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether OpenMP's threads spin at a barrier, from the variables libgomp read at load (this process's
+    environment, set before torch loaded: app/cli.py): not with OMP_WAIT_POLICY=PASSIVE or
+    GOMP_SPINCOUNT=0."""
+    return environ.get("OMP_WAIT_POLICY", "").strip().lower() != "passive" and \
+        environ.get("GOMP_SPINCOUNT", "").strip() != "0"
+
+
 def thread_budget(most: int) -> ThreadBudget:
     """A budget of at most ``most`` threads over the kernel's figures for the cores this process may use."""
     cpus = process_cpus()
-    return ThreadBudget(most, len(cpus), lambda: process_cpu_times(cpus))
+    return ThreadBudget(most, len(cpus), lambda: process_cpu_times(cpus),
+                        config=ThreadBudgetConfig(spinning=openmp_spins()))
