@@ -24,6 +24,11 @@ the engine-only CPU per frame.
     .venv/bin/python demos/bench_live.py                    # default model (tiny-random until the embedded one exists)
     .venv/bin/python demos/bench_live.py --streams 1 --seconds 30 --json
     .venv/bin/python demos/bench_live.py --streams 1 4 --policies slack   # one policy only
+    .venv/bin/python demos/bench_live.py --streams 1 --viewers 1 4 --policies slack   # 1, then 4 WHEP viewers
+
+``--viewers N [N ...]``: every stream count with N WHEP viewers per stream besides its publisher (real
+aiortc peers in this process, each reading the stream's output), one row per N; server CPU per
+delivered frame (the publishers' new frames) then shows what each viewer costs the server.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.client import CodedCamera, http, open_session  # noqa: E402
+from app.client import CodedCamera, OutputProbe, http, open_session, open_whep_viewer  # noqa: E402
 from app.server.framecode import MAX_ID  # noqa: E402
 from app.server.ice import allow_loopback_candidates  # noqa: E402
 from engine.serving.live import bundled_live_profile  # noqa: E402
@@ -81,6 +86,8 @@ class Result:
     engine_fps: float = float("nan")  # the engine alone at those points, the admitted streams batched
     engine_cpu_ms_per_frame: float = float("nan")
     camera_fps: float = float("nan")  # what the admitted cameras sent: admitted x their frame rate
+    viewers: int = 0  # WHEP viewers per stream besides its publisher
+    viewer_fps: float = float("nan")  # new frames per second at each viewer, averaged over viewers
 
     @property
     def camera_ratio(self) -> float:
@@ -165,7 +172,7 @@ def served(model: str, port: int, threads: int, max_streams: int, device: str = 
 
 
 async def run_streams(url: str, count: int, seconds: float, fps: float, policy: str = "slack",
-                      server_pid: int | None = None) -> Result:
+                      server_pid: int | None = None, viewers: int = 0) -> Result:
     config = json.loads(http("GET", f"{url}/api/config")[2])
     size = (config["width"], config["height"])
     cameras = [CodedCamera(size, fps=fps, variant=i, id_offset=i * MAX_ID // count) for i in range(count)]
@@ -179,6 +186,9 @@ async def run_streams(url: str, count: int, seconds: float, fps: float, policy: 
         logging.warning("%d of %d streams refused: %s", len(refusals), count, refusals[0])
     if not sessions:
         raise RuntimeError(f"every stream was refused: {refusals[0]}")
+    # Viewers read the publisher's frame IDs, so their records are the stream's new frames too.
+    watching = [await open_whep_viewer(url, s.stream_id, OutputProbe(s.camera), s.viewer_token)
+                for s in sessions for _ in range(viewers)]
     window: list[float] = []  # [start, end] of the CPU window, after the warm-up
     cpu: list[tuple[float, float]] = []  # (server, clients) CPU seconds at its start and end
     replies_before = [0] * len(sessions)
@@ -194,7 +204,7 @@ async def run_streams(url: str, count: int, seconds: float, fps: float, policy: 
     chosen = Counter(reply["fidelity"] for session, before in zip(sessions, replies_before, strict=True)
                      for reply in session.replies[before:] if reply.get("type") == "stats" and reply.get("fidelity"))
     stats = [json.loads((await asyncio.to_thread(http, "GET", f"{url}/api/streams/{s.stream_id}"))[2]) for s in sessions]
-    await asyncio.gather(*(s.close() for s in sessions))
+    await asyncio.gather(*(v.close() for v in watching), *(s.close() for s in sessions))
     await asyncio.sleep(1.0)  # let the server notice and free the slots
 
     fps_values: list[float] = []
@@ -215,6 +225,8 @@ async def run_streams(url: str, count: int, seconds: float, fps: float, policy: 
     lat = np.array(latencies) * 1000
     delivered = sum(1 for s in sessions for t, _, _ in s.probe.records if len(window) == 2 and window[0] <= t < window[1])
     server_cpu, client_cpu = (np.subtract(cpu[1], cpu[0]) if len(cpu) == 2 else (float("nan"), float("nan")))
+    seen = [sum(1 for t, _, _ in v.probe.records if window[0] <= t < window[1]) / (window[1] - window[0])
+            for v in watching if len(window) == 2]
     total = sum(chosen.values())
     return Result(
         policy=policy,
@@ -233,6 +245,8 @@ async def run_streams(url: str, count: int, seconds: float, fps: float, policy: 
         server_cores=float(server_cpu) / (window[1] - window[0]) if len(window) == 2 else float("nan"),
         points={label: n / total for label, n in chosen.most_common()},
         camera_fps=len(sessions) * fps,
+        viewers=viewers,
+        viewer_fps=float(np.mean(seen)) if seen else float("nan"),
     )
 
 
@@ -336,16 +350,17 @@ def with_engine_only(results: list[Result], model: str, profile: str | None, thr
 def table(results: list[Result], model: str) -> str:
     lines = [
         f"model: {model}",
-        "policy | streams | admitted | fps/stream | TTFF s | g2g p50 ms | g2g p95 ms | dropped | chunk ms | "
+        "policy | streams | viewers | admitted | fps/stream | viewer fps | TTFF s | g2g p50 ms | g2g p95 ms | dropped | chunk ms | "
         "aggregate fps | of cameras | engine-only fps | ratio | ceiling | server CPU ms/frame | client CPU ms/frame | "
         "engine-only CPU ms/frame | server cores",
-        "------ | ------- | -------- | ---------- | ------ | ---------- | ---------- | ------- | -------- | "
+        "------ | ------- | ------- | -------- | ---------- | ---------- | ------ | ---------- | ---------- | ------- | -------- | "
         "------------- | ---------- | --------------- | ----- | ------- | ------------------- | ------------------- | "
         "------------------------ | ------------",
     ]
     for r in results:
         lines.append(
-            f"{r.policy:6s} | {r.streams:7d} | {r.admitted:8d} | {r.fps:10.1f} | {r.ttff_s:6.2f} | "
+            f"{r.policy:6s} | {r.streams:7d} | {r.viewers:7d} | {r.admitted:8d} | {r.fps:10.1f} | "
+            f"{r.viewer_fps:10.1f} | {r.ttff_s:6.2f} | "
             f"{r.latency_p50_ms:10.0f} | {r.latency_p95_ms:10.0f} | {r.dropped_ratio:7.1%} | {r.server_chunk_ms:8.0f} | "
             f"{r.aggregate_fps:13.1f} | {r.camera_ratio:10.0%} | {r.engine_fps:15.1f} | {r.engine_ratio:5.0%} | {r.ratio_ceiling:7.0%} | "
             f"{r.server_cpu_ms_per_frame:19.1f} | {r.client_cpu_ms_per_frame:19.1f} | {r.engine_cpu_ms_per_frame:24.1f} | "
@@ -374,6 +389,8 @@ def main() -> int:
     parser.add_argument("--profile", default=None, help="fidelity profile for the server's policy (default: bundled)")
     parser.add_argument("--policies", nargs="+", default=["slack", "fifo"],
                         help="serving policies run side by side, one server each (default: slack fifo)")
+    parser.add_argument("--viewers", type=int, nargs="+", default=[0], metavar="N",
+                        help="WHEP viewers per stream besides its publisher, one row per N (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--engine-only", nargs="+", metavar="LABEL", default=None,
                         help="(internal) measure the engine alone at these ladder points, print JSON")
@@ -392,7 +409,8 @@ def main() -> int:
         with served(model, args.port, args.threads, max(args.streams), args.device, args.profile, policy,
                     extra) as (url, pid):
             for count in args.streams:
-                results.append(asyncio.run(run_streams(url, count, args.seconds, args.fps, policy, pid)))
+                for viewers in args.viewers:
+                    results.append(asyncio.run(run_streams(url, count, args.seconds, args.fps, policy, pid, viewers)))
     with_engine_only(results, model, args.profile, args.threads, args.device)
     if args.json:
         rows = [{**asdict(r), "engine_ratio": r.engine_ratio, "camera_ratio": r.camera_ratio,
