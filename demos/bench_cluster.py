@@ -45,10 +45,10 @@ from app.server.engine_bridge import RayFactory, StreamSettings  # noqa: E402
 from app.server.executors import AdmissionError, ServingLoop, build_serving_loop  # noqa: E402
 from app.server.frame_path import ChunkAssembler, InputFrame, Playout, StreamRunner  # noqa: E402
 from engine.cluster.controller import ClusterConfig, ClusterController  # noqa: E402
-from engine.serving.fidelity import FidelityProfile, bundled_profile  # noqa: E402
 from engine.serving.ledger import Camera  # noqa: E402
 from engine.serving.live import live_policy_config  # noqa: E402
 from engine.serving.policy import SlackPolicy  # noqa: E402
+from engine.serving.profile import FidelityProfile, bundled_profile  # noqa: E402
 from engine.sim.metrics import Summary, summarise  # noqa: E402
 from engine.sim.simulator import SimConfig, SimResult, Simulator, StreamRecord  # noqa: E402
 from engine.sim.workload import EventKind, TraceEvent  # noqa: E402

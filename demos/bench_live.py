@@ -266,7 +266,7 @@ def engine_only(model: str, profile: str | None, labels: list[str], streams: int
     import torch
 
     from app.server.engine_bridge import InProcessFactory, StreamSettings
-    from engine.serving.fidelity import load_profile
+    from engine.serving.profile import load_profile
     from engine.streaming.step_processor import StepProcessor
 
     if threads > 0:

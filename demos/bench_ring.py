@@ -39,13 +39,13 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from engine.fidelity import FidelityConfig  # noqa: E402
 from engine.models.wan_dit import CONFIGS, CausalWanDiT  # noqa: E402
 from engine.models.wan_vae import WanVAE, WanVAEConfig  # noqa: E402
 from engine.parallel.launch import run_ring  # noqa: E402
 from engine.parallel.partition import stage_times  # noqa: E402
 from engine.parallel.ring import RingOptions, RingRuntime  # noqa: E402
 from engine.sampling import STREAMDIFFUSION_V2  # noqa: E402
-from engine.serving.fidelity import FidelityConfig  # noqa: E402
 from engine.streaming.config import RuntimeConfig  # noqa: E402
 from engine.streaming.runtime import PromptEncoder, StreamRuntime  # noqa: E402
 

@@ -46,10 +46,10 @@ from skimage.metrics import structural_similarity
 from tqdm import tqdm
 
 from engine.embedded.evaluate import SHIPPING_PSNR_DB, teacher_scores
-from engine.fidelity import required_capabilities
+from engine.fidelity import FidelityConfig, required_capabilities
 from engine.frames import frames_to_tensor, tensor_to_frames
 from engine.pipeline import Pipeline, StreamParams
-from engine.serving.fidelity import FidelityConfig, FidelityProfile, ProfilePoint, pareto_frontier
+from engine.serving.profile import FidelityProfile, ProfilePoint, pareto_frontier
 from engine.streaming.stream_batch import StreamBatch
 
 log = logging.getLogger(__name__)

@@ -10,11 +10,11 @@ import hashlib
 
 import torch
 
+from engine.fidelity import FidelityConfig
 from engine.models.tiny_vae import TinyVAE, TinyVAEConfig
 from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.models.wan_vae import WanVAE, WanVAEConfig
 from engine.sampling import STREAMDIFFUSION_V2
-from engine.serving.fidelity import FidelityConfig
 from engine.streaming.config import RuntimeConfig
 from engine.streaming.runtime import PromptEncoder, StreamRuntime
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.serving.fidelity import load_profile
+from engine.serving.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKED = ("aiortc", "av", "aiohttp", "uvicorn", "fastapi", "starlette", "gradio", "ray")

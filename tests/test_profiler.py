@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from app.cli import main
+from engine.fidelity import FidelityConfig
 from engine.pipeline import StreamParams
 from engine.profiler import (
     PSNR_CAP,
@@ -21,7 +22,7 @@ from engine.profiler import (
     synthetic_clip,
 )
 from engine.serving.bmpr import BMPR
-from engine.serving.fidelity import FidelityConfig, ProfilePoint, load_profile
+from engine.serving.profile import ProfilePoint, load_profile
 
 REFERENCE = FidelityConfig(steps=2, kv_window_frames=6, precision="fp32")
 CHEAP = FidelityConfig(steps=1, kv_window_frames=4, precision="fp32")
@@ -119,7 +120,7 @@ def test_each_capability_set_keeps_a_whole_ladder() -> None:
 
 def test_anchoring_keeps_the_ratios_and_sets_the_reference() -> None:
     from engine.profiler import ProfileResult
-    from engine.serving.fidelity import FidelityProfile
+    from engine.serving.profile import FidelityProfile
 
     points = (_point(2000, 23.5, 1.0), _point(800, 20.0, 0.5))
     profile = FidelityProfile(model="m", device="cpu", resolution=(256, 256), chunk_latent_frames=1,

@@ -346,8 +346,8 @@ async def test_simulator_and_live_server_run_the_same_engine_core(
 ) -> None:
     """One loop: the core's own dispatch and update run under both executors (no second runner)."""
     from engine.serving.core import EngineCore
-    from engine.serving.fidelity import bundled_profile
     from engine.serving.policy import SlackPolicy, resolve_preset
+    from engine.serving.profile import bundled_profile
     from engine.sim.simulator import SimConfig, Simulator
     from engine.sim.workload import EventKind, TraceEvent
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.fidelity import FidelityConfig
 from engine.serving.bmpr import BMPR, Mode
-from engine.serving.fidelity import FidelityConfig, ProfilePoint
+from engine.serving.profile import ProfilePoint
 
 
 def pts() -> list[ProfilePoint]:
@@ -79,8 +80,8 @@ def test_the_default_models_ladder_routes_down_to_its_shipping_bar() -> None:
     its floor, so the policy uses every rung that clears it, not only those above the median."""
     import json
 
-    from engine.serving.fidelity import BUNDLED_PROFILES, load_profile
     from engine.serving.policy import SlackPolicy
+    from engine.serving.profile import BUNDLED_PROFILES, load_profile
 
     path = BUNDLED_PROFILES / "default_cpu_256.json"
     raw = json.loads(path.read_text())

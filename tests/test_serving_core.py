@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 
 from engine.serving.core import StepResult, Work
-from engine.serving.fidelity import ProfilePoint, bundled_profile
 from engine.serving.ledger import Camera
 from engine.serving.live import live_policy_config
 from engine.serving.policy import SlackPolicy, policy_presets, resolve_preset
+from engine.serving.profile import ProfilePoint, bundled_profile
 from engine.serving.snapshot import Rehome, TickPlan
 from engine.sim.simulator import SimConfig, Simulator
 from engine.sim.workload import EventKind, TraceEvent

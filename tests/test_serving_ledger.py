@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.serving.fidelity import bundled_profile
 from engine.serving.ledger import Camera, StreamLedger
+from engine.serving.profile import bundled_profile
 from engine.serving.snapshot import Admission, WorkerView
 
 REF = bundled_profile().reference()

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from engine.serving.derived_profiles import derived_h100_profile
-from engine.serving.fidelity import FidelityProfile
 from engine.serving.policy import PolicyConfig, SlackPolicy, policy_presets
+from engine.serving.profile import FidelityProfile
 from engine.serving.snapshot import AdmissionRequest, Snapshot, StreamView, WorkerView
 
 
@@ -131,7 +131,7 @@ def test_tick_produces_consistent_plan(profile: FidelityProfile) -> None:
 
 
 def live_policy() -> SlackPolicy:
-    from engine.serving.fidelity import BUNDLED_PROFILES, load_profile
+    from engine.serving.profile import BUNDLED_PROFILES, load_profile
 
     # The embedded model's measured ladder: five rungs from x1 (best) to x0.5 (fastest), 20 dB floor.
     return SlackPolicy(load_profile(BUNDLED_PROFILES / "default_cpu_256.json"), replace(PolicyConfig(), live_load=0.85))

@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 
 from engine.serving.autoscale import AutoscaleConfig
-from engine.serving.fidelity import FidelityProfile, bundled_profile
 from engine.serving.policy import SlackPolicy, policy_presets
+from engine.serving.profile import FidelityProfile, bundled_profile
 from engine.serving.rehoming import RehomingConfig
 from engine.serving.snapshot import TickPlan
 from engine.sim.simulator import SimConfig, Simulator

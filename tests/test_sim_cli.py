@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from app.commands import simulate
-from engine.serving.fidelity import FidelityConfig, FidelityProfile, ProfilePoint, bundled_profile
+from engine.fidelity import FidelityConfig
+from engine.serving.profile import FidelityProfile, ProfilePoint, bundled_profile
 from engine.sim.runner import run_one, simulation_profile, workload_events
 from engine.sim.simulator import SimConfig
 from engine.sim.workload import WorkloadSpec

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.serving.fidelity import FidelityProfile, bundled_profile
 from engine.serving.policy import SlackPolicy, policy_presets
+from engine.serving.profile import FidelityProfile, bundled_profile
 from engine.sim.simulator import SimConfig, Simulator
 from engine.sim.workload import LENGTHS_FRAMES, EventKind, TraceEvent
 

@@ -53,10 +53,6 @@ from engine.devices import has_bf16_units
 from engine.fidelity import FidelityConfig
 from engine.serving.core import Clock, EngineCore, StepOrder, StepResult, Work
 from engine.serving.device_memory import GIB, DeviceMemory
-from engine.serving.fidelity import (
-    FidelityProfile,
-    load_profile,
-)
 from engine.serving.ledger import StreamLedger
 from engine.serving.live import (
     LIVE_CONTENT_S,
@@ -66,6 +62,7 @@ from engine.serving.live import (
     with_emulated_delay,
 )
 from engine.serving.policy import SlackPolicy
+from engine.serving.profile import FidelityProfile, load_profile
 from engine.serving.scaler import Scaler
 from engine.serving.snapshot import Rehome, WorkerView
 from engine.sim.runner import advisory_autoscale

@@ -24,7 +24,7 @@ from enum import Enum
 import numpy as np
 import numpy.typing as npt
 
-from engine.serving.fidelity import ProfilePoint, pareto_frontier, quality_floor
+from engine.serving.profile import ProfilePoint, pareto_frontier, quality_floor
 
 
 class Mode(Enum):

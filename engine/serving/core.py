@@ -29,9 +29,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from engine.serving.credit import Tier
-from engine.serving.fidelity import ProfilePoint
 from engine.serving.ledger import InFlight, StreamEntry, StreamLedger
 from engine.serving.policy import ASSUMED_BATCH, SlackPolicy
+from engine.serving.profile import ProfilePoint
 from engine.serving.snapshot import (
     Admission,
     AdmissionRequest,

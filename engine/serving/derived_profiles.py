@@ -38,14 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.fidelity import required_capabilities
-from engine.serving.fidelity import (
-    BUNDLED_PROFILES,
-    FidelityConfig,
-    FidelityProfile,
-    ProfilePoint,
-    profile_device_type,
-)
+from engine.fidelity import FidelityConfig, required_capabilities
+from engine.serving.profile import BUNDLED_PROFILES, FidelityProfile, ProfilePoint, profile_device_type
 
 # Published single-H100 FPS for the 1.3B model at steps 1..4 (StreamDiffusionV2 Fig. 9 / tables).
 SDV2_FPS: dict[tuple[int, int], tuple[float, float, float, float]] = {

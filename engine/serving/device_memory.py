@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.serving.fidelity import FidelityProfile
+from engine.serving.profile import FidelityProfile
 
 GIB = 1024**3
 # Of the free bytes, what states and workspace may take: the rest absorbs allocator fragmentation and

@@ -26,8 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.fidelity import FidelityConfig
-from engine.serving.fidelity import ProfilePoint
 from engine.serving.playout import ChunkOutcome, PlayoutTracker
+from engine.serving.profile import ProfilePoint
 from engine.serving.snapshot import Admission, Snapshot, StreamView, WorkerView
 
 

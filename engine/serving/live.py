@@ -13,14 +13,14 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from engine.fidelity import FidelityConfig, engine_capabilities
-from engine.serving.fidelity import (
+from engine.serving.policy import Ordering, PolicyConfig, resolve_preset
+from engine.serving.profile import (
     BUNDLED_PROFILES,
     FidelityProfile,
     ProfilePoint,
     bundled_profile,
     load_profile,
 )
-from engine.serving.policy import Ordering, PolicyConfig, resolve_preset
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import numpy as np
 from engine.serving.autoscale import AutoscaleConfig, desired_worker_count
 from engine.serving.bmpr import BMPR
 from engine.serving.credit import Tier, TierThresholds, classify, classify_many
-from engine.serving.fidelity import FidelityProfile, ProfilePoint
+from engine.serving.profile import FidelityProfile, ProfilePoint
 from engine.serving.rehoming import ClusterArrays, RehomingConfig, plan_rehomes
 from engine.serving.snapshot import (
     Admission,

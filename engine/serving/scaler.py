@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from engine.serving.autoscale import AutoscaleConfig, plan_scaling
-from engine.serving.fidelity import FidelityProfile
+from engine.serving.profile import FidelityProfile
 from engine.serving.snapshot import Rehome, TickPlan, WorkerView
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.serving.credit import Tier
-from engine.serving.fidelity import ProfilePoint
+from engine.serving.profile import ProfilePoint
 
 
 @dataclass(frozen=True, slots=True)

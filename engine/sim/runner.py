@@ -12,8 +12,8 @@ from tqdm import tqdm
 
 from engine.serving.autoscale import AutoscaleConfig
 from engine.serving.bmpr import BMPR
-from engine.serving.fidelity import FidelityProfile, bundled_profile, load_profile
 from engine.serving.policy import ABLATION_LADDER, BASELINES, SlackPolicy, policy_presets
+from engine.serving.profile import FidelityProfile, bundled_profile, load_profile
 from engine.sim.metrics import Summary, summarise
 from engine.sim.simulator import SimConfig, SimResult, Simulator
 from engine.sim.workload import TraceEvent, WorkloadSpec, generate

@@ -20,10 +20,10 @@ import numpy as np
 from engine.serving.autoscale import AutoscaleConfig
 from engine.serving.core import EngineCore, Work
 from engine.serving.credit import Tier
-from engine.serving.fidelity import FidelityProfile
 from engine.serving.ledger import Camera, StreamEntry, StreamLedger
 from engine.serving.playout import Stall
 from engine.serving.policy import SlackPolicy
+from engine.serving.profile import FidelityProfile
 from engine.serving.scaler import Scaler
 from engine.serving.snapshot import Rehome, Snapshot, WorkerView
 from engine.serving.transfer import Link, TransferModel

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.serving.fidelity import FidelityProfile
 from engine.serving.policy import PolicyConfig, SlackPolicy
+from engine.serving.profile import FidelityProfile
 from engine.serving.snapshot import Snapshot, StreamView, WorkerView
 
 

@@ -32,11 +32,11 @@ import numpy as np
 
 from engine.serving.core import Clock, EngineCore, Work
 from engine.serving.device_memory import DeviceMemory
-from engine.serving.fidelity import FidelityProfile
 from engine.serving.ledger import Camera, StreamLedger
 from engine.serving.live import LIVE_CONTENT_S, live_policy_config
 from engine.serving.playout import PlayoutTracker
 from engine.serving.policy import SlackPolicy
+from engine.serving.profile import FidelityProfile
 from engine.serving.snapshot import Rehome, WorkerView
 from engine.streaming.step_processor import InProcessProcessor, StepProcessor, StepRow, run_step
 

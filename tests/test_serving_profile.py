@@ -13,14 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.fidelity import (
+    FidelityConfig,
     engine_capabilities,
     missing_capabilities,
     required_capabilities,
     unsupported_reason,
 )
 from engine.serving.derived_profiles import SDV2_FPS, derived_h100_profile
-from engine.serving.fidelity import (
-    FidelityConfig,
+from engine.serving.profile import (
     FidelityProfile,
     ProfilePoint,
     bundled_profile,

@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from engine.fidelity import PRECISIONS, FidelityConfig, engine_capabilities, required_capabilities
+from engine.fidelity import FidelityConfig, engine_capabilities, required_capabilities
 
-__all__ = ["PRECISIONS", "FidelityConfig", "FidelityProfile", "ProfilePoint", "profile_device_type"]
+__all__ = ["FidelityProfile", "ProfilePoint", "profile_device_type"]
 
 PROFILE_FORMAT = "diffcast-fidelity-profile/1"
 BUNDLED_PROFILES = Path(__file__).parent / "profiles"
