@@ -71,6 +71,12 @@ async def call(method: str, url: str, body: Any = None, token: str | None = None
     return status, json.loads(raw) if raw else None
 
 
+def audio_stats(url: str, stream_id: str) -> dict[str, Any]:
+    """The stream's audio fields, for a failure's message."""
+    stats = json.loads(http("GET", f"{url}/api/streams/{stream_id}")[2])
+    return {key: stats.get(key) for key in ("audio", "audio_delay_ms", "audio_resyncs", "ndi_out", "latency_ms")}
+
+
 class Frames:
     """A video track's new frames by frame ID (thumbnails)."""
 
@@ -189,7 +195,7 @@ async def test_ndi_out_publishes_the_stylized_output_with_audio_under_distinct_n
         await wait_for(lambda: len(common()) >= 8 and watcher.audio_peak > 0.1, lambda: (
             f"NDI frames and audio: {len(watcher.frames.by_id)} NDI frames ({watcher.polls} polls), {len(back.by_id)} "
             f"WebRTC frames, {len(common())} in common, audio peak {watcher.audio_peak}, sources {watcher.names()}, "
-            f"receiver error {watcher.error!r}"))
+            f"receiver error {watcher.error!r}, stream {audio_stats(url, sid)}"))
         assert set(watcher.frames.by_id) <= set(camera.sent), "NDI frames that no input frame made"
         for frame_id in common()[-8:]:
             ndi, webrtc = watcher.frames.by_id[frame_id], back.by_id[frame_id]

@@ -75,7 +75,6 @@ class NdiInput:
         self._audio = audio
         self._config = config
         self._stop = threading.Event()
-        self.frames = 0
         self.size: tuple[int, int] | None = None
         self.ended: str | None = None  # why the input ended: the source vanished, was never found, ...
 
@@ -114,9 +113,6 @@ class NdiInput:
         else:
             done.set_exception(error)
 
-    def _push_video(self, image: np.ndarray) -> None:
-        self._assembler.push(image)
-
     def _receive(self, loop: asyncio.AbstractEventLoop) -> None:
         cy, cfg = self._cy, self._config
         finder = cy.Finder()
@@ -147,8 +143,7 @@ class NdiInput:
                         log.info("NDI source %r: %dx%d at %s fps", self.source, width, height,
                                  video.get_frame_rate())
                         self.size = (width, height)
-                    self.frames += 1
-                    loop.call_soon_threadsafe(self._push_video, image)
+                    loop.call_soon_threadsafe(self._assembler.push, image)
                 if self._audio is not None and receiver.frame_sync.capture_available_audio():
                     samples = sound.get_array()
                     frame = self._audio_frame(samples, sound.sample_rate, audio_pts)

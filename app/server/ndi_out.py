@@ -43,8 +43,7 @@ class NdiOutput:
         self._audio = audio
         self._fps = fps
         self.frames = 0
-        self.audio_frames = 0
-        self.dropped = 0
+        self.dropped = 0  # items the sender thread was too far behind to take
         self._queue: queue.Queue[tuple[str, np.ndarray]] = queue.Queue(QUEUE_ITEMS)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._send, name="ndi-out", daemon=True)
@@ -105,13 +104,12 @@ class NdiOutput:
                 elif sender is not None:
                     # int16 [960, 2] -> the float32 [channels, samples] NDI carries
                     sender.write_audio(np.ascontiguousarray(data.T, np.float32) / 32768.0)
-                    self.audio_frames += 1
         except Exception:
             log.exception("NDI output %r failed; the stream goes on without it", self.name)
         finally:
             if sender is not None:
                 sender.close()
-                log.info("NDI source %r closed", self.name)
+                log.info("NDI source %r closed (%d frames and audio ticks dropped)", self.name, self.dropped)
 
     def _open(self, size: tuple[int, int]) -> Any:
         """The sender, under the stream's name or, when another program on this machine publishes
