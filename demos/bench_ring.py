@@ -4,7 +4,7 @@ Each rank is a process with one torch thread; ranks talk over gloo on 127.0.0.1 
 (``--device cuda``, one GPU per rank). For each rank count the stream runs ``--warmup`` chunks
 (filling the ring) and then ``--chunks`` timed chunks; reported: output FPS (pixel frames per
 second), ms per chunk, the DiT forwards, and the per-rank compute each rank measured on its last
-micro-step. The single-process engine (``StreamRuntime.step``, one thread) is the baseline row.
+micro-step. The single-process engine (``StreamRuntime.run_chunk``, one thread) is the baseline row.
 
 On a CPU machine the ranks share the cores, so more ranks cannot compute more: what this measures
 there is the pipeline's overhead (serialisation, gloo transfers, process contention), not speed-up.
@@ -128,15 +128,15 @@ class BenchProgram:
 
 
 def baseline(model: BenchModel, program: BenchProgram) -> dict[str, Any]:
-    """The single-process engine on the same inputs: StreamRuntime.step chunk after chunk."""
+    """The single-process engine on the same inputs: StreamRuntime.run_chunk chunk after chunk."""
     rt = model()
     state = rt.open("bench", "oil painting", (program.size, program.size),
                     FidelityConfig(steps=program.steps, kv_window_frames=6, precision="fp32"))
     inputs = clip(program.warmup + program.chunks, program.size)
     for frames in inputs[: program.warmup]:
-        rt.step(state, frames)
+        rt.run_chunk(state, frames)
     t0 = time.perf_counter()
-    out_frames = sum(rt.step(state, frames).frames.shape[1] for frames in inputs[program.warmup :])
+    out_frames = sum(rt.run_chunk(state, frames).frames.shape[1] for frames in inputs[program.warmup :])
     elapsed = time.perf_counter() - t0
     return {"ranks": "single-process", "depth": 1, "rebalances": 0, "fps": out_frames / elapsed,
             "ms_per_chunk": 1000 * elapsed / program.chunks, "forwards": program.chunks * program.steps,

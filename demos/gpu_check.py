@@ -217,7 +217,7 @@ def dit_blocks(pipe: Pipeline, plan: Plan) -> dict[str, Any]:
         for k in range(warmup_chunks(fidelity.kv_window_frames, rt.config.chunk_latent_frames) + plan.batched_chunks):
             n = pipe.first_chunk_frames if k == 0 else pipe.chunk_frames
             marks.clear()
-            rt.step_batch([state], [frames_to_tensor(clip[np.arange(frame, frame + n) % len(clip)])])
+            rt.run_chunks([state], [frames_to_tensor(clip[np.arange(frame, frame + n) % len(clip)])])
             frame += n
             if k < warmup_chunks(fidelity.kv_window_frames, rt.config.chunk_latent_frames):
                 continue

@@ -496,7 +496,7 @@ class Stream(StreamControls):
         if self.params.mode != "v2v":
             raise ValueError("this is a text-to-video stream; call generate(), not process()")
         chunk = frames_to_tensor(frames, self.expected_frames)
-        self.last = self.runtime.step(self.state, chunk)
+        self.last = self.runtime.run_chunk(self.state, chunk)
         return tensor_to_frames(self.last.frames)
 
     def generate(self) -> np.ndarray:

@@ -77,7 +77,7 @@ class Scenario:
     rebalance_to: tuple[tuple[int, int], ...] = ()
 
     def reference(self, rt: StreamRuntime) -> tuple[dict[str, list[torch.Tensor]], dict[str, int]]:
-        """The single-process engine: StreamRuntime.step chunk after chunk, each stream on its own."""
+        """The single-process engine: StreamRuntime.run_chunk chunk after chunk, each stream on its own."""
         out, refreshes = {}, {}
         for i in range(self.streams):
             state = rt.open(f"s{i}", PROMPTS[i], (32, 32), fidelity(steps=self.steps), seed=3 + i)
@@ -85,7 +85,7 @@ class Scenario:
             for c, frames in enumerate(clip(self.chunks, seed=i)):
                 if c == self.switch_at and i == 0:
                     rt.set_prompt(state, "pencil sketch", refresh_sinks=self.refresh_on_switch)
-                frames_out.append(rt.step(state, frames).frames)
+                frames_out.append(rt.run_chunk(state, frames).frames)
             out[state.stream_id], refreshes[state.stream_id] = frames_out, state.sink_refreshes
         return out, refreshes
 

@@ -34,7 +34,7 @@ def _streams(n: int, history: list[torch.Tensor]) -> tuple[StreamRuntime, list[S
     states = [rt.open(str(i), "oil painting", (32, 32), fidelity(), noise_scale=0.5, seed=1) for i in range(n)]
     for frames in history:
         for state in states:
-            rt.step(state, frames)
+            rt.run_chunk(state, frames)
     return rt, states
 
 
@@ -51,7 +51,7 @@ def test_intermediate_chunks_land_between_the_two_looks() -> None:
         old, new = copy.deepcopy(moving), copy.deepcopy(moving)
         rt.set_look(old, "oil painting", noise_scale=0.5)
         rt.set_look(new, "pencil sketch", noise_scale=0.9)
-        a, b, t = (rt.step(s, frames).frames for s in (old, new, moving))
+        a, b, t = (rt.run_chunk(s, frames).frames for s in (old, new, moving))
         apart = _distance(a, b)
         to_old.append(_distance(t, a) / apart)
         to_new.append(_distance(t, b) / apart)
@@ -73,7 +73,7 @@ def test_a_look_fired_mid_transition_starts_from_where_the_stream_is() -> None:
     for state in (going, fired, naive):
         rt.set_look(state, "pencil sketch", noise_scale=0.9, transition_chunks=4)
         for frames in chunks[3:5]:
-            rt.step(state, frames)
+            rt.run_chunk(state, frames)
     mid = slerp(old, new, 0.5)
     torch.testing.assert_close(fired.embedding, mid)
     assert fired.noise_scale == pytest.approx(0.7)
@@ -81,7 +81,7 @@ def test_a_look_fired_mid_transition_starts_from_where_the_stream_is() -> None:
     naive.embedding, naive.noise_scale = old, 0.5
     for state in (fired, naive):
         rt.set_look(state, "watercolor", noise_scale=0.3, transition_chunks=2)
-    g, f, n = (rt.step(s, chunks[5]).frames for s in (going, fired, naive))
+    g, f, n = (rt.run_chunk(s, chunks[5]).frames for s in (going, fired, naive))
     torch.testing.assert_close(fired.embedding, slerp(mid, third, 0.5))
     assert fired.noise_scale == pytest.approx(0.5)
     assert _distance(f, g) < _distance(n, g), "the fired look starts from the output, not from the old look"
@@ -92,10 +92,10 @@ def test_a_parked_stream_resumes_its_look_transition_bit_identically() -> None:
     chunks = clip(6)
     rt, (state,) = _streams(1, chunks[:3])
     rt.set_look(state, "pencil sketch", noise_scale=0.9, transition_chunks=3)
-    rt.step(state, chunks[3])
+    rt.run_chunk(state, chunks[3])
     restored = unpark(park(state))
     for frames in chunks[4:]:
-        torch.testing.assert_close(rt.step(restored, frames).frames, rt.step(state, frames).frames,
+        torch.testing.assert_close(rt.run_chunk(restored, frames).frames, rt.run_chunk(state, frames).frames,
                                    rtol=0, atol=0)
     assert restored.noise_scale == state.noise_scale == 0.9
 

@@ -216,8 +216,8 @@ def test_streams_with_different_loras_batch_like_they_run_alone(pipe: Pipeline) 
     alone = [pipe.open_stream(p) for p in params]
     for chunk in _chunks(pipe):
         tensor = frames_to_tensor(chunk, len(chunk))
-        together = pipe.runtime.step_batch([s.state for s in batched], [tensor] * 3)
-        single = [s.runtime.step(s.state, tensor) for s in alone]
+        together = pipe.runtime.run_chunks([s.state for s in batched], [tensor] * 3)
+        single = [s.runtime.run_chunk(s.state, tensor) for s in alone]
         for t, s in zip(together, single, strict=True):
             torch.testing.assert_close(t.frames, s.frames, rtol=1e-4, atol=1e-4)
     outs = [s.frames for s in single]

@@ -72,7 +72,7 @@ def _open(pipe: Pipeline, loras: dict[str, float], seed: int) -> EngineStream:
 
 
 def _batch(pipe: Pipeline, streams: list[EngineStream], clip: torch.Tensor) -> list[ChunkResult]:
-    return pipe.runtime.step_batch([s.state for s in streams], [clip] * len(streams))
+    return pipe.runtime.run_chunks([s.state for s in streams], [clip] * len(streams))
 
 
 def _assert_black(result: ChunkResult) -> None:
@@ -102,7 +102,7 @@ def test_a_nan_lora_row_leaves_its_batch_bit_identical(pipe: Pipeline) -> None:
     # The cause gone and the stream reset, its chunks are finite again.
     poisoned[2].update(loras={"bad": 0.0})
     poisoned[2].reset()
-    _assert_clean(pipe.runtime.step(poisoned[2].state, _clips(pipe, 1)[0]))
+    _assert_clean(pipe.runtime.run_chunk(poisoned[2].state, _clips(pipe, 1)[0]))
 
 
 def test_nan_in_one_streams_kv_cache_is_recovered_alone(pipe: Pipeline) -> None:
@@ -122,7 +122,7 @@ def test_nan_in_one_streams_kv_cache_is_recovered_alone(pipe: Pipeline) -> None:
     assert pipe.runtime.take_fault(victim.stream_id) == (1, got[2].fault)
     # Reset, it starts over (its first chunk again) while the others go on in their batch, as before.
     poisoned[2].reset()
-    _assert_clean(pipe.runtime.step(poisoned[2].state, clips[0]))
+    _assert_clean(pipe.runtime.run_chunk(poisoned[2].state, clips[0]))
     got, want = _batch(pipe, poisoned[:2], clips[3]), _batch(pipe, clean[:2], clips[3])
     for row in (0, 1):
         assert torch.equal(got[row].frames, want[row].frames), row

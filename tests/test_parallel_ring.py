@@ -1,6 +1,6 @@
 """Pipeline-parallel DiT over gloo CPU ranks: outputs equal the single-process engine's.
 
-The reference is :meth:`StreamRuntime.step` chunk after chunk in this process (same tiny random
+The reference is :meth:`StreamRuntime.run_chunk` chunk after chunk in this process (same tiny random
 model, seeds and inputs); the ring spawns real ranks (torch.multiprocessing, 127.0.0.1, a free
 port) that split the blocks, pass activations with isend/recv and move blocks on a rebalance.
 Batched rows vs. single-row forwards differ by fp32 rounding only, hence atol 1e-5.
@@ -141,7 +141,7 @@ def test_step_count_and_resolution_changes_between_chunks_match_single_process()
     expected = []
     for (steps, scale), frames in zip(schedule, clip(len(schedule)), strict=True):
         rt.set_fidelity(state, replace(fidelity(steps=steps), resolution_scale=scale))
-        expected.append(rt.step(state, frames).frames)
+        expected.append(rt.run_chunk(state, frames).frames)
     ring = RingRuntime(factory(), Channel(torch.device("cpu")), 1, [range(0, 4)])
     ring_state = ring.open("s", "oil painting", (32, 32), fidelity(steps=2), seed=3)
     got = []

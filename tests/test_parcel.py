@@ -22,7 +22,7 @@ def _running_stream() -> tuple[object, StreamState, list[torch.Tensor]]:
     chunks = clip(6)
     state = rt.open("a", "thermal", (32, 32), fidelity(), seed=5)
     for c in chunks[:3]:
-        rt.step(state, c)
+        rt.run_chunk(state, c)
     return rt, state, chunks
 
 
@@ -79,7 +79,7 @@ def test_parked_stream_with_chunks_in_flight_goes_on_bit_identical() -> None:
     rt.run_to_end([back_chunk])
     torch.testing.assert_close(rt.finish_chunk(back_chunk).frames, rt.finish_chunk(chunk).frames, rtol=0, atol=0)
     for c in chunks[4:]:
-        torch.testing.assert_close(rt.step(back, c).frames, rt.step(state, c).frames, rtol=0, atol=0)
+        torch.testing.assert_close(rt.run_chunk(back, c).frames, rt.run_chunk(state, c).frames, rtol=0, atol=0)
 
 
 def test_views_stay_shared_and_a_small_view_copies_only_its_bytes() -> None:

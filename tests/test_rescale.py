@@ -144,7 +144,7 @@ def _run_stream(rt: StreamRuntime, scales: list[float], size: int = 32) -> tuple
     out = []
     for scale, frames in zip(scales, clip(len(scales), size=size), strict=True):
         rt.set_fidelity(state, dataclasses.replace(state.fidelity, resolution_scale=scale))
-        out.append(rt.step(state, frames).frames)
+        out.append(rt.run_chunk(state, frames).frames)
     return state, out
 
 

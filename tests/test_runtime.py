@@ -19,7 +19,7 @@ from engine.streaming.stream_batch import StreamBatch
 
 
 def _run(rt, state, chunks):  # type: ignore[no-untyped-def]
-    return [rt.step(state, c).frames for c in chunks]
+    return [rt.run_chunk(state, c).frames for c in chunks]
 
 
 @pytest.fixture(autouse=True)
@@ -68,9 +68,9 @@ def test_several_streams_batch_into_one_forward_and_one_vae_call(guided: bool) -
 
         setattr(rt.vae, name, counted)
     for k in range(4):
-        expected = [rt.step(s, c[k]).frames for s, c in zip(singles, streams_chunks, strict=True)]
+        expected = [rt.run_chunk(s, c[k]).frames for s, c in zip(singles, streams_chunks, strict=True)]
         calls.clear()
-        got = [r.frames for r in rt.step_batch(batched, [c[k] for c in streams_chunks])]
+        got = [r.frames for r in rt.run_chunks(batched, [c[k] for c in streams_chunks])]
         # The batch's chunks went through the VAE together: one encode and one decode of three rows.
         assert calls == [("encode_chunk", 3), ("decode_chunk", 3)], calls
         for a, b in zip(got, expected, strict=True):
@@ -137,12 +137,12 @@ def test_prompt_switch_changes_output_next_chunk_without_rewarm() -> None:
     a = rt.open("a", "oil painting", (32, 32), fidelity(), seed=0)
     b = rt.open("b", "oil painting", (32, 32), fidelity(), seed=0)
     for c in chunks[:3]:
-        rt.step(a, c)
-        rt.step(b, c)
+        rt.run_chunk(a, c)
+        rt.run_chunk(b, c)
     fill = b.kv[0].local_end
     rt.set_prompt(b, "pencil sketch")
-    out_a = rt.step(a, chunks[3]).frames
-    out_b = rt.step(b, chunks[3]).frames
+    out_a = rt.run_chunk(a, chunks[3]).frames
+    out_b = rt.run_chunk(b, chunks[3]).frames
     # A twin with the same prompt reproduces a bit for bit; the switched stream differs at once.
     assert (out_a - out_b).abs().max() > 1e-4, "the new prompt must show in the very next chunk"
     assert b.chunks == a.chunks and b.frame == a.frame, "no restart"
@@ -155,10 +155,10 @@ def test_fidelity_change_applies_from_that_chunk_only() -> None:
     a = rt.open("a", "oil painting", (32, 32), fidelity(steps=2), seed=0)
     b = rt.open("b", "oil painting", (32, 32), fidelity(steps=2), seed=0)
     for c in chunks[:3]:
-        torch.testing.assert_close(rt.step(a, c).frames, rt.step(b, c).frames, rtol=0, atol=0)
+        torch.testing.assert_close(rt.run_chunk(a, c).frames, rt.run_chunk(b, c).frames, rtol=0, atol=0)
     rt.set_fidelity(b, fidelity(steps=1))
     assert len(b.kv) == 2, "nothing changes before the chunk boundary"
-    out_a, out_b = rt.step(a, chunks[3]).frames, rt.step(b, chunks[3]).frames
+    out_a, out_b = rt.run_chunk(a, chunks[3]).frames, rt.run_chunk(b, chunks[3]).frames
     assert len(b.kv) == 1
     assert (out_a - out_b).abs().max() > 1e-4
 
@@ -168,15 +168,15 @@ def test_parked_pickled_and_copied_states_go_on_bit_identical() -> None:
     chunks = clip(6)
     a = rt.open("a", "thermal", (32, 32), fidelity(), seed=7)
     for c in chunks[:3]:
-        rt.step(a, c)
+        rt.run_chunk(a, c)
     restored = unpark(park(a))
     carried = unpark(pickle.loads(pickle.dumps(park(a))))  # as Ray carries a parcel
     twin = copy.deepcopy(a)
     for c in chunks[3:]:
-        expected = rt.step(a, c).frames
-        torch.testing.assert_close(rt.step(restored, c).frames, expected, rtol=0, atol=0)
-        torch.testing.assert_close(rt.step(carried, c).frames, expected, rtol=0, atol=0)
-        torch.testing.assert_close(rt.step(twin, c).frames, expected, rtol=0, atol=0)
+        expected = rt.run_chunk(a, c).frames
+        torch.testing.assert_close(rt.run_chunk(restored, c).frames, expected, rtol=0, atol=0)
+        torch.testing.assert_close(rt.run_chunk(carried, c).frames, expected, rtol=0, atol=0)
+        torch.testing.assert_close(rt.run_chunk(twin, c).frames, expected, rtol=0, atol=0)
     assert restored.nbytes() > 0
 
 
@@ -189,9 +189,9 @@ def test_stabilizer_in_the_runtime_is_the_filter_applied_to_the_raw_output() -> 
     reference, history = TemporalStabilizer(config), StabilizerState()
     moved = 0.0
     for c in clip(4):
-        r = raw_rt.step(raw, c).frames
-        s = stab_rt.step(stab, c).frames
-        torch.testing.assert_close(stab_rt.step(off, c).frames, r, rtol=0, atol=0)
+        r = raw_rt.run_chunk(raw, c).frames
+        s = stab_rt.run_chunk(stab, c).frames
+        torch.testing.assert_close(stab_rt.run_chunk(off, c).frames, r, rtol=0, atol=0)
         torch.testing.assert_close(s, reference(history, c, r), rtol=0, atol=1e-6)
         moved = max(moved, float((s - r).abs().max()))
     assert moved > 1e-3, "the stabilizer changed nothing"
@@ -225,13 +225,13 @@ def test_below_x1_the_stabilizer_filters_the_engine_size_frames_and_a_rung_chang
         drawn = raw_rt.decode_chunk(chunk).frames
         assert drawn.shape[-2:] == (32, 32)
         expected = fit_frames(engine(at_engine, fit_frames(c, (32, 32)), drawn), (64, 64))
-        got = rt.step(stab, c).frames
+        got = rt.run_chunk(stab, c).frames
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
         upscaled_first = stream(at_stream, c, fit_frames(drawn, (64, 64)))
     assert (got - upscaled_first).abs().max() > 1e-3, "filtering after the upscale gives other frames"
     for runtime, state in ((raw_rt, raw), (rt, stab)):
         runtime.set_fidelity(state, FidelityConfig(steps=2, kv_window_frames=6, precision="fp32"))
-    r, s = raw_rt.step(raw, chunks[4]).frames, rt.step(stab, chunks[4]).frames
+    r, s = raw_rt.run_chunk(raw, chunks[4]).frames, rt.run_chunk(stab, chunks[4]).frames
     assert s.shape == r.shape == (3, 4, 64, 64)
     assert (s[:, 0] - r[:, 0]).abs().max() > 1e-3, "the history was dropped at the rung change"
 
@@ -242,17 +242,17 @@ def test_hard_prompt_switch_drops_the_stabilizer_history_and_state_moves_with_it
     raw = raw_rt.open("r", "oil painting", (32, 32), fidelity(), seed=0)
     a = rt.open("a", "oil painting", (32, 32), fidelity(), seed=0)
     for c in chunks[:3]:
-        raw_rt.step(raw, c)
-        rt.step(a, c)
+        raw_rt.run_chunk(raw, c)
+        rt.run_chunk(a, c)
     restored = unpark(park(a))
-    torch.testing.assert_close(rt.step(restored, chunks[3]).frames, rt.step(a, chunks[3]).frames, rtol=0, atol=0)
-    raw_rt.step(raw, chunks[3])
+    torch.testing.assert_close(rt.run_chunk(restored, chunks[3]).frames, rt.run_chunk(a, chunks[3]).frames, rtol=0, atol=0)
+    raw_rt.run_chunk(raw, chunks[3])
     for runtime, state in ((raw_rt, raw), (rt, a)):
         runtime.set_prompt(state, "pencil sketch", transition_chunks=2)
     assert not a.restart_stabilizer, "a gradual transition keeps the history"
     for runtime, state in ((raw_rt, raw), (rt, a)):
         runtime.set_prompt(state, "pencil sketch")
-    expected, got = raw_rt.step(raw, chunks[4]).frames, rt.step(a, chunks[4]).frames
+    expected, got = raw_rt.run_chunk(raw, chunks[4]).frames, rt.run_chunk(a, chunks[4]).frames
     # The first frame after a hard switch is the model's own; the history restarts from it.
     torch.testing.assert_close(got[:, 0], expected[:, 0], rtol=0, atol=1e-6)
     assert (got[:, 1:] - expected[:, 1:]).abs().max() > 1e-4

@@ -214,24 +214,24 @@ def test_runtime_runs_sparse_streams_and_batches_them_exactly() -> None:
     dense = rt.open("d", "oil painting", SIZE, sparse_fidelity(0.0), seed=0)
     differs = False
     for c in range(7):
-        expected = [rt.step(s, frames[c]).frames for s, frames in zip(singles, chunks, strict=True)]
-        got = [r.frames for r in rt.step_batch(batched, [frames[c] for frames in chunks])]
+        expected = [rt.run_chunk(s, frames[c]).frames for s, frames in zip(singles, chunks, strict=True)]
+        got = [r.frames for r in rt.run_chunks(batched, [frames[c] for frames in chunks])]
         for a, b in zip(got, expected, strict=True):
             assert a.shape == (3, chunks[0][c].shape[1], *SIZE[::-1]) and torch.isfinite(a).all()
             # The batch's VAE calls are batched too: a larger convolution may round a few 1e-5 apart.
             torch.testing.assert_close(a, b, rtol=0, atol=5e-5)
-        differs |= not torch.allclose(rt.step(dense, chunks[0][c]).frames, expected[0], atol=1e-4)
+        differs |= not torch.allclose(rt.run_chunk(dense, chunks[0][c]).frames, expected[0], atol=1e-4)
     assert differs, "sparsity 0.5 must change the output once the window holds more than sinks and chunk"
     mixed = [rt.open(f"m{i}", "neon", SIZE, sparse_fidelity(sp)) for i, sp in enumerate((0.5, 0.0))]
     with pytest.raises(ValueError, match="share attention_sparsity"):
-        rt.step_batch(mixed, [chunks[0][0], chunks[0][0]])
+        rt.run_chunks(mixed, [chunks[0][0], chunks[0][0]])
 
 
 def test_stream_batch_with_sparse_attention_equals_sequential() -> None:
     rt = tiny_runtime(sparse_block_tokens=2)
     chunks = clip(7)
     seq = rt.open("s", "watercolor", SIZE, sparse_fidelity(0.5), seed=3)
-    expected = [rt.step(seq, c).frames for c in chunks]
+    expected = [rt.run_chunk(seq, c).frames for c in chunks]
     state = rt.open("b", "watercolor", SIZE, sparse_fidelity(0.5), seed=3)
     batch = StreamBatch(rt, [state])
     got = [r[0].frames for r in (batch.push([c]) for c in chunks) if r[0] is not None]
@@ -248,7 +248,7 @@ def test_ring_groups_rows_by_sparsity_and_matches_the_runtime() -> None:
     expected = []
     for i, sp in enumerate(levels):
         state = rt.open(f"r{i}", "oil painting", SIZE, sparse_fidelity(sp), seed=4)
-        expected.append([rt.step(state, c).frames for c in chunks])
+        expected.append([rt.run_chunk(state, c).frames for c in chunks])
     ring = RingRuntime(rt, Channel(torch.device("cpu")), 1, [range(CFG.num_layers)])
     states = [ring.open(f"p{i}", "oil painting", SIZE, sparse_fidelity(sp), seed=4) for i, sp in enumerate(levels)]
     got: dict[str, list[torch.Tensor]] = {s.stream_id: [] for s in states}

@@ -213,7 +213,7 @@ def test_wan_encoder_with_the_tiny_decoder_runs_a_stream_through_the_runtime() -
     state = rt.open("s", "thermal", (32, 32), fidelity())
     assert isinstance(state.vae_encoder, WanVAECache) and isinstance(state.vae_decoder, TAEHVCache)
     for chunk in clip(4):
-        out = rt.step(state, chunk).frames
+        out = rt.run_chunk(state, chunk).frames
         assert out.shape == chunk.shape
         assert torch.isfinite(out).all() and out.std() > 0.01
     parts = state.nbytes_by_part()

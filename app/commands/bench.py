@@ -160,7 +160,7 @@ def measure_row(pipe: Any, size: tuple[int, int], steps: int, streams: int, chun
             if batch is not None:
                 batch.push([chunk(k, i) for i in range(streams)])
             else:
-                rt.step_batch(states, [chunk(k, i) for i in range(streams)])
+                rt.run_chunks(states, [chunk(k, i) for i in range(streams)])
         if k >= warm:
             latencies.append(rt.clock() - t)
             if batch is None:
@@ -192,7 +192,7 @@ def measure_row(pipe: Any, size: tuple[int, int], steps: int, streams: int, chun
         # Time to the first frame of fresh streams (one input frame in, one out), everything warm.
         fresh = unpark(unstarted, rt.device)
         t = rt.clock()
-        rt.step_batch(fresh, [chunk(0, i) for i in range(streams)])
+        rt.run_chunks(fresh, [chunk(0, i) for i in range(streams)])
         row["first_chunk_ms"] = _ms(rt.clock() - t)
         del fresh
         row.update(_park_restore(rt, states[0]))

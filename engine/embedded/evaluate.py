@@ -88,7 +88,7 @@ def stylize_stream(pipe: Pipeline, frames: np.ndarray, prompt: str, seed: int = 
     ``steps`` / ``noise_scale`` default to the model's own (its config's sampler); ``fidelity`` runs the
     stream at one operating point of the engine (its steps, KV window, resolution scale, precision and
     attention sparsity; the stream's size stays the clip's). The stages are those of
-    ``StreamRuntime.step``, called one by one so that the decoded frames can be kept before the
+    ``StreamRuntime.run_chunk``, called one by one so that the decoded frames can be kept before the
     stabilizer and each stage timed.
     """
     spans = chunk_spans(pipe, frames.shape[0])

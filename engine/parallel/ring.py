@@ -12,7 +12,7 @@ With ``depth`` micro-steps in flight a chunk cannot take its next step in the ve
 micro-step ``m + i*depth``. Micro-step m thus holds the chunks entered at m, m - depth, ...; slot i is
 still "the chunk at step i". Every rank processes micro-steps in order, so per-step KV cache i of a
 stream is written by chunk c before chunk c + 1 reads it, on every block: the results equal the
-single-process engine's (:meth:`StreamRuntime.step` chunk after chunk, per-step cache mode).
+single-process engine's (:meth:`StreamRuntime.run_chunk` chunk after chunk, per-step cache mode).
 
 Adaptive sink refresh compares the newest frame's mean keys/values over *all* blocks with the sinks',
 so its decision exists only after the last rank, and the same stream's next chunk must not run

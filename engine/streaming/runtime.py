@@ -331,7 +331,7 @@ class StreamRuntime:
         state.restart_stabilizer = True  # a hard cut to a new look: the stabilizer's history is of the old one
 
     def set_fidelity(self, state: StreamState, fidelity: FidelityConfig) -> None:
-        """Takes effect at the next chunk boundary (the next call of :meth:`step`)."""
+        """Takes effect at the next chunk boundary (the next call of :meth:`run_chunk`)."""
         self.check_fidelity(fidelity)
         self._check_size(state.size, fidelity)
         state.fidelity = fidelity
@@ -655,18 +655,18 @@ class StreamRuntime:
 
     # -- the stages grouped: sequential chunks and cross-user batches -------------------------------
 
-    def step(self, state: StreamState, frames: torch.Tensor) -> ChunkResult:
+    def run_chunk(self, state: StreamState, frames: torch.Tensor) -> ChunkResult:
         """V2V: one chunk of input frames [3, T, H, W] in [-1, 1] -> the stylised chunk."""
-        return self.step_batch([state], [frames])[0]
+        return self.run_chunks([state], [frames])[0]
 
-    def step_batch(self, states: Sequence[StreamState], frames: Sequence[torch.Tensor]) -> list[ChunkResult]:
+    def run_chunks(self, states: Sequence[StreamState], frames: Sequence[torch.Tensor]) -> list[ChunkResult]:
         """V2V for several streams in one batched forward per denoising step.
 
         The streams must share steps, precision, sparsity and engine size, and have the same cache
-        fill level (any two streams past warm-up do); otherwise call :meth:`step` per stream.
+        fill level (any two streams past warm-up do); otherwise call :meth:`run_chunk` per stream.
         """
         if len(states) != len(frames) or not states:
-            raise ValueError("step_batch needs one frame chunk per stream")
+            raise ValueError("run_chunks needs one frame chunk per stream")
         t0 = self.clock()
         chunks = self.enter_chunks(states, frames)
         t1 = self.clock()

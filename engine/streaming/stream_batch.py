@@ -8,7 +8,7 @@ forward after a warm-up of n - 1 micro-steps, n-step latency.
 Exactness: in per-step cache mode slot i only ever reads and writes the stream's step-i cache, and
 every chunk draws its noise (V2V noise, then one re-noise per step) when it enters, in the order
 the sequential loop draws it. So the stream batch computes exactly what
-:meth:`StreamRuntime.step` computes chunk after chunk; only the forwards are batched. Several
+:meth:`StreamRuntime.run_chunk` computes chunk after chunk; only the forwards are batched. Several
 streams batch together too (rows = streams x slots), grouped by cache fill level.
 """
 
