@@ -24,11 +24,16 @@ the engine-only CPU per frame.
     .venv/bin/python demos/bench_live.py                    # default model (tiny-random until the embedded one exists)
     .venv/bin/python demos/bench_live.py --streams 1 --seconds 30 --json
     .venv/bin/python demos/bench_live.py --streams 1 4 --policies slack   # one policy only
+    .venv/bin/python demos/bench_live.py --streams 2 --busy 1   # quiet rows, then the same beside 1 busy process
     .venv/bin/python demos/bench_live.py --streams 1 --viewers 1 4 --policies slack   # 1, then 4 WHEP viewers
 
 ``--viewers N [N ...]``: every stream count with N WHEP viewers per stream besides its publisher (real
 aiortc peers in this process, each reading the stream's output), one row per N; server CPU per
 delivered frame (the publishers' new frames) then shows what each viewer costs the server.
+
+``--busy N``: every stream count again beside N busy processes (CPU spinners, app/busy_neighbours.py,
+a stand-in for OBS or a browser on a creator's laptop), on the same server after its quiet rows; the
+engine-only figures of loaded rows are measured beside them too.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +61,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from app.busy_neighbours import BusyNeighbours  # noqa: E402
 from app.client import CodedCamera, OutputProbe, http, open_session, open_whep_viewer  # noqa: E402
 from app.server.framecode import MAX_ID  # noqa: E402
 from app.server.ice import allow_loopback_candidates  # noqa: E402
@@ -86,6 +92,7 @@ class Result:
     engine_fps: float = float("nan")  # the engine alone at those points, the admitted streams batched
     engine_cpu_ms_per_frame: float = float("nan")
     camera_fps: float = float("nan")  # what the admitted cameras sent: admitted x their frame rate
+    busy: int = 0  # busy processes (CPU spinners) beside the server and clients
     viewers: int = 0  # WHEP viewers per stream besides its publisher
     viewer_fps: float = float("nan")  # new frames per second at each viewer, averaged over viewers
 
@@ -324,24 +331,25 @@ def engine_lane(factory: Any, config: Any, group: list[Any], lane: int, lanes: i
 
 def with_engine_only(results: list[Result], model: str, profile: str | None, threads: int, device: str) -> None:
     """Fill in each result's engine-only FPS and CPU per frame at the points its policy chose (a child
-    process with the server's threads and OpenMP setting, so the engine runs as it does in the server)."""
+    process with the server's threads and OpenMP setting, so the engine runs as it does in the server;
+    beside as many busy processes as the result had)."""
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}  # as `serve` sets it
-    for count in sorted({r.admitted for r in results}):
-        labels = sorted({label for r in results if r.admitted == count for label in r.points})
+    for count, busy in sorted({(r.admitted, r.busy) for r in results}):
+        mine = [r for r in results if (r.admitted, r.busy) == (count, busy) and r.points]
+        labels = sorted({label for r in mine for label in r.points})
         if not labels:
             continue
         command = [sys.executable, str(Path(__file__).resolve()), "--engine-only", *labels, "--model", model,
                    "--threads", str(threads), "--device", device, "--streams", str(count)]
         if profile is not None:
             command += ["--profile", profile]
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        with BusyNeighbours(busy):
+            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             logging.warning("engine-only measurement of %d stream(s) failed: %s", count, done.stderr[-2000:])
             continue
         measured = json.loads(done.stdout.strip().splitlines()[-1])
-        for r in results:
-            if r.admitted != count or not r.points:
-                continue
+        for r in mine:
             # The chosen mix: each point's share of the frames at its own speed.
             r.engine_fps = 1.0 / sum(share / measured[label][0] for label, share in r.points.items())
             r.engine_cpu_ms_per_frame = sum(share * measured[label][1] for label, share in r.points.items())
@@ -350,16 +358,16 @@ def with_engine_only(results: list[Result], model: str, profile: str | None, thr
 def table(results: list[Result], model: str) -> str:
     lines = [
         f"model: {model}",
-        "policy | streams | viewers | admitted | fps/stream | viewer fps | TTFF s | g2g p50 ms | g2g p95 ms | dropped | chunk ms | "
+        "policy | busy | streams | viewers | admitted | fps/stream | viewer fps | TTFF s | g2g p50 ms | g2g p95 ms | dropped | chunk ms | "
         "aggregate fps | of cameras | engine-only fps | ratio | ceiling | server CPU ms/frame | client CPU ms/frame | "
         "engine-only CPU ms/frame | server cores",
-        "------ | ------- | ------- | -------- | ---------- | ---------- | ------ | ---------- | ---------- | ------- | -------- | "
+        "------ | ---- | ------- | ------- | -------- | ---------- | ---------- | ------ | ---------- | ---------- | ------- | -------- | "
         "------------- | ---------- | --------------- | ----- | ------- | ------------------- | ------------------- | "
         "------------------------ | ------------",
     ]
     for r in results:
         lines.append(
-            f"{r.policy:6s} | {r.streams:7d} | {r.viewers:7d} | {r.admitted:8d} | {r.fps:10.1f} | "
+            f"{r.policy:6s} | {r.busy:4d} | {r.streams:7d} | {r.viewers:7d} | {r.admitted:8d} | {r.fps:10.1f} | "
             f"{r.viewer_fps:10.1f} | {r.ttff_s:6.2f} | "
             f"{r.latency_p50_ms:10.0f} | {r.latency_p95_ms:10.0f} | {r.dropped_ratio:7.1%} | {r.server_chunk_ms:8.0f} | "
             f"{r.aggregate_fps:13.1f} | {r.camera_ratio:10.0%} | {r.engine_fps:15.1f} | {r.engine_ratio:5.0%} | {r.ratio_ceiling:7.0%} | "
@@ -369,7 +377,7 @@ def table(results: list[Result], model: str) -> str:
     lines.append("ladder points the policy chose (share of per-second samples):")
     for r in results:
         chosen = ", ".join(f"{label} {share:.0%}" for label, share in r.points.items())
-        lines.append(f"  {r.policy} x{r.streams}: {chosen}; dropped at the input {r.input_dropped_ratio:.1%}, "
+        lines.append(f"  {r.policy} x{r.streams}{f' beside {r.busy} busy' if r.busy else ''}: {chosen}; dropped at the input {r.input_dropped_ratio:.1%}, "
                      f"at the output {r.dropped_ratio - r.input_dropped_ratio:.1%}")
     return "\n".join(lines)
 
@@ -389,6 +397,9 @@ def main() -> int:
     parser.add_argument("--profile", default=None, help="fidelity profile for the server's policy (default: bundled)")
     parser.add_argument("--policies", nargs="+", default=["slack", "fifo"],
                         help="serving policies run side by side, one server each (default: slack fifo)")
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="run every stream count again beside N busy processes (CPU spinners): quiet rows, "
+                             "then loaded ones")
     parser.add_argument("--viewers", type=int, nargs="+", default=[0], metavar="N",
                         help="WHEP viewers per stream besides its publisher, one row per N (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -411,6 +422,12 @@ def main() -> int:
             for count in args.streams:
                 for viewers in args.viewers:
                     results.append(asyncio.run(run_streams(url, count, args.seconds, args.fps, policy, pid, viewers)))
+            if args.busy:
+                with BusyNeighbours(args.busy):
+                    for count in args.streams:
+                        for viewers in args.viewers:
+                            loaded = asyncio.run(run_streams(url, count, args.seconds, args.fps, policy, pid, viewers))
+                            results.append(replace(loaded, busy=args.busy))
     with_engine_only(results, model, args.profile, args.threads, args.device)
     if args.json:
         rows = [{**asdict(r), "engine_ratio": r.engine_ratio, "camera_ratio": r.camera_ratio,

@@ -67,8 +67,11 @@ def _check_common(url: str, data: dict[str, Any], ids: list[str], policy: str) -
     assert data["totals"]["streams"] == 2 and sum(data["totals"]["tiers"].values()) == 2
     assert worker["load"] > 0  # the engine thread is doing work for these streams
     metrics = http("GET", f"{url}/metrics")[2].decode()
+    # The threads its last step ran on (the thread budget's choice), in the snapshot and in /metrics.
+    assert worker["threads"] >= 1 and re.search(r'diffcast_engine_threads\{worker="0"\} [1-9]', metrics), metrics
     for stream_id, row in streams.items():
         assert row["kind"] == "webrtc" and row["tier"] in {t.name for t in Tier}
+        assert row["engine_threads"] >= 1  # its lane's last step
         # Same source as /metrics: the frame counters agree (they only grow between the two reads).
         match = re.search(
             rf'diffcast_stream_input_frames_total{{kind="webrtc",stream_id="{stream_id}"}} ([0-9.]+)', metrics
@@ -101,7 +104,7 @@ def test_dashboard_shows_the_policy_decisions(two_streams: tuple[str, list[str]]
     (worker,) = workers
     assert worker["id"] == 0 and worker["device"] == "cpu" and sorted(worker["streams"]) == sorted(ids)
     assert set(worker["tiers"]) == {"urgent", "normal", "relaxed"} and sum(worker["tiers"].values()) <= 2
-    assert 0 < worker["load"] <= 1
+    assert 0 < worker["load"] <= 1 and worker["threads"] >= 1
     metrics = http("GET", f"{url}/metrics")[2].decode()
     assert "diffcast_workers 1.0" in metrics and 'diffcast_scale_events_total{direction="up"} 0.0' in metrics
 

@@ -317,7 +317,7 @@ class StepExecutor(_LiveExecutor):
             _step_processor(stream).drop_chunks()
         rows = [StepRow(_step_processor(stream), order.point.config if inputs is not None else None, inputs)
                 for stream, order, inputs in active]
-        with self.lanes.step() if self.lanes is not None else nullcontext():
+        with self.lanes.step(worker_id) if self.lanes is not None else nullcontext():
             finished, forwards = run_step(rows, [_step_processor(s) for s in evict],
                                           [_step_processor(s) for s in restore], self.delay_s, self.step_delay_s)
         self.forwards += forwards
@@ -529,7 +529,14 @@ class ServingLoop:
             "cpr": round(tracker.cpr, 3),
             "chunk_faults": stream.chunk_faults if stream is not None else 0,
             "chunk_fault": stream.chunk_fault if stream is not None else None,
+            # The intra-op threads of the last step on the stream's lane (in-process engine only).
+            "engine_threads": self.lane_threads(entry.worker),
         }
+
+    def lane_threads(self, worker_id: int) -> int | None:
+        """The threads worker ``worker_id``'s last step ran on, where the worker is an engine lane."""
+        lanes = getattr(self.executor, "lanes", None)
+        return None if lanes is None else lanes.last_threads.get(worker_id)
 
     def workers(self) -> list[dict[str, Any]]:
         """Every worker as the policy sees it: its streams (policy ids), their tiers, its load."""
@@ -546,7 +553,8 @@ class ServingLoop:
                 if stats is not None and stats.tier in tiers:
                     tiers[stats.tier] += 1
             rows.append({"id": view.worker_id, "device": self.executor.device, "streams": sids, "tiers": tiers,
-                         "load": round(self.executor.load(view.worker_id), 3), "draining": view.draining})
+                         "load": round(self.executor.load(view.worker_id), 3), "draining": view.draining,
+                         "threads": self.lane_threads(view.worker_id)})
         return rows
 
     def counters(self) -> dict[str, int]:
