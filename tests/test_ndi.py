@@ -77,6 +77,14 @@ def audio_stats(url: str, stream_id: str) -> dict[str, Any]:
     return {key: stats.get(key) for key in ("audio", "audio_delay_ms", "audio_resyncs", "ndi_out", "latency_ms")}
 
 
+def main_frequency(chunks: list[np.ndarray], rate: int = 48_000) -> float | None:
+    """The strongest frequency (Hz) of the last second of audio; None until that second is loud."""
+    last = np.concatenate(chunks)[-rate:] if chunks else np.zeros(0)
+    if len(last) < rate or np.abs(last[: rate // 10]).max() < 0.1 or np.abs(last[-rate // 10 :]).max() < 0.1:
+        return None
+    return float(np.argmax(np.abs(np.fft.rfft(last))[1:]) + 1)  # 1 Hz bins
+
+
 class Frames:
     """A video track's new frames by frame ID (thumbnails)."""
 
@@ -103,6 +111,7 @@ class NdiWatcher:
         self.frames = Frames()
         self.audio_peak = 0.0
         self.polls = 0
+        self.audio: list[np.ndarray] = []  # the first channel, as captured
         self.error: Exception | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -132,6 +141,7 @@ class NdiWatcher:
         receiver.frame_sync.set_audio_frame(sound)
         receiver.connect_to(self.finder.get_source(name))
         last = None
+        clock = time.monotonic()
         while not self._stop.is_set():
             self.polls += 1
             receiver.frame_sync.capture_video()
@@ -140,8 +150,14 @@ class NdiWatcher:
                 last = video.get_timestamp_posix()
                 self.frames.add(rgb_image(video.get_array(), int(video.get_fourcc()), width, height,
                                           video.get_line_stride()))
-            if receiver.frame_sync.capture_available_audio():
-                self.audio_peak = max(self.audio_peak, float(np.abs(sound.get_array()).max(initial=0.0)))
+            wanted = int((time.monotonic() - clock) * 48_000)  # the samples due since the last capture
+            if wanted >= 480:
+                clock += wanted / 48_000
+                if receiver.frame_sync.capture_audio(wanted):
+                    samples = sound.get_array()[0]
+                    self.audio_peak = max(self.audio_peak, float(np.abs(samples).max(initial=0.0)))
+                    self.audio.append(samples)
+                    del self.audio[:-200]  # the last few seconds
             time.sleep(0.005)
         receiver.disconnect()
 
@@ -258,7 +274,7 @@ class NdiCamera:
         self.sender.set_video_frame(video)
         sound = cy.AudioSendFrame()
         sound.sample_rate, sound.num_channels = 48_000, 2
-        sound.set_max_num_samples(3200)
+        sound.set_max_num_samples(round(48_000 / fps))
         self.sender.set_audio_frame(sound)
         self.sender.open()
         self.name = self.sender.name  # "MACHINE (name)"
@@ -269,11 +285,13 @@ class NdiCamera:
 
     def _send(self) -> None:
         period, n = 1.0 / self.fps, 0
-        tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(3200) / 48_000)).astype(np.float32)
+        samples = round(48_000 * period)  # a frame period of sound with each frame
         start = time.monotonic()
         while not self._stop.is_set():
             image = pattern_frame(n, self.size)
             draw_id(image, n)
+            # A 440 Hz tone, its phase carried from frame to frame.
+            tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(n * samples, (n + 1) * samples) / 48_000)).astype(np.float32)
             self.sender.write_video_and_audio(rgbx_bytes(image), np.stack([tone, tone]))
             n += 1
             self.sent = n
@@ -346,6 +364,9 @@ async def test_ndi_in_is_a_stream_camera_and_the_api_opens_only_allowed_sources(
                 f"frames and the tone back over NDI: {len(watcher.frames.by_id)} frames, peak {watcher.audio_peak}, "
                 f"receiver error {watcher.error!r}"))
             assert max(watcher.frames.by_id) < camera.sent, "frame IDs the NDI camera never sent"
+            # The source's sound itself, not just sound: its 440 Hz tone is the strongest frequency.
+            await wait_for(lambda: main_frequency(watcher.audio) is not None, "a loud second of the tone")
+            assert 437 <= float(main_frequency(watcher.audio) or 0) <= 443, main_frequency(watcher.audio)
 
             # The source vanishes: both its streams end, and the recording tells the owner why.
             camera.close()

@@ -21,13 +21,15 @@ from typing import Any
 import av
 import numpy as np
 
-from app.server.audio import AudioPlayout
+from app.server.audio import SAMPLE_RATE, AudioPlayout
 from app.server.engine_bridge import StreamSettings
 from app.server.frame_path import ChunkAssembler
 from app.server.ndi import NdiError, rgb_image, runtime
 from app.server.session import Session, SessionManager
 
 log = logging.getLogger(__name__)
+
+AUDIO_CHUNK_S = 0.01  # audio is taken from the source 10 ms or more at a time
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ class NdiInput:
             last_stamp: float | None = None
             audio_pts = 0
             seen_at = time.monotonic()
-            next_check = seen_at
+            next_check = audio_clock = seen_at
             while not self._stop.is_set():
                 receiver.frame_sync.capture_video()
                 width, height = video.get_resolution()
@@ -144,12 +146,19 @@ class NdiInput:
                                  video.get_frame_rate())
                         self.size = (width, height)
                     loop.call_soon_threadsafe(self._assembler.push, image)
-                if self._audio is not None and receiver.frame_sync.capture_available_audio():
-                    samples = sound.get_array()
-                    frame = self._audio_frame(samples, sound.sample_rate, audio_pts)
-                    audio_pts += samples.shape[1]
-                    loop.call_soon_threadsafe(self._audio.push, frame)
                 now = time.monotonic()
+                # Audio on this thread's clock: as many samples as the time since the last capture
+                # (the frame synchroniser resamples the source to it). Its queue depth, which
+                # capture_available_audio takes, read tens of thousands of samples per 4 ms poll
+                # here, and capturing that much stretched the sound to silence.
+                rate = sound.sample_rate or SAMPLE_RATE
+                wanted = int((now - audio_clock) * rate)
+                if self._audio is not None and wanted >= rate * AUDIO_CHUNK_S:
+                    audio_clock += wanted / rate
+                    if receiver.frame_sync.capture_audio(wanted):
+                        samples = sound.get_array()
+                        loop.call_soon_threadsafe(self._audio.push, self._audio_frame(samples, rate, audio_pts))
+                        audio_pts += samples.shape[1]
                 if now >= next_check:
                     next_check = now + 0.5
                     finder.update_sources()
