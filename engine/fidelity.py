@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PRECISIONS = ("fp32", "bf16", "fp8")
+# fp32 and bf16: the chunk's compute precision (bf16: autocast over fp32 weights, or bf16 weights).
+# fp8: fp8 *attention* (SageAttention-style; no kernel yet, refused everywhere).
+# fp8-linear: bf16 as above, and the DiT blocks' big linears (attention q/k/v/o, FFN) with float8 e4m3
+# weights (per output channel scales) and activations (per token scales), engine/models/fp8.py; runs
+# where torch's fp8 GEMM does (CUDA sm89+), emulated elsewhere for tests only.
+PRECISIONS = ("fp32", "bf16", "fp8", "fp8-linear")
+FP8_LINEAR_PRECISION = "fp8-linear"
 # The one default: the precision every device runs. Commands' ``auto`` (engine.devices.resolve_precision)
 # picks bf16 where the processor has bf16 units; profiles name each point's precision.
 DEFAULT_PRECISION = "fp32"
@@ -27,7 +33,9 @@ class FidelityConfig:
     ``kv_window_frames`` counts latent frames kept in the rolling KV cache (sink frames included);
     ``precision`` is the compute precision of the chunk's forwards (bf16: autocast over fp32 weights
     for the VAE's encode and decode and the DiT; fp8 = SageAttention-style online quantisation of the
-    attention, weights stay bf16 so switching needs no reload); ``attention_sparsity`` is the fraction of
+    attention, weights stay bf16 so switching needs no reload; fp8-linear = bf16 plus fp8 weights and
+    activations in the DiT blocks' linears, the fp8 weights made once beside the others, so switching
+    needs no reload either); ``attention_sparsity`` is the fraction of
     attention blocks skipped; ``stream_batch`` is how many streams share one forward; ``step_batch``
     runs the denoising steps of a stream's successive chunks in one forward (StreamDiffusionV2's
     "stream batch", engine/streaming/stream_batch.py): one forward per chunk instead of ``steps``, at
@@ -79,6 +87,7 @@ class FidelityConfig:
 BF16 = "bf16"
 SPARSE_ATTENTION = "sparse-attention"
 FP8_ATTENTION = "fp8-attention"
+FP8_LINEAR = "fp8-linear"
 
 _BF16_DEVICES = ("cpu", "cuda")
 _MISSING = {
@@ -88,20 +97,30 @@ _MISSING = {
         "fp8 attention needs a kernel this engine does not have yet (SageAttention or torch float8 on CUDA); "
         "use bf16 or fp32"
     ),
+    FP8_LINEAR: (
+        "fp8 linears need torch's fp8 GEMM (torch._scaled_mm with row-wise scales) on a CUDA GPU with fp8 "
+        "units (compute capability 8.9+: Ada, Hopper); {device} has none here (the CPU only emulates it, "
+        "for tests); use bf16"
+    ),
 }
 
 
-def engine_capabilities(device_type: str, bf16_units: bool = True) -> frozenset[str]:
+def engine_capabilities(device_type: str, bf16_units: bool = True, fp8_units: bool = False) -> frozenset[str]:
     """What this engine runs on a torch device type ("cpu", "cuda", ...).
 
     The device type itself; bf16 on cpu and cuda, where the processor has bf16 units (``bf16_units``,
     ``engine.devices.has_bf16_units``: a CPU without them emulates bf16 more slowly than fp32 runs, so
     bf16 points profiled on one with them would promise a speed it does not have); block-sparse
-    attention everywhere (the DiT's pure-torch reference implementation); fp8 attention nowhere yet.
+    attention everywhere (the DiT's pure-torch reference implementation); fp8 attention nowhere yet;
+    fp8 linears on CUDA where the GPU runs torch's fp8 GEMM (``fp8_units``,
+    ``engine.models.fp8.fp8_linear_supported``; default False, so a caller that does not know drops
+    those points). A CPU never reports them: its emulation is a test path, slower than bf16.
     """
     caps = {device_type, SPARSE_ATTENTION}
     if device_type in _BF16_DEVICES and bf16_units:
         caps.add(BF16)
+    if device_type == "cuda" and fp8_units:
+        caps.add(FP8_LINEAR)
     return frozenset(caps)
 
 
@@ -112,19 +131,22 @@ def required_capabilities(config: FidelityConfig) -> frozenset[str]:
         needs.add(BF16)
     elif config.precision == "fp8":
         needs.add(FP8_ATTENTION)
+    elif config.precision == FP8_LINEAR_PRECISION:
+        needs.update((FP8_LINEAR, BF16))  # the rest of the chunk computes in bf16
     if config.attention_sparsity > 0.0:
         needs.add(SPARSE_ATTENTION)
     return frozenset(needs)
 
 
-def missing_capabilities(config: FidelityConfig, device_type: str) -> frozenset[str]:
-    """What ``config`` needs that the engine lacks on ``device_type`` (empty: it runs)."""
-    return required_capabilities(config) - engine_capabilities(device_type)
+def missing_capabilities(config: FidelityConfig, device_type: str, fp8_units: bool = False) -> frozenset[str]:
+    """What ``config`` needs that the engine lacks on ``device_type`` (empty: it runs); ``fp8_units`` as in
+    :func:`engine_capabilities`."""
+    return required_capabilities(config) - engine_capabilities(device_type, fp8_units=fp8_units)
 
 
-def unsupported_reason(config: FidelityConfig, device_type: str) -> str | None:
+def unsupported_reason(config: FidelityConfig, device_type: str, fp8_units: bool = False) -> str | None:
     """Why the engine cannot run ``config`` on ``device_type``, in plain words; None when it can."""
-    missing = missing_capabilities(config, device_type)
+    missing = missing_capabilities(config, device_type, fp8_units)
     if not missing:
         return None
     return "; ".join(_MISSING[name].format(device=device_type) for name in sorted(missing))

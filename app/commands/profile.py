@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=_ints, default=None, help="denoising steps (default: 1..the preset's)")
     parser.add_argument("--precisions", default=None,
                         help="compute precisions (default fp32,bf16 with fp32 weights; bf16 with bf16 weights, "
-                             "which have no fp32 compute to measure)")
+                             "which have no fp32 compute to measure; plus fp8-linear where the GPU runs the fp8 GEMM)")
     parser.add_argument("--sparsity", type=_floats, default=(), metavar="S,...",
                         help="also measure block-sparse attention at these sparsities (default window, fp32)")
     parser.add_argument("--step-batch", action="store_true",
@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from engine.devices import dtype_name, resolve_device, resolve_dtype
+    from engine.models.fp8 import fp8_linear_supported
     from engine.pipeline import DEFAULT_MODEL, ModelNotAvailableError, Pipeline
     from engine.profiler import ProfileRun, profile_pipeline
     from engine.serving.bmpr import BMPR
@@ -111,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         precisions = args.precisions or ("fp32,bf16" if dtype == torch.float32 else dtype_name(dtype))
+        if args.precisions is None and fp8_linear_supported(device):
+            # A serving point only where the fp8 GEMM runs; a CPU's emulation is slower than bf16.
+            precisions += ",fp8-linear"
         pipe = Pipeline.load(model, device=str(device), dtype=dtype)
         spec = ProfileRun(size=args.size, chunks=args.chunks, warmup=args.warmup, fps=args.fps, seed=args.seed,
                           windows=args.windows or (_default_window(pipe) if args.reduced else None),

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.models.fp8 import Fp8Linear
+
 try:  # flash-attn exists only on GPU machines; SDPA is the portable path.
     from flash_attn import flash_attn_func as _flash_attn_func
 except ImportError:  # pragma: no cover - depends on the machine
@@ -505,10 +507,11 @@ class Attention(nn.Module):
     def __init__(self, dim: int, num_heads: int, eps: float) -> None:
         super().__init__()
         self.num_heads = num_heads
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
-        self.v = nn.Linear(dim, dim)
-        self.o = nn.Linear(dim, dim)
+        # Fp8Linear: a plain linear that runs in fp8 under precision fp8-linear (engine/models/fp8.py).
+        self.q = Fp8Linear(dim, dim)
+        self.k = Fp8Linear(dim, dim)
+        self.v = Fp8Linear(dim, dim)
+        self.o = Fp8Linear(dim, dim)
         self.norm_q = RMSNorm(dim, eps)
         self.norm_k = RMSNorm(dim, eps)
 
@@ -555,7 +558,7 @@ class WanBlock(nn.Module):
         self.norm3 = LayerNorm(dim, eps=eps, elementwise_affine=True)
         self.cross_attn = Attention(dim, config.num_heads, eps)
         self.ffn = nn.Sequential(
-            nn.Linear(dim, config.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(config.ffn_dim, dim)
+            Fp8Linear(dim, config.ffn_dim), nn.GELU(approximate="tanh"), Fp8Linear(config.ffn_dim, dim)
         )
 
     def forward(self, x: Tensor, e0: Tensor, prompt_k: Tensor, prompt_v: Tensor, layer: int,

@@ -92,14 +92,15 @@ def live_policy_config(name: str, max_batch: int, step_wise: bool, chunk_batches
 
 def runnable_profile(profile: FidelityProfile, device: str, step_wise: bool,
                      unsupported: Callable[[FidelityConfig], str | None] | None = None,
-                     bf16_units: bool = True) -> FidelityProfile:
+                     bf16_units: bool = True, fp8_units: bool = False) -> FidelityProfile:
     """Only the points this engine runs: capabilities of its device (``bf16_units``: whether it does bf16
-    natively, `engine.devices.has_bf16_units`); one device per worker; for
+    natively, `engine.devices.has_bf16_units`; ``fp8_units``: whether it runs the fp8 GEMM of precision
+    fp8-linear, `engine.models.fp8.fp8_linear_supported`, default no); one device per worker; for
     engines that say what they run (``unsupported``: the pipeline ranks) only those points; and, for
     other engines behind ``process``, whatever fidelity the stream opened with (their single reference)."""
     if not bf16_units and any(p.config.precision == "bf16" for p in profile.per_stream()):
         log.info("profile: bf16 points dropped, this CPU has no bf16 units (AVX512-BF16 or AMX)")
-    kept = profile.runnable(engine_capabilities(device.split(":")[0], bf16_units)).filtered(lambda c: c.gpus == 1)
+    kept = profile.runnable(engine_capabilities(device.split(":")[0], bf16_units, fp8_units)).filtered(lambda c: c.gpus == 1)
     if unsupported is not None:
         kept = kept.filtered(lambda c: unsupported(replace(c, stream_batch=1)) is None)
     elif not step_wise:

@@ -35,8 +35,9 @@ import numpy as np
 import torch
 
 from engine.aspect import StreamSizes, crop_box, fit_size
-from engine.fidelity import FidelityConfig, unsupported_reason
+from engine.fidelity import FP8_LINEAR_PRECISION, FidelityConfig, unsupported_reason
 from engine.models.bf16_weights import keep_bf16_weights
+from engine.models.fp8 import fp8_linear_supported, fp8_linears
 from engine.models.lora import LoRABank, check_strengths
 from engine.models.wan_dit import CausalWanDiT, KVCache, PromptCache
 from engine.sampling import NoiseSource, SamplerPreset, renoise, v2v_input, x0_from_velocity
@@ -339,7 +340,7 @@ class StreamRuntime:
     def check_fidelity(self, fidelity: FidelityConfig) -> None:
         if fidelity.steps > len(self.preset.steps):
             raise ValueError(f"steps={fidelity.steps} exceeds the {len(self.preset.steps)} steps of preset {self.preset.name}")
-        reason = unsupported_reason(fidelity, self.device.type)
+        reason = unsupported_reason(fidelity, self.device.type, fp8_units=fp8_linear_supported(self.device))
         if reason is not None:
             raise ValueError(f"fidelity {fidelity.label()} cannot run here: {reason}")
         if fidelity.kv_window_frames < self.config.sink_frames + self.config.chunk_latent_frames:
@@ -820,11 +821,14 @@ class StreamRuntime:
     def precision(self, precision: str) -> Iterator[None]:
         """The compute precision of a chunk's model forwards (the VAE's encode and decode, the DiT's
         steps): bf16 autocast over fp32 weights (convolutions and matrix products in bf16, the
-        reductions and the outputs' sums as autocast keeps them, in fp32)."""
-        if precision == "bf16" and self.dit.dtype == torch.float32:
-            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
-                yield
-        else:
+        reductions and the outputs' sums as autocast keeps them, in fp32); fp8-linear: the same, and the
+        DiT blocks' linears in fp8 (engine/models/fp8.py; :meth:`check_fidelity` admits it only where
+        the fp8 GEMM runs, so here it is the kernel, or the emulation a test asks for)."""
+        with contextlib.ExitStack() as stack:
+            if precision in ("bf16", FP8_LINEAR_PRECISION) and self.dit.dtype == torch.float32:
+                stack.enter_context(torch.autocast(device_type=self.device.type, dtype=torch.bfloat16))
+            if precision == FP8_LINEAR_PRECISION:
+                stack.enter_context(fp8_linears())
             yield
 
 
