@@ -22,6 +22,9 @@ cut short keeps what it measured; a phase that fails records its error and the n
              2- and 4-GPU pipeline-parallel FPS (engine/parallel/partition.py ``predict_pipeline``)
   vae_layout the Wan VAE's convolutions contiguous against channels-last (CUDA's default here), one
              stream at 832x480, 1 step: encode and decode ms side by side
+  fp8_linear precision fp8-linear (engine/models/fp8.py): whether the fp8 GEMM runs here, one DiT forward
+             of a 1-latent-frame chunk at 832x480 in fp8 against bf16 (relative error, the kernel's and
+             the emulation's) and both forwards' median ms
   fast_path  tests/test_gpu_fast_path.py under pytest (last: it passed on the first H100 run)
 
 ``--quick`` runs the same phases on the CPU with the tiny random model at its tiny size (CI runs it).
@@ -249,6 +252,54 @@ def dit_blocks(pipe: Pipeline, plan: Plan) -> dict[str, Any]:
             "boundary_bytes": bytes_out, "predicted": predictions}
 
 
+def fp8_linear(pipe: Pipeline, plan: Plan) -> dict[str, Any]:
+    from engine.models.fp8 import drop_emulation_copies, fp8_linear_supported, fp8_linears
+
+    dit = pipe.runtime.dit
+    cfg = dit.config
+    width, height = plan.sizes[0]
+    g = torch.Generator().manual_seed(0)
+    # One latent frame at the size's latent grid (the VAEs' spatial compression is 8), as a chunk of the
+    # manifest's 1-latent-frame recipe; no KV cache: the linears' cost and error are what is measured.
+    x = torch.randn(1, cfg.in_channels, 1, height // 8, width // 8, generator=g).to(dit.device)
+    t = torch.full((1,), 500.0, device=dit.device)
+    prompt = dit.encode_prompt(torch.randn(1, 8, cfg.text_dim, generator=g).to(dit.device))
+    supported = fp8_linear_supported(dit.device)
+    autocast = dit.dtype == torch.float32  # fp32 weights: bf16 autocast, as the runtime's precision does
+
+    def forward(mode: str) -> torch.Tensor:
+        with torch.autocast(dit.device.type, dtype=torch.bfloat16, enabled=autocast):
+            if mode == "bf16":
+                return dit(x, t, prompt)
+            with fp8_linears(emulate=mode == "emulated"):
+                return dit(x, t, prompt)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return round(float((a.float() - b.float()).norm() / b.float().norm()), 5)
+
+    def median_ms(mode: str) -> float:
+        times = []
+        for _ in range(5):
+            if dit.device.type == "cuda":
+                torch.cuda.synchronize(dit.device)
+            t0 = time.perf_counter()
+            forward(mode)
+            if dit.device.type == "cuda":
+                torch.cuda.synchronize(dit.device)
+            times.append(time.perf_counter() - t0)
+        return round(1000 * float(np.median(times)), 2)
+
+    modes = ["bf16", "emulated"] + (["kernel"] if supported else [])
+    out = {mode: forward(mode) for mode in modes}  # also the warm-up of each path
+    result: dict[str, Any] = {"supported": supported, "size": [width, height], "latent_frames": 1,
+                              "rel_error_vs_bf16": {m: rel(out[m], out["bf16"]) for m in modes if m != "bf16"},
+                              "forward_ms": {m: median_ms(m) for m in modes}}
+    if supported:
+        result["kernel_vs_emulated"] = rel(out["kernel"], out["emulated"])
+    drop_emulation_copies(dit)  # the emulation's fp32 weights: GBs the phases after this one may want
+    return result
+
+
 def reduced_profile(pipe: Pipeline, plan: Plan, path: Path) -> Any:
     precision = dtype_name(pipe.runtime.dit.dtype) if pipe.runtime.device.type == "cuda" else "fp32"
     run = ProfileRun(size=plan.sizes[0], chunks=plan.profile_chunks, first_repeats=1,
@@ -321,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     # a run cut short by its budget keeps the figures the issues ask for first.
     check.phase("dit_blocks", 15, lambda: dit_blocks(pipe, plan))
     check.phase("vae_layout", 20, lambda: vae_layouts(pipe, plan))
+    check.phase("fp8_linear", 15, lambda: fp8_linear(pipe, plan))
     check.phase("fast_path", 20, lambda: fast_path_tests(max(10.0, min(90.0, check.left_s() - 5))))
     check.phase("done", 0, lambda: {"ok": not any("error" in v for v in check.doc.values() if isinstance(v, dict))})
     print(f"wrote {args.out}")

@@ -98,6 +98,11 @@ def test_the_dit_in_fp8_stays_near_bf16_switches_without_reload_and_quantises_on
     # Close to bf16 (fp8 adds an error of bf16's own order against fp32), yet not bf16's numbers.
     assert 1e-3 < err < 0.05, err
     assert _rel(first, exact) < 0.05
+    fp8.drop_emulation_copies(dit)
+    assert all(m.fp8_weights.dequantized is None and m.fp8_weights.q is not None
+               for name, m in modules.items() if made[name])
+    with torch.autocast("cpu", dtype=torch.bfloat16), fp8.fp8_linears():
+        torch.testing.assert_close(dit(x, t, prompt), first, rtol=0, atol=0)  # made again from the fp8 copy
 
 
 def test_a_changed_weight_is_quantised_again() -> None:
