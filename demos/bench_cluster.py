@@ -42,8 +42,9 @@ sys.path.insert(0, str(ROOT))
 
 from app.server.config import ServerConfig  # noqa: E402
 from app.server.engine_bridge import RayFactory, StreamSettings  # noqa: E402
-from app.server.executors import AdmissionError, ServingLoop, build_serving_loop  # noqa: E402
+from app.server.executors import AdmissionError, ServingLoop  # noqa: E402
 from app.server.frame_path import ChunkAssembler, InputFrame, Playout, StreamRunner  # noqa: E402
+from app.server.serving import build_serving_loop  # noqa: E402
 from engine.cluster.controller import ClusterConfig, ClusterController  # noqa: E402
 from engine.serving.ledger import Camera  # noqa: E402
 from engine.serving.live import live_policy_config  # noqa: E402

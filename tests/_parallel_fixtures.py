@@ -248,8 +248,8 @@ class PolicyScenario:
 
     async def _serve(self, ring: RingRuntime) -> dict[str, object]:
         from app.server.config import ServerConfig
-        from app.server.executors import build_serving_loop
         from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
+        from app.server.serving import build_serving_loop
 
         factory = RankFactory(ring, tiny_pipeline(ring.rt))
         clock, pool = _FakeClock(), ThreadPoolExecutor(max_workers=1)

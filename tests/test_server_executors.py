@@ -18,8 +18,9 @@ import pytest
 
 from app.server.config import ServerConfig
 from app.server.engine_bridge import StreamSettings
-from app.server.executors import AdmissionError, ServingLoop, build_serving_loop
+from app.server.executors import AdmissionError, ServingLoop
 from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
+from app.server.serving import build_serving_loop
 from engine.fidelity import FidelityConfig
 
 

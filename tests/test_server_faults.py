@@ -28,7 +28,7 @@ import websockets
 from _security_fixtures import served, tiny_factory  # noqa: F401
 
 from app.client import CodedCamera, http, open_session, pattern_frame
-from app.server.engine_bridge import InProcessProcessor, StreamSettings
+from app.server.engine_bridge import EngineKind, InProcessProcessor, StreamSettings
 from app.server.frame_path import encode_jpeg
 from app.server.session import SessionManager
 
@@ -145,10 +145,16 @@ class FailingProcessor(InProcessProcessor):
 
 
 class FailingFactory:
-    per_chunk_fidelity = True
+    """The in-process engine whose processors fail on demand; everything else is the inner factory's."""
+
+    kind = EngineKind.IN_PROCESS
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
+        self.parallel_chunks = inner.parallel_chunks
+        self.pipeline = inner.pipeline
+        self.loras = inner.loras
+        self.device_memory = inner.device_memory
 
     @property
     def size(self) -> tuple[int, int]:

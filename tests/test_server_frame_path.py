@@ -13,8 +13,8 @@ import pytest
 from _output_checks import assert_undistorted, circles_clip
 
 from app.server.config import ServerConfig
-from app.server.engine_bridge import StreamSettings
-from app.server.executors import ServingLoop, build_serving_loop
+from app.server.engine_bridge import EngineKind, StreamSettings
+from app.server.executors import RankExecutor, ServingLoop, StepExecutor
 from app.server.frame_path import (
     ChunkAssembler,
     FrameMeta,
@@ -28,6 +28,7 @@ from app.server.frame_path import (
     yuv_frame,
 )
 from app.server.framecode import MAX_ID, draw_id, read_id
+from app.server.serving import build_serving_loop
 from engine.aspect import StreamSizes, fit_size
 
 
@@ -199,17 +200,35 @@ class Negate:
         pass
 
 
+class ChunkFactory:
+    """An engine of whole chunks (`EngineKind.CHUNK_BATCHES`) around one test processor: each chunk of a
+    batch through its ``process``."""
+
+    kind = EngineKind.CHUNK_BATCHES
+    parallel_chunks = 1
+    pipeline = None
+    loras: list[dict[str, Any]] = []
+
+    def __init__(self, size: tuple[int, int], processor: Any) -> None:
+        self.size = size
+        self.processor = processor
+
+    def device_memory(self) -> tuple[int | None, int]:
+        return None, 0
+
+    def open(self, settings: Any) -> Any:
+        return self.processor
+
+    def unsupported(self, config: Any) -> str | None:
+        return None
+
+    def run_chunks(self, chunks: Any) -> list[np.ndarray]:
+        return [processor.process(frames) for processor, frames, _ in chunks]
+
+
 def _serve(runner: StreamRunner, playout: Playout, size: tuple[int, int], executor: ThreadPoolExecutor) -> Any:
     """The engine core's loop with the whole-chunk executor (a processor behind ``process``), FIFO turns."""
-
-    class Factory:
-        def __init__(self) -> None:
-            self.size = size
-
-        def open(self, settings: Any) -> Any:
-            return runner.processor
-
-    loop: ServingLoop = build_serving_loop(ServerConfig(policy="fifo"), Factory(), executor)
+    loop: ServingLoop = build_serving_loop(ServerConfig(policy="fifo"), ChunkFactory(size, runner.processor), executor)
     loop.attach(loop.admit(), runner, playout)
     return asyncio.ensure_future(loop.run())
 
@@ -302,20 +321,24 @@ async def test_runner_pause_stops_feeding_the_engine() -> None:
     assert runner.chunks == 1 and assembler.received == 9
 
 
-def test_parallel_chunks_declared_by_factory() -> None:
-    from app.server.engine_bridge import parallel_chunks
+def test_the_executor_follows_the_engine_kind_a_factory_declares() -> None:
+    """No probing: the kind a factory declares picks the executor, and a kind the factory cannot back
+    (chunk batches without ``run_chunks``, Ray workers without a cluster) is refused at once."""
 
-    class Plain:
-        size = (8, 8)
-
-        def open(self, settings: Any) -> Any:
-            return Negate()
-
-    class Routed(Plain):
+    class Steps(ChunkFactory):
+        kind = EngineKind.IN_PROCESS
         parallel_chunks = 3
 
-    assert parallel_chunks(Plain()) == 1
-    assert parallel_chunks(Routed()) == 3
+    class Claims(ChunkFactory):
+        kind = EngineKind.RAY
+
+    with ThreadPoolExecutor(1) as pool:
+        assert isinstance(build_serving_loop(ServerConfig(), ChunkFactory((64, 48), Negate((64, 48))), pool).executor,
+                          RankExecutor)
+        steps = build_serving_loop(ServerConfig(), Steps((64, 48), Negate((64, 48))), pool).executor
+        assert isinstance(steps, StepExecutor) and len(steps.views) == 3
+        with pytest.raises(TypeError, match="Ray workers are a RayFactory's"):
+            build_serving_loop(ServerConfig(), Claims((64, 48), Negate((64, 48))), pool)
 
 
 async def test_no_chunk_is_taken_until_the_engine_has_reset_the_stream() -> None:

@@ -37,7 +37,6 @@ from app.server.control import (
     parse_cue_set,
 )
 from app.server.engine_bridge import InProcessFactory, ProcessorFactory
-from app.server.executors import build_serving_loop
 from app.server.gateway import Gateway
 from app.server.ice import allow_loopback_candidates, browser_ice_servers
 from app.server.metrics import CONTENT_TYPE, build_registry
@@ -57,6 +56,7 @@ from app.server.security import (
     Throttled,
     client_host,
 )
+from app.server.serving import build_serving_loop
 from app.server.session import SessionManager
 from app.server.whip import whip_router
 from app.server.workers import workers_router
@@ -145,9 +145,8 @@ def served_capabilities(config: ServerConfig, factory: ProcessorFactory) -> Mode
     here, those ``config.model``'s config declares)."""
     from engine.pipeline import model_capabilities
 
-    pipe = getattr(factory, "pipeline", None)
-    caps = getattr(pipe, "capabilities", None)
-    return caps if isinstance(caps, ModelCapabilities) else model_capabilities(config.model)
+    pipe = factory.pipeline
+    return pipe.capabilities if pipe is not None else model_capabilities(config.model)
 
 
 def with_model_defaults(config: ServerConfig, caps: ModelCapabilities) -> ServerConfig:
@@ -322,7 +321,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
                             samesite="strict", secure=request.url.scheme == "https")
         return response
 
-    loras = list(getattr(factory, "loras", ()))  # name, rank, layers, targets, strength (docs/lora.md)
+    loras = list(factory.loras)  # name, rank, layers, targets, strength (docs/lora.md)
 
     @app.get("/api/config")
     async def client_config() -> dict[str, Any]:
@@ -478,7 +477,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         # local pipeline, which only the real engine factory has.
         from app.playground import mount_playground
 
-        mount_playground(app, config, getattr(factory, "pipeline", None), manager.executor)
+        mount_playground(app, config, factory.pipeline, manager.executor)
     app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     document(app, config)

@@ -11,6 +11,7 @@ exercised with the real tiny model in tests and lets other engines plug in.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -79,36 +80,52 @@ class StreamProcessor(Protocol):
     def reset(self) -> None: ...
 
 
+class EngineKind(enum.Enum):
+    """How the engine core drives a factory's engine; the serving loop's executor follows from it
+    (app/server/serving.py), never from probing the factory."""
+
+    # StepProcessors in this process, one denoising step per engine-core Work, on engine lanes
+    # (StepExecutor): per-chunk fidelity, cross-user batches, step preemption, eviction.
+    IN_PROCESS = "in-process"
+    # The same StepProcessors inside Ray worker actors (RayExecutor): re-homing, failures, autoscaling.
+    RAY = "ray"
+    # Whole chunks of several streams per Work, each at the policy's fidelity (RankExecutor; a
+    # ChunkBatchFactory: the pipeline ranks): no step preemption, no eviction.
+    CHUNK_BATCHES = "chunk-batches"
+
+
 class ProcessorFactory(Protocol):
+    """What the server needs of an engine: every member is declared by every factory."""
+
+    kind: EngineKind
+
     @property
     def size(self) -> tuple[int, int]:
         """(width, height) of the model's default size (its pixel budget, and its profile's resolution)."""
         ...
 
+    @property
+    def parallel_chunks(self) -> int:
+        """How many chunks (of different streams) the engine runs at once: the in-process engine's
+        lanes, the Ray workers, 1 for the pipeline ranks (one ring)."""
+        ...
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """The model loaded in this process (the playground's file and text tabs, the capabilities it
+        serves); None where the model lives elsewhere (Ray workers)."""
+        ...
+
+    @property
+    def loras(self) -> list[dict[str, Any]]:
+        """The LoRAs the engine loaded (name, rank, layers, targets, default strength), for /api/config."""
+        ...
+
+    def device_memory(self) -> tuple[int | None, int]:
+        """Bytes free for stream states on one worker's device (None on a CPU) and the weights' bytes."""
+        ...
+
     def open(self, settings: StreamSettings) -> StreamProcessor: ...
-
-
-def parallel_chunks(factory: ProcessorFactory) -> int:
-    """How many chunks (of different streams) the factory's engine can run at once.
-
-    A factory may declare ``parallel_chunks`` (the in-process engine: its lanes; Ray workers: how
-    many their router runs at once); the default is 1.
-    """
-    return max(1, int(getattr(factory, "parallel_chunks", 1)))
-
-
-def device_memory(factory: ProcessorFactory) -> tuple[int | None, int] | None:
-    """A factory may report its device's memory (``device_memory()``: bytes free for stream states, None
-    on a CPU, and its weights' bytes); None where it does not."""
-    report = getattr(factory, "device_memory", None)
-    return None if report is None else report()
-
-
-def per_chunk_fidelity(factory: ProcessorFactory) -> bool:
-    """Whether the factory's processors are `StepProcessor`s (a factory declares it): the engine core
-    then sets their fidelity per chunk, batches them and runs them step by step
-    (app/server/executors.py); other engines run whole chunks at their own fidelity."""
-    return bool(getattr(factory, "per_chunk_fidelity", False))
 
 
 class InProcessFactory:
@@ -116,7 +133,7 @@ class InProcessFactory:
     (engine/streaming/lanes.py): each lane a worker of the engine core with streams of its own, the
     lanes' steps side by side on the one model."""
 
-    per_chunk_fidelity = True  # its processors are StepProcessors
+    kind = EngineKind.IN_PROCESS
 
     def __init__(self, pipeline: Any, lanes: EngineLanes | None = None) -> None:
         self._pipe = pipeline
@@ -160,9 +177,10 @@ class InProcessFactory:
         return stream_memory(self._pipe.runtime)
 
     @property
-    def pipeline(self) -> Any:
+    def pipeline(self) -> Pipeline:
         """The loaded `engine.pipeline.Pipeline` (the playground's file and text tabs use it)."""
-        return self._pipe
+        pipe: Pipeline = self._pipe
+        return pipe
 
     @property
     def size(self) -> tuple[int, int]:
@@ -263,6 +281,9 @@ class RankFactory:
     """Opens streams on a running :class:`engine.parallel.ring.RingRuntime` (rank 0 of
     `diffcast serve --gpus N`, app/server/ranks.py); ``pipeline`` is the same model loaded in this
     rank, for its default size, chunk lengths and fidelity mapping."""
+
+    kind = EngineKind.CHUNK_BATCHES
+    parallel_chunks = 1  # one ring: a batch's chunks go in together
 
     def __init__(self, ring: RingRuntime, pipeline: Pipeline) -> None:
         self.ring = ring
@@ -401,7 +422,7 @@ class RayProcessor:
 class RayFactory:
     """Opens streams on a cluster of Ray worker actors (`diffcast serve --ray` / `--ray-address`)."""
 
-    per_chunk_fidelity = True  # the engine core drives the actors step by step (app/server/cluster_executor.py)
+    kind = EngineKind.RAY
 
     def __init__(self, controller: Any) -> None:
         self.controller = controller
@@ -427,6 +448,8 @@ class RayFactory:
     def size(self) -> tuple[int, int]:
         width, height = self.controller.info.default_size
         return int(width), int(height)
+
+    pipeline = None  # the model lives in the worker actors
 
     @property
     def loras(self) -> list[dict[str, Any]]:

@@ -12,12 +12,11 @@ step is over. Here:
   states go to host memory and come back bit-identically before their next step.
 * ``RayExecutor`` (app/server/cluster_executor.py) — the ``StepExecutor`` over Ray worker actors:
   each ``Work`` is one step on worker ``w``'s actor; re-homing, worker failures, autoscaling.
-* ``ChunkExecutor`` — engines that run whole chunks at their own fidelity behind `process`: one
-  ``Work`` per chunk; the core's later steps of that chunk are already done.
-* ``RankExecutor`` — the pipeline ranks (`ChunkBatchFactory`): a ``Work``'s new chunks, each at the
-  policy's point, go through the ring together (their micro-steps overlap across ranks); whole
-  chunks, so no step preemption and no eviction (docs/parallel.md).
+* ``RankExecutor`` — whole chunks (`ChunkBatchFactory`: the pipeline ranks): a ``Work``'s new chunks,
+  each at the policy's point, go through the ring together (their micro-steps overlap across ranks);
+  whole chunks, so no step preemption and no eviction (docs/parallel.md).
 
+Which one serves a factory follows from its declared `EngineKind` (app/server/serving.py).
 ``ServingLoop`` is the asyncio side: it admits streams through the core, feeds it cursor reports,
 pauses and prompt switches, runs the control tick, and kicks idle workers when input arrives.
 """
@@ -32,40 +31,25 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor as ThreadExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from app.server.config import ServerConfig
 from app.server.engine_bridge import (
     ChunkBatchFactory,
     InProcessProcessor,
-    ProcessorFactory,
     StepProcessor,
-    device_memory,
-    parallel_chunks,
-    per_chunk_fidelity,
 )
 from app.server.frame_path import InputFrame, Playout, StreamRunner
 from app.server.session import CapacityError
-from engine.devices import has_bf16_units
 from engine.fidelity import FidelityConfig
 from engine.serving.core import Clock, EngineCore, StepOrder, StepResult, Work
-from engine.serving.device_memory import GIB, DeviceMemory
-from engine.serving.ledger import StreamLedger
 from engine.serving.live import (
     LIVE_CONTENT_S,
-    bundled_live_profile,
-    live_policy_config,
-    runnable_profile,
-    with_emulated_delay,
 )
 from engine.serving.policy import SlackPolicy
-from engine.serving.profile import FidelityProfile, load_profile
-from engine.serving.scaler import Scaler
 from engine.serving.snapshot import Rehome, WorkerView
-from engine.sim.runner import advisory_autoscale
 from engine.streaming.lanes import EngineLanes
 from engine.streaming.step_processor import StepRow, run_step
 
@@ -105,7 +89,9 @@ class LiveStream:
 
 
 class _LiveExecutor:
-    """What both live executors share: the streams, the engine threads, completions into the core."""
+    """What the live executors share: the streams, the engine threads, completions into the core."""
+
+    lanes: EngineLanes | None = None  # the in-process engine's lanes (StepExecutor), for their threads
 
     def __init__(self, workers: int, threads: ThreadExecutor, clock: Clock, state_slots: int, fps: float,
                  delay_s: float = 0.0, step_delay_s: float = 0.0) -> None:
@@ -250,13 +236,12 @@ class _LiveExecutor:
         task.add_done_callback(done)
 
 
-
 class StepExecutor(_LiveExecutor):
     """One denoising step per ``Work`` on a worker's engine: here the in-process engine's lanes, each
-    worker a lane; `RayExecutor` (app/server/cluster_executor.py) overrides only ``_engine_step``, the
-    call that runs the step on worker ``w``'s actor."""
-
-    lanes: EngineLanes | None = None  # the in-process engine's lanes (threads per step); None on Ray
+    worker a lane. `RayExecutor` (app/server/cluster_executor.py) runs the step on worker ``w``'s actor
+    (``_engine_step``), moves states between actors (``rehome``), follows streams whose worker died
+    (``_complete``), checks a stream is one of its cluster's (``check``) and adds and removes workers
+    for the autoscaler."""
 
     def rehome(self, move: Rehome) -> float:
         """Lanes share one process and one model: the stream's state stays where it is in memory."""
@@ -331,36 +316,10 @@ class StepExecutor(_LiveExecutor):
         return finished
 
 
-class ChunkExecutor(_LiveExecutor):
-    """Engines behind ``process`` (Ray actors, pipeline ranks): one whole chunk per ``Work``."""
-
-    def execute(self, work: Work) -> float:
-        self._take_inputs(work)
-        if not any(order.new_chunk for order in work.orders):
-            # The chunk already ran whole when it started; its later steps are done too.
-            step_s = self.last_step_s.get(work.worker_id, 0.0)
-            asyncio.get_running_loop().call_soon(self._complete, work, step_s, None)
-            return 0.0
-        rows = [self.streams[o.stream_id] for o in work.orders if o.new_chunk and o.stream_id in self.streams]
-        steps = max(o.point.config.steps for o in work.orders)
-        self._run(work, lambda: self._chunks(rows, steps), steps)
-        return 0.0
-
-    def _chunks(self, rows: Sequence[LiveStream], steps: int) -> None:
-        for stream in rows:
-            if not stream.taken:
-                continue
-            if self.delay_s or self.step_delay_s:
-                time.sleep(self.delay_s + self.step_delay_s * steps)
-            inputs = stream.runner.chunk_inputs(stream.taken)
-            out = stream.runner.chunk_outputs(inputs, stream.runner.processor.process(inputs))
-            stream.ready.append((stream.taken, out))
-            stream.taken = []
-
-
-class RankExecutor(ChunkExecutor):
-    """Pipeline ranks (`ChunkBatchFactory`): every new chunk at the policy's point, a cross-user batch
-    as one `run_chunks` call (all its chunks enter the ring together and overlap across ranks)."""
+class RankExecutor(_LiveExecutor):
+    """Whole chunks (`ChunkBatchFactory`: the pipeline ranks): every new chunk at the policy's point, a
+    cross-user batch as one `run_chunks` call (all its chunks enter the ring together and overlap
+    across ranks). One ``Work`` runs the chunks whole; the core's later steps of them are done already."""
 
     def __init__(self, factory: ChunkBatchFactory, threads: ThreadExecutor, clock: Clock, fps: float,
                  delay_s: float = 0.0, step_delay_s: float = 0.0) -> None:
@@ -369,7 +328,10 @@ class RankExecutor(ChunkExecutor):
 
     def execute(self, work: Work) -> float:
         if not any(order.new_chunk for order in work.orders):
-            return super().execute(work)  # the chunk's later steps: already run with its first
+            # The chunks already ran whole when they started: their later steps took what they did then.
+            step_s = self.last_step_s.get(work.worker_id, 0.0)
+            asyncio.get_running_loop().call_soon(self._complete, work, step_s, None)
+            return 0.0
         self._take_inputs(work)
         rows = [(o.point.config, self.streams[o.stream_id]) for o in work.orders
                 if o.new_chunk and o.stream_id in self.streams]
@@ -535,7 +497,7 @@ class ServingLoop:
 
     def lane_threads(self, worker_id: int) -> int | None:
         """The threads worker ``worker_id``'s last step ran on, where the worker is an engine lane."""
-        lanes = getattr(self.executor, "lanes", None)
+        lanes = self.executor.lanes
         return None if lanes is None else lanes.last_threads.get(worker_id)
 
     def workers(self) -> list[dict[str, Any]]:
@@ -565,88 +527,3 @@ class ServingLoop:
 
 def _reraise(exc: BaseException) -> None:
     raise exc
-
-
-# ---- building the loop for a server ----------------------------------------------------------------
-
-
-def stream_memory_budget(config: ServerConfig, factory: ProcessorFactory,
-                         profile: FidelityProfile) -> DeviceMemory | None:
-    """What one worker's device holds for stream states (engine/serving/device_memory.py): its free bytes
-    after the model loaded (CUDA), or ``--device-memory-gib`` less the weights; None where unbounded."""
-    report = device_memory(factory)
-    if report is None:
-        return None
-    free, weights = report
-    if config.device_memory_gib is not None:
-        free = max(0, int(config.device_memory_gib * GIB) - weights)
-    return None if free is None else DeviceMemory.for_profile(free, profile)
-
-
-def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads: ThreadExecutor,
-                       clock: Clock = time.monotonic) -> ServingLoop:
-    """The engine core with the executor that fits ``factory``'s engine."""
-    step_wise = per_chunk_fidelity(factory)
-    batches = factory if isinstance(factory, ChunkBatchFactory) else None
-    profile = load_profile(config.profile) if config.profile else bundled_live_profile(config.model, factory.size)
-    if tuple(profile.resolution) != tuple(factory.size):
-        log.warning("fidelity profile %s was measured at %s but the engine runs at %s: latencies are off; "
-                    "measure one with `diffcast profile --out FILE` and pass --profile FILE",
-                    profile.model, profile.resolution, factory.size)
-    profile = runnable_profile(profile, config.device, step_wise, batches.unsupported if batches else None,
-                               has_bf16_units(config.device))
-    # Content time on this server runs at the playout clock's rate, not the profile's video rate.
-    profile = replace(with_emulated_delay(profile, config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0),
-                      fps=config.max_fps)
-    controller = getattr(factory, "controller", None)  # Ray worker actors (RayFactory)
-    # Ray: its worker actors; in process: the engine's lanes (each a worker with streams of its own).
-    workers = len(controller.worker_ids) if controller is not None else parallel_chunks(factory) if step_wise else 1
-    most = max(workers, config.max_workers if controller is not None else 1)
-    slots = (config.state_slots or UNLIMITED_SLOTS) if step_wise else UNLIMITED_SLOTS  # only states it can park
-    max_batch = config.max_batch
-    memory = stream_memory_budget(config, factory, profile)
-    fit = None if memory is None else memory.slots
-    if memory is not None and fit is not None:
-        log.info("device memory: %s", memory.describe())
-        if step_wise:  # states past the slots are parked in host memory; a batch's states are all resident
-            slots = min(slots, fit // workers if controller is None else fit)
-            max_batch = max(1, min(max_batch, slots))
-    policy = SlackPolicy(profile, live_policy_config(config.policy, max_batch, step_wise, batches is not None,
-                                                     workers=most))
-    delays = (config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0)
-    executor: _LiveExecutor
-    scaler: Scaler | None = None
-    if controller is not None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from app.server.cluster_executor import RayExecutor
-
-        # One engine thread per worker actor (each waits on its actor's step), so the workers step at once.
-        pool = ThreadPoolExecutor(max_workers=most, thread_name_prefix="ray-step")
-        executor = RayExecutor(controller, pool, clock, slots, config.max_fps, *delays,
-                               worker_delays_s=[d / 1000.0 for d in config.worker_delay_ms])
-        if config.max_workers:
-            # K: streams one worker sustains in real time at the policy's fastest acceptable point.
-            scale = replace(advisory_autoscale(profile), min_workers=config.min_workers, max_workers=config.max_workers)
-            scaler = Scaler(scale, executor, cooldown_s=config.scale_in_cooldown_s,
-                            capacity=lambda p: advisory_autoscale(p).streams_per_worker)
-    elif step_wise:
-        executor = StepExecutor(workers, threads, clock, slots, config.max_fps, *delays)
-        executor.lanes = getattr(factory, "lanes", None)
-    elif batches is not None:
-        executor = RankExecutor(batches, threads, clock, config.max_fps, *delays)
-    else:
-        executor = ChunkExecutor(parallel_chunks(factory), threads, clock, slots, config.max_fps, *delays)
-    executor.device = config.device
-    if fit is not None and not step_wise:  # an engine that cannot park holds every stream's state
-        executor.views = [replace(v, max_streams=fit) for v in executor.views]
-    ledger = StreamLedger(max_lookahead_s=None, max_log=LEDGER_LOG_ROWS)
-    core = EngineCore(policy, executor, clock, ledger, calibrate=True, scaler=scaler)
-    loop = ServingLoop(core, executor, config.max_fps)
-    pc = policy.config
-    log.info("serving policy %s on %s: %d fidelity points (%s), cross-user batches up to %d, step preemption %s, "
-             "eviction %s, initial slack %.2f s, content rate %g fps", policy.name, type(executor).__name__,
-             len(profile.points), "routed per chunk" if pc.bmpr else "fixed", pc.max_batch,
-             "on" if pc.step_preemption else "off", "on" if slots < UNLIMITED_SLOTS else "off",
-             policy.initial_slack_s, config.max_fps)
-    return loop

@@ -26,7 +26,7 @@ from app.server.control import (
     UpdateMessage,
     parse_control,
 )
-from app.server.engine_bridge import ProcessorFactory, StreamSettings, parallel_chunks
+from app.server.engine_bridge import ProcessorFactory, StreamSettings
 from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
 from app.server.limits import InputTimeout, MessageGuard, control_guard, watch_input
 from app.server.logs import mint_secret
@@ -362,7 +362,7 @@ class SessionManager:
         self.config = config
         # Engine threads: one for an in-process engine (synchronous, CPU-heavy, not thread-safe);
         # engines behind a thread-safe router (Ray workers) say how many chunks they run at once.
-        self.executor = ThreadPoolExecutor(max_workers=parallel_chunks(factory), thread_name_prefix="engine")
+        self.executor = ThreadPoolExecutor(max_workers=max(1, factory.parallel_chunks), thread_name_prefix="engine")
         self.sessions: dict[str, Session] = {}
         self._opening = 0
         self.opened = 0
@@ -387,8 +387,8 @@ class SessionManager:
         the loaded model ships, naming the nearest ones (None for a near prompt or a model without
         looks), and ``looks``, the shipped looks they get with their shares of the blend (empty for an
         open-vocabulary model). The text encoder runs on the engine thread, like every engine call."""
-        pipe = getattr(self.factory, "pipeline", None)
-        if pipe is None or not hasattr(pipe, "prompt_notice"):
+        pipe = self.factory.pipeline
+        if pipe is None:
             return {"notice": None, "looks": []}
 
         def report() -> dict[str, Any]:
@@ -408,7 +408,7 @@ class SessionManager:
         if serving is None:
             raise RuntimeError("the session manager has no engine loop (create_app sets one)")
         # Every served LoRA's strength for this stream, spelled out (its stats show what runs).
-        served = {lora["name"]: lora["strength"] for lora in getattr(self.factory, "loras", ())}
+        served = {lora["name"]: lora["strength"] for lora in self.factory.loras}
         settings = dataclasses.replace(settings, loras={**served, **settings.loras})
         policy_id = serving.admit(settings.steps)  # AdmissionError -> 503
         self._opening += 1
@@ -439,7 +439,8 @@ class SessionManager:
         session.recordings = self.recordings
         session.ndi_names = self.ndi_names
         session.ndi_fps = cfg.max_fps
-        if getattr(getattr(self.factory, "pipeline", None), "styles", None) is not None:
+        pipe = self.factory.pipeline
+        if pipe is not None and pipe.styles is not None:
             session.prompt_report = self.prompt_report  # an open-vocabulary model's acks carry no notice
         self.sessions[session.id] = session
         self.opened += 1
