@@ -234,7 +234,7 @@ class Pipeline:
         """Load a LoRA file (diffusers/PEFT or original Wan/kohya keys, docs/lora.md) onto the DiT's side
         path, without touching its weights; new streams get it at ``strength`` unless their params say
         otherwise. Raises :class:`engine.models.lora.LoRAError` for a file that does not fit the model."""
-        from engine.lora import load_lora
+        from engine.lora_files import load_lora
 
         check_strengths({name: strength})
         lora = load_lora(path, self.loras, name)

@@ -19,7 +19,7 @@ from _runtime_fixtures import HashTextEncoder, clip, fidelity, guided_tiny_vae
 from app.server.engine_bridge import RankFactory, RankProcessor, StreamSettings
 from engine.fidelity import FidelityConfig
 from engine.frames import tensor_to_frames
-from engine.lora import load_lora
+from engine.lora_files import load_lora
 from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.models.wan_vae import WanVAE, WanVAEConfig
 from engine.parallel.ring import RingRuntime

@@ -24,7 +24,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from engine.checkpoint import diffusers_to_original, diffusers_to_original_key
-from engine.lora import load_lora
+from engine.lora_files import load_lora
 from engine.models.lora import MAX_LORA_STRENGTH, LoRABank, LoRAError
 from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.pipeline import Pipeline, StreamParams

@@ -21,10 +21,10 @@ from _dit_fixtures import write_random_lora
 from safetensors.torch import load_file, save_file
 from test_server_executors import FakeClock, Stream, engine_factory, make_loop, settle  # noqa: F401  (fixture)
 
-import engine.lora
+import engine.lora_files
 import engine.models.lora
 from engine.frames import frames_to_tensor
-from engine.lora import load_lora
+from engine.lora_files import load_lora
 from engine.models.lora import LoRA, LoRABank, LoRAError, LoRALayer
 from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.pipeline import Pipeline, StreamParams
@@ -55,7 +55,7 @@ def pipe(tmp_path_factory: pytest.TempPathFactory) -> Pipeline:
         pipe.load_lora(name, directory / f"{name}.safetensors", strength=0.0)
     _poisoned_lora(directory / "bad.safetensors", pipe.runtime.dit)
     with pytest.MonkeyPatch.context() as patch:
-        for module in (engine.lora, engine.models.lora):
+        for module in (engine.lora_files, engine.models.lora):
             patch.setattr(module, "layer_problem", lambda *args: None, raising=False)
         pipe.load_lora("bad", directory / "bad.safetensors", strength=0.0)
     return pipe
