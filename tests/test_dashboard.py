@@ -69,6 +69,7 @@ def _check_common(url: str, data: dict[str, Any], ids: list[str], policy: str) -
     metrics = http("GET", f"{url}/metrics")[2].decode()
     # The threads its last step ran on (the thread budget's choice), in the snapshot and in /metrics.
     assert worker["threads"] >= 1 and re.search(r'diffcast_engine_threads\{worker="0"\} [1-9]', metrics), metrics
+    assert re.search(r"diffcast_engine_cores_left [0-9.]+", metrics), metrics  # what the budget follows
     for stream_id, row in streams.items():
         assert row["kind"] == "webrtc" and row["tier"] in {t.name for t in Tier}
         assert row["engine_threads"] >= 1  # its lane's last step
