@@ -118,7 +118,7 @@ def snapshot(manager: SessionManager, config: ServerConfig, rate: ChunkRate) -> 
 
 def recent_actions(manager: SessionManager) -> list[dict[str, Any]]:
     """The policy's recent actions, newest first, with the sessions' stream ids."""
-    loop = manager.loop
+    loop = manager.serving
     if loop is None:
         return []
     sessions = {policy_id: stream_id for stream_id, policy_id in manager.policy_ids().items()}

@@ -53,7 +53,7 @@ async def send_frames(ws: Any, size: tuple[int, int], count: int, fps: float = 2
 
 def freed(manager: SessionManager, processor: weakref.ref[Any]) -> bool:
     gc.collect()
-    loop = manager.loop
+    loop = manager.serving
     assert loop is not None
     return not manager.sessions and not loop.streams and not loop.core.ledger.entries and processor() is None
 
@@ -72,7 +72,7 @@ async def test_websocket_client_vanishing_mid_chunk_frees_everything(
         runner, closed = weakref.ref(session.runner), session.closed
         del session  # only weak references from here: the test must not keep the stream alive
         await wait_until(lambda: getattr(runner(), "chunks", 0) >= 2, 60)
-        loop = manager.loop
+        loop = manager.serving
         assert loop is not None
         await wait_until(lambda: bool(loop.core.running()), 10, poll_s=0.001)  # a chunk is on the engine now
         feeder.cancel()
@@ -221,7 +221,7 @@ async def test_shutdown_drains_and_closes_peers(tiny_factory: Any) -> None:  # n
     shutdown_s = time.monotonic() - t0  # the `with` exit stops uvicorn: lifespan shutdown closes all
     assert not manager.sessions and all(s.closed.is_set() for s in sessions)
     assert all(pc.connectionState == "closed" for pc in peers)
-    assert manager.executor._shutdown
+    assert manager.engine_threads._shutdown
     await asyncio.wait_for(ws.wait_closed(), 5)
     assert ws.close_code in (1001, 1012), ws.close_code  # going away / service restart
     client_s = await wait_until(lambda: rtc.pc.connectionState in ("closed", "failed"), 30, poll_s=0.1)

@@ -221,7 +221,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     caps.require("v2v")  # live streams restyle a camera: a model without video-to-video cannot serve them
     config = with_model_defaults(config, caps)
     manager = SessionManager(factory, config)
-    manager.loop = build_serving_loop(config, factory, manager.executor)
+    manager.serving = build_serving_loop(config, factory, manager.engine_threads)
     if config.ndi_out:
         manager.ndi_names = SourceNames()
     gateway = Gateway(manager, config)
@@ -477,7 +477,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         # local pipeline, which only the real engine factory has.
         from app.playground import mount_playground
 
-        mount_playground(app, config, factory.pipeline, manager.executor)
+        mount_playground(app, config, factory.pipeline, manager.engine_threads)
     app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     document(app, config)

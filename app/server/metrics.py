@@ -73,7 +73,7 @@ class SessionCollector(Collector):
         all_dropped.add_metric([], totals["dropped_frames"])
         yield from (active, capacity, opened, all_out, all_dropped)
         # The engine core's actions (engine/serving/core.py), as counters over the server's life.
-        loop = self._manager.loop
+        loop = self._manager.serving
         counts = loop.counters() if loop is not None else {}
         for name, doc in (("evictions", "Stream states parked in host memory by the policy"),
                           ("restores", "Parked stream states brought back to the engine"),

@@ -362,14 +362,14 @@ class SessionManager:
         self.config = config
         # Engine threads: one for an in-process engine (synchronous, CPU-heavy, not thread-safe);
         # engines behind a thread-safe router (Ray workers) say how many chunks they run at once.
-        self.executor = ThreadPoolExecutor(max_workers=max(1, factory.parallel_chunks), thread_name_prefix="engine")
+        self.engine_threads = ThreadPoolExecutor(max_workers=max(1, factory.parallel_chunks), thread_name_prefix="engine")
         self.sessions: dict[str, Session] = {}
         self._opening = 0
         self.opened = 0
         self.closed_totals = {"dropped_frames": 0, "output_frames": 0}
-        # The engine core's loop (app/server/executors.py): admission, order, fidelity, batching,
+        # The serving loop (the engine core; app/server/serving.py builds it): admission, order, fidelity, batching,
         # eviction and preemption by the serving policy (--policy); set by create_app.
-        self.loop: ServingLoop | None = None
+        self.serving: ServingLoop | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._policy_ids: dict[str, int] = {}
         # The recordings directory (--record-dir; set by create_app), None when recording is off.
@@ -395,7 +395,7 @@ class SessionManager:
             looks = [{"look": name, "share": round(share, 3)} for name, share in pipe.prompt_looks(prompts, weights)]
             return {"notice": pipe.prompt_notice(prompts), "looks": looks}
 
-        result: dict[str, Any] = await asyncio.get_running_loop().run_in_executor(self.executor, report)
+        result: dict[str, Any] = await asyncio.get_running_loop().run_in_executor(self.engine_threads, report)
         return result
 
     def check_capacity(self) -> None:
@@ -404,7 +404,7 @@ class SessionManager:
 
     async def open(self, kind: str, settings: StreamSettings) -> Session:
         self.check_capacity()
-        serving = self.loop
+        serving = self.serving
         if serving is None:
             raise RuntimeError("the session manager has no engine loop (create_app sets one)")
         # Every served LoRA's strength for this stream, spelled out (its stats show what runs).
@@ -414,7 +414,7 @@ class SessionManager:
         self._opening += 1
         loop = asyncio.get_running_loop()
         try:
-            processor = await loop.run_in_executor(self.executor, self.factory.open, settings)
+            processor = await loop.run_in_executor(self.engine_threads, self.factory.open, settings)
         except BaseException as exc:
             serving.remove(policy_id)  # admitted, but never opened
             if isinstance(exc, ValueError):  # the engine refusing an option (e.g. a prompt it cannot encode)
@@ -430,7 +430,7 @@ class SessionManager:
         assembler = ChunkAssembler(capacity=max(processor.first_chunk_frames, processor.chunk_frames),
                                    backlog=1)
         playout = Playout(self.size, processor.chunk_frames, cfg.max_fps, cfg.min_fps)
-        runner = StreamRunner(processor, assembler, playout, self.executor, self.size, cfg.trace_stamp)
+        runner = StreamRunner(processor, assembler, playout, self.engine_threads, self.size, cfg.trace_stamp)
         # Unguessable (128 bits): with public viewing, knowing the id is what lets a viewer watch.
         session = Session(
             mint_secret(16), kind, settings, runner, assembler, playout, on_close=self._forget
@@ -464,8 +464,8 @@ class SessionManager:
 
     def _forget(self, stream_id: str) -> None:
         policy_id = self._policy_ids.pop(stream_id, None)
-        if self.loop is not None and policy_id is not None:
-            self.loop.remove(policy_id)
+        if self.serving is not None and policy_id is not None:
+            self.serving.remove(policy_id)
         session = self.sessions.pop(stream_id, None)
         if session is not None:
             self.closed_totals["dropped_frames"] += session.dropped_frames
@@ -491,4 +491,4 @@ class SessionManager:
         await asyncio.gather(*(self.close(sid) for sid in list(self.sessions)))
         if self._loop_task is not None:
             self._loop_task.cancel()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.engine_threads.shutdown(wait=False, cancel_futures=True)

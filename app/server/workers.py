@@ -35,7 +35,7 @@ class WorkerRow(BaseModel):
 
 def worker_rows(manager: SessionManager) -> list[dict[str, Any]]:
     """The serving loop's workers with the policy's stream ids replaced by the sessions' ids."""
-    loop = manager.loop
+    loop = manager.serving
     if loop is None:
         return []
     sessions = {policy_id: stream_id for stream_id, policy_id in manager.policy_ids().items()}
