@@ -1,5 +1,5 @@
-"""README screenshots of the page's camera choices and of the phone flow, taken with Chromium on the
-embedded default model (tiny-random when it is absent); not run in CI.
+"""README screenshots of the page's camera choices, its cue panel and the phone flow, taken with Chromium
+on the embedded default model (tiny-random when it is absent); not run in CI.
 
     .venv/bin/python demos/page_screenshots.py                 # writes docs/img/page-*.png
     .venv/bin/python demos/page_screenshots.py --out /tmp/shots
@@ -41,6 +41,20 @@ def live(page: object, url: str, frames: int) -> None:
     page.wait_for_timeout(1500)  # type: ignore[attr-defined]
 
 
+def cue_set(page: object) -> None:
+    """A performer's set: a cue per look from the prompt box (the panel's "+ Cue"), then the first
+    fired by its key mid-stream, gliding over two seconds."""
+    for prompt, name in (("pencil sketch", "sketch"), ("watercolor", "wash"), ("thermal camera", "heat")):
+        page.fill("#prompt", prompt)  # type: ignore[attr-defined]
+        page.press("#prompt", "Enter")  # type: ignore[attr-defined]
+        page.wait_for_timeout(800)  # type: ignore[attr-defined]
+        page.fill("#cue-name", name)  # type: ignore[attr-defined]
+        page.click("#cue-add")  # type: ignore[attr-defined]
+    page.click("body", position={"x": 5, "y": 5})  # type: ignore[attr-defined]  # keys fire cues outside text fields
+    page.keyboard.press("1")  # type: ignore[attr-defined]
+    page.wait_for_timeout(3000)  # type: ignore[attr-defined]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model (default: the embedded one, else tiny-random)")
@@ -69,6 +83,8 @@ def main() -> int:
                 page = desktop.new_page()
                 live(page, url, 30)
                 page.screenshot(path=str(args.out / "page-camera.png"))
+                cue_set(page)
+                page.screenshot(path=str(args.out / "page-cues.png"), full_page=True)
                 page.select_option("#layout-select", "output")
                 page.check("#mirror")
                 page.evaluate("window.scrollTo(0, 0)")
@@ -87,7 +103,7 @@ def main() -> int:
         finally:
             server.should_exit = True
             thread.join(timeout=30)
-    for name in ("page-camera.png", "page-output-only.png", "page-phone-https.png"):
+    for name in ("page-camera.png", "page-cues.png", "page-output-only.png", "page-phone-https.png"):
         path = args.out / name
         print(f"{path} ({path.stat().st_size // 1024} KiB)")
     return 0
