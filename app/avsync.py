@@ -24,7 +24,7 @@ from aiortc.mediastreams import MediaStreamError
 from aiortc.rtp import RtcpSrPacket
 
 from app.client import CodedCamera, video_frames
-from app.server.framecode import read_id
+from app.server.media.framecode import read_id
 
 RATE = 48_000
 FRAME = 960  # 20 ms

@@ -23,9 +23,9 @@ import av
 import numpy as np
 from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
-from app.server.frame_path import frame_rgb, video_frames, yuv_frame
-from app.server.framecode import MAX_ID, draw_id, read_id
-from app.server.jitter import complete_video_frames_on_marker
+from app.server.media.frame_path import frame_rgb, video_frames, yuv_frame
+from app.server.media.framecode import MAX_ID, draw_id, read_id
+from app.server.media.jitter import complete_video_frames_on_marker
 
 TIME_BASE = Fraction(1, 90_000)
 

@@ -16,8 +16,8 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse, JSONResponse
 
 from app.server.config import ServerConfig
-from app.server.session import Session, SessionManager
-from app.server.workers import worker_rows
+from app.server.edge.workers import worker_rows
+from app.server.serving.session import Session, SessionManager
 from engine.serving.credit import Tier, classify, service_credit
 
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
@@ -136,7 +136,7 @@ def dashboard_router(manager: SessionManager, config: ServerConfig) -> APIRouter
 
     @router.get("/api/dashboard")
     async def data() -> JSONResponse:
-        # It lists every stream id (what WHEP needs), so app/server/security.py lets only admins
+        # It lists every stream id (what WHEP needs), so app/server/edge/security.py lets only admins
         # (--api-token / --token as Bearer; the page passes ?token=) or, with no token set, loopback in.
         return JSONResponse(snapshot(manager, config, rate))
 

@@ -16,7 +16,7 @@ steps, seed):
 Engine work from the file and text tabs runs chunk by chunk on the server's one engine thread
 (the engine is not thread-safe), so it takes turns with live streams instead of racing them.
 
-The playground is under the service's rules (app/server/security.py): with ``--api-token`` it
+The playground is under the service's rules (app/server/edge/security.py): with ``--api-token`` it
 needs the token (a browser logs in once at /login); its prompts and numbers get the checks control
 messages get (``control_message``); uploads are bounded in size there and in count here
 (``UploadQuota``), and deleted when their job ends (or, if none uses them, by Gradio's
@@ -41,8 +41,8 @@ import numpy as np
 from starlette.types import Message, Receive, Scope, Send
 
 from app.server.config import ServerConfig
-from app.server.control import MAX_STEPS, MIN_NOISE_SCALE, UpdateMessage, control_message
-from app.server.security import PLAYGROUND_UPLOAD, refuse
+from app.server.control.messages import MAX_STEPS, MIN_NOISE_SCALE, UpdateMessage, control_message
+from app.server.edge.security import PLAYGROUND_UPLOAD, refuse
 
 if TYPE_CHECKING:
     import gradio as gr
@@ -357,7 +357,7 @@ def _gradio_app(config: ServerConfig, pipe: Pipeline | None, executor: Executor)
 class UploadQuota:
     """The playground's uploads on disk: at most ``limit`` files at once.
 
-    The edge (app/server/security.py) bounds each upload's size; this bounds how many are kept. An
+    The edge (app/server/edge/security.py) bounds each upload's size; this bounds how many are kept. An
     upload that would pass the limit is refused (429) and what it brought deleted at once. Files
     leave when the job that used them deletes them, or when Gradio's delete_cache ages them out.
     """

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from app.server.jitter import complete_video_frames_on_marker
+from app.server.media.jitter import complete_video_frames_on_marker
 from engine.aspect import fit_frame
 
 log = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ def whep_frames(server: str, stream_id: str, token: str | None = None, timeout_s
     host = urllib.parse.urlparse(server).hostname or ""
     if host in ("127.0.0.1", "localhost"):
         # aioice drops loopback host candidates; a server on this machine needs them (docs/architecture.md, "Library facts").
-        from app.server.ice import allow_loopback_candidates
+        from app.server.media.ice import allow_loopback_candidates
 
         allow_loopback_candidates()
     thread = threading.Thread(target=run, name="whep-pull", daemon=True)

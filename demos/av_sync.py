@@ -40,7 +40,7 @@ from bench_live import default_model, server_process  # noqa: E402
 
 from app.avsync import RATE, AudioProbe, BeepMicrophone, SenderClock, VideoStamps, sync_errors  # noqa: E402
 from app.client import CodedCamera, http  # noqa: E402
-from app.server.ice import allow_loopback_candidates  # noqa: E402
+from app.server.media.ice import allow_loopback_candidates  # noqa: E402
 
 WARMUP_S = 8.0  # the first chunk, the playout clock and the sender reports settling
 

@@ -3,7 +3,7 @@
 The trace (a few dozen streams: Poisson arrivals, a burst, prompt switches, pauses) runs twice per
 policy preset (slackserve and fifo-batch by default):
 
-* live: the server's own serving loop (app/server/executors.py, `RayExecutor`) on a local Ray cluster
+* live: the server's own serving loop (app/server/serving/executors.py, `RayExecutor`) on a local Ray cluster
   of 2 worker actors (tiny-random, CPU, one torch thread each), fed by in-process camera sources at the
   content rate (no codec: the figure measures the policy, not video coding);
 * sim: the simulator (engine/sim/, the same engine core) with 2 simulated workers.
@@ -41,10 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.server.config import ServerConfig  # noqa: E402
-from app.server.engine_bridge import RayFactory, StreamSettings  # noqa: E402
-from app.server.executors import AdmissionError, ServingLoop  # noqa: E402
-from app.server.frame_path import ChunkAssembler, InputFrame, Playout, StreamRunner  # noqa: E402
-from app.server.serving import build_serving_loop  # noqa: E402
+from app.server.media.frame_path import ChunkAssembler, InputFrame, Playout, StreamRunner  # noqa: E402
+from app.server.serving.engine_bridge import RayFactory, StreamSettings  # noqa: E402
+from app.server.serving.executors import AdmissionError, ServingLoop  # noqa: E402
+from app.server.serving.serving_loop import build_serving_loop  # noqa: E402
 from engine.cluster.controller import ClusterConfig, ClusterController  # noqa: E402
 from engine.serving.ledger import Camera  # noqa: E402
 from engine.serving.live import live_policy_config  # noqa: E402

@@ -1,4 +1,4 @@
-"""One WebRTC hop's latency with aiortc's video jitter buffer and with app/server/jitter.py's.
+"""One WebRTC hop's latency with aiortc's video jitter buffer and with app/server/media/jitter.py's.
 
 Two aiortc peers on loopback: a synthetic 30 fps camera (frame IDs drawn into the pixels) sends
 VP8 to a receiver that reads each frame's ID; capture -> decoded, p50 / p95, side by side, runs
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from aiortc import RTCPeerConnection  # noqa: E402
 
 from app.client import CodedCamera, OutputProbe  # noqa: E402
-from app.server.ice import allow_loopback_candidates  # noqa: E402
-from app.server.jitter import complete_video_frames_on_marker  # noqa: E402
+from app.server.media.ice import allow_loopback_candidates  # noqa: E402
+from app.server.media.jitter import complete_video_frames_on_marker  # noqa: E402
 
 WARMUP_S = 2.0
 

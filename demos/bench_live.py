@@ -63,8 +63,8 @@ sys.path.insert(0, str(ROOT))
 
 from app.busy_neighbours import BusyNeighbours  # noqa: E402
 from app.client import CodedCamera, OutputProbe, http, open_session, open_whep_viewer  # noqa: E402
-from app.server.framecode import MAX_ID  # noqa: E402
-from app.server.ice import allow_loopback_candidates  # noqa: E402
+from app.server.media.framecode import MAX_ID  # noqa: E402
+from app.server.media.ice import allow_loopback_candidates  # noqa: E402
 from engine.serving.live import bundled_live_profile  # noqa: E402
 
 WARMUP_S = 3.0  # excluded from FPS and latency: the first chunk and the playout clock settling
@@ -272,7 +272,7 @@ def engine_only(model: str, profile: str | None, labels: list[str], streams: int
 
     import torch
 
-    from app.server.engine_bridge import InProcessFactory, StreamSettings
+    from app.server.serving.engine_bridge import InProcessFactory, StreamSettings
     from engine.serving.profile import load_profile
     from engine.streaming.step_processor import StepProcessor
 

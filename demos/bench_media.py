@@ -3,8 +3,8 @@
 1. Camera frames in: a camera frame VP8-decoded and made the stream's RGB frame (288x224, a 4:3
    camera on the default model), sent at the camera's size (1280x720, 640x480) or at the stream's
    size as the page now sends it (web/rtc.js); "before" is RGB at the camera's size then OpenCV's
-   area resize, "now" the one-pass swscale path of `app.server.frame_path.to_rgb`.
-2. Stylized frames out: the output's VP8 encoder (app/server/encoder.py) beside aiortc's, on
+   area resize, "now" the one-pass swscale path of `app.server.media.frame_path.to_rgb`.
+2. Stylized frames out: the output's VP8 encoder (app/server/media/encoder.py) beside aiortc's, on
    stylized held-out clips (the embedded model's teachers: oil paint, pencil sketch, cartoon on four
    held-out camera clips, 256x256) at aiortc's bitrate floor, its start and 1 Mbps: CPU per encoded
    frame and the decoded frames' PSNR against the encoder's input.
@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from aiortc.codecs.vpx import Vp8Decoder, Vp8Encoder, vp8_depayload  # noqa: E402
 from aiortc.jitterbuffer import JitterFrame  # noqa: E402
 
-from app.server.encoder import OutputVp8Encoder  # noqa: E402
-from app.server.frame_path import fit_frame, frame_rgb, to_rgb, yuv_frame  # noqa: E402
+from app.server.media.encoder import OutputVp8Encoder  # noqa: E402
+from app.server.media.frame_path import fit_frame, frame_rgb, to_rgb, yuv_frame  # noqa: E402
 from engine.embedded.clips import heldout_specs, render_clip  # noqa: E402
 from engine.embedded.teachers import stylize_clip  # noqa: E402
 

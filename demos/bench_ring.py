@@ -157,7 +157,7 @@ class ServingProgram:
     def __call__(self, ring: RingRuntime) -> dict[str, Any]:
         import numpy as np
 
-        from app.server.engine_bridge import RankFactory, StreamSettings
+        from app.server.serving.engine_bridge import RankFactory, StreamSettings
         from engine.frames import frames_to_tensor
         from engine.parallel.launch import loaded_pipeline
 

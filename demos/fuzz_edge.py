@@ -20,7 +20,7 @@ OSC packets against a real `diffcast serve` on loopback; no answer may be a 5xx,
 Counted: cases, time, status classes, 5xx (must be 0), hangs (no answer within --timeout-s: must
 be 0), 4xx reasons that look like a Python error (must be 0), and in the server's log tracebacks
 and ERROR lines (must be 0) and warnings that aiortc refused an offer the SDP checks passed (each
-one a check to add to app/server/sdp.py), and the OSC refusals the server counted (logged, or held
+one a check to add to app/server/media/sdp.py), and the OSC refusals the server counted (logged, or held
 back by its budget of 10 lines a second). The server must exit 0 on SIGTERM at the end.
 
     .venv/bin/python demos/fuzz_edge.py --http-examples 700 --sdp-cases 3000 --osc-packets 20000 --out fuzz.json
@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 from aiortc import RTCConfiguration, RTCPeerConnection  # noqa: E402
 
 from app.client import CodedCamera  # noqa: E402
-from app.server.osc_packet import read_packet  # noqa: E402
+from app.server.control.osc_packet import read_packet  # noqa: E402
 from tests._osc_fuzz import OscFuzzer, count_refusals, encode  # noqa: E402
 
 ADMIN = "bench-admin-0123456789"

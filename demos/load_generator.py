@@ -30,8 +30,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.client import CodedCamera, http, open_session  # noqa: E402
-from app.server.framecode import MAX_ID  # noqa: E402
-from app.server.ice import allow_loopback_candidates  # noqa: E402
+from app.server.media.framecode import MAX_ID  # noqa: E402
+from app.server.media.ice import allow_loopback_candidates  # noqa: E402
 
 PROMPTS = ("oil painting", "watercolor sketch", "anime cel shading", "cyberpunk neon city", "charcoal drawing")
 

@@ -26,7 +26,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCRtpSender, RTCSession
 from aiortc.mediastreams import AudioStreamTrack  # noqa: E402
 
 from app.client import CodedCamera, http  # noqa: E402
-from app.server.ice import allow_loopback_candidates  # noqa: E402
+from app.server.media.ice import allow_loopback_candidates  # noqa: E402
 from app.virtualcam import whep_frames  # noqa: E402
 
 OBS_VIDEO = ("video/H264", "42e01f")  # OBS's WHIP output: H.264 constrained baseline, level 3.1

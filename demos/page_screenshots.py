@@ -23,8 +23,8 @@ from webcam_browser import default_model  # noqa: E402
 
 from app.server.app import create_app  # noqa: E402
 from app.server.config import ServerConfig  # noqa: E402
-from app.server.http_server import uvicorn_server  # noqa: E402
-from app.server.tls import self_signed  # noqa: E402
+from app.server.edge.http_server import uvicorn_server  # noqa: E402
+from app.server.edge.tls import self_signed  # noqa: E402
 
 DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 CHROMIUM = "/usr/bin/chromium"

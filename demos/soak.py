@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.client import CodedCamera, ProbeSession, WhipSession, http, open_session, open_whip_session  # noqa: E402
-from app.server.ice import allow_loopback_candidates  # noqa: E402
+from app.server.media.ice import allow_loopback_candidates  # noqa: E402
 
 log = logging.getLogger("soak")
 MAX_RSS_GROWTH = 0.05

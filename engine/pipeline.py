@@ -343,7 +343,7 @@ class StreamControls:
     """One stream's controls, written once for every engine that holds streams: open a state, change
     its prompt, look, LoRA strengths, noise, seed and fidelity at a chunk boundary, start over.
     `Stream` (the in-process engine) adds running chunks; the pipeline ranks' processor
-    (app/server/engine_bridge.py) runs them through the ring."""
+    (app/server/serving/engine_bridge.py) runs them through the ring."""
 
     def __init__(self, pipe: Pipeline, params: StreamParams, stream_id: str, host: StreamHost | None = None) -> None:
         self.pipe = pipe

@@ -16,7 +16,7 @@ import pytest
 import torch
 from _runtime_fixtures import HashTextEncoder, clip, fidelity, guided_tiny_vae
 
-from app.server.engine_bridge import RankFactory, RankProcessor, StreamSettings
+from app.server.serving.engine_bridge import RankFactory, RankProcessor, StreamSettings
 from engine.fidelity import FidelityConfig
 from engine.frames import tensor_to_frames
 from engine.lora_files import load_lora
@@ -248,8 +248,8 @@ class PolicyScenario:
 
     async def _serve(self, ring: RingRuntime) -> dict[str, object]:
         from app.server.config import ServerConfig
-        from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
-        from app.server.serving import build_serving_loop
+        from app.server.media.frame_path import ChunkAssembler, Playout, StreamRunner
+        from app.server.serving.serving_loop import build_serving_loop
 
         factory = RankFactory(ring, tiny_pipeline(ring.rt))
         clock, pool = _FakeClock(), ThreadPoolExecutor(max_workers=1)

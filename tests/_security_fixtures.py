@@ -20,7 +20,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection
 from conftest import free_port, running_server
 
 from app.client import CodedCamera, http
-from app.server.session import SessionManager
+from app.server.serving.session import SessionManager
 
 REMOTE = "203.0.113.7"  # TEST-NET-3: a client that is not on this machine
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def tiny_factory() -> Any:
     about the service's edge, not the model, and must stay fast."""
     import torch
 
-    from app.server.engine_bridge import InProcessFactory
+    from app.server.serving.engine_bridge import InProcessFactory
 
     torch.set_num_threads(1)
     return InProcessFactory.load("tiny-random")

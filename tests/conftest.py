@@ -26,8 +26,8 @@ def free_port() -> int:
 @contextmanager
 def running_server(app: Any, startup_timeout_s: float = 60.0, log_level: str = "warning") -> Iterator[str]:
     """Run an app from ``create_app`` on the server `diffcast serve` runs (guarded protocols,
-    redacted logs; app/server/http_server.py) in a background thread; yield its base URL."""
-    from app.server.http_server import uvicorn_server
+    redacted logs; app/server/edge/http_server.py) in a background thread; yield its base URL."""
+    from app.server.edge.http_server import uvicorn_server
 
     port = free_port()
     server = uvicorn_server(app, app.state.config, port=port, log_level=log_level)
@@ -58,7 +58,7 @@ def engine_factory(engine_model: str) -> Any:
     """The real engine pipeline, loaded once per test session."""
     import torch
 
-    from app.server.engine_bridge import InProcessFactory
+    from app.server.serving.engine_bridge import InProcessFactory
 
     torch.set_num_threads(1)
     return InProcessFactory.load(engine_model)

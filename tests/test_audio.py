@@ -15,7 +15,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
 from app.avsync import AudioProbe, BeepMicrophone, SenderClock, VideoStamps, sync_errors
 from app.client import CodedCamera, http
-from app.server.audio import (
+from app.server.media.audio import (
     AUDIO_RECEIVE_DELAY_S,
     CODEC_DELAY_S,
     FRAME_S,

@@ -174,7 +174,7 @@ def test_page_streams_over_https(
 ) -> None:
     """The phone flow: `serve --https --host 0.0.0.0` with its self-signed certificate, the page
     opened at the machine's LAN address (a secure context only through TLS), the camera streams."""
-    from app.server.tls import lan_addresses, self_signed
+    from app.server.edge.tls import lan_addresses, self_signed
 
     cert = self_signed(tmp_path / "tls")
     lan = next((str(a) for a in lan_addresses() if a.version == 4 and not a.is_loopback), "127.0.0.1")

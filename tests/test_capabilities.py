@@ -61,7 +61,7 @@ def test_a_far_prompt_gets_a_notice_on_the_stream(pipe: Pipeline) -> None:
 async def _served(**config: Any) -> Api:
     from app.server.app import create_app
     from app.server.config import ServerConfig
-    from app.server.engine_bridge import InProcessFactory
+    from app.server.serving.engine_bridge import InProcessFactory
 
     factory = InProcessFactory.load("default")
     return Api(create_app(ServerConfig(allow_loopback_candidates=True, **config), factory=factory))

@@ -22,6 +22,56 @@ def test_flag_defaults_are_the_config_defaults() -> None:
     assert ServerConfig.from_args(args) == ServerConfig()
 
 
+# Values the generic rule below cannot make up: a parsed or constrained option's text, and the value
+# it must become.
+SPECIAL_FLAG_VALUES: dict[str, tuple[list[str], Any]] = {
+    "policy": (["fifo"], "fifo"),
+    "dtype": (["bf16"], "bf16"),
+    "forwarded_allow_ips": (["10.0.0.1, 10.0.0.2"], ("10.0.0.1", "10.0.0.2")),
+    "worker_delay_ms": (["0,250"], (0.0, 250.0)),
+    "osc_port": (["9000"], 9000),
+    "osc_reply_port": (["9001"], 9001),
+    "ssl_certfile": (["cert.pem", "--ssl-keyfile", "key.pem"], "cert.pem"),
+    "ssl_keyfile": (["key.pem", "--ssl-certfile", "cert.pem"], "key.pem"),
+    "ndi_out": ([], None), "ndi_in": ([], None), "ndi_allow": ([], None),  # need the ndi extra: test_ndi.py
+}
+
+
+def test_every_server_option_is_one_flag_that_sets_its_field() -> None:
+    """Each ServerConfig option is declared once, as a field: `diffcast serve` has its flag, with the
+    field's default, and a value given on the command line lands in that field (and no other)."""
+    import dataclasses
+
+    flagged = [f for f in dataclasses.fields(ServerConfig) if "flag" in f.metadata]
+    assert len(flagged) >= 50
+    parser = build_parser()
+    default = ServerConfig()
+    for item in flagged:
+        flag = item.metadata["flag"]
+        name = flag.name or "--" + item.name.replace("_", "-")
+        if item.name in SPECIAL_FLAG_VALUES:
+            extra, want = SPECIAL_FLAG_VALUES[item.name]
+            if want is None:
+                continue
+            argv = [name, *extra]
+        elif isinstance(item.default, bool):
+            argv, want = [name], not item.default
+        elif isinstance(item.default, tuple):
+            argv, want = [name, "a", name, "b"], ("a", "b")
+        elif isinstance(item.default, int) and not isinstance(item.default, bool):
+            argv, want = [name, str(item.default + 3)], item.default + 3
+        elif isinstance(item.default, float):
+            argv, want = [name, str(item.default + 0.5)], item.default + 0.5
+        elif item.default is None and "gib" in item.name:
+            argv, want = [name, "2.5"], 2.5
+        else:
+            argv, want = [name, "some-value-of-32-characters-long"], "some-value-of-32-characters-long"
+        config = ServerConfig.from_args(parser.parse_args(["serve", *argv]))
+        assert getattr(config, item.name) == want, item.name
+        changed = {f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(default, f.name)}
+        assert changed <= {item.name, "ssl_certfile", "ssl_keyfile", "https"}, (item.name, changed)
+
+
 def test_repeatable_flags_become_tuples() -> None:
     args = build_parser().parse_args(
         ["serve", "--ice-server", "stun:a:3478", "--ice-server", "turn:b:3478", "--allowed-origin", "https://x.org",
@@ -55,10 +105,10 @@ def test_rank_zero_runs_the_same_server(monkeypatch: pytest.MonkeyPatch, engine_
     are not spawned here: the rank-0 program runs in this process on a stand-in ring."""
     import uvicorn
 
-    import app.server.ranks as ranks
+    import app.server.serving.ranks as ranks
     from app.server.app import serve
-    from app.server.engine_bridge import RankFactory
-    from app.server.http_server import AnsweringWebSocketProtocol, GuardedH11Protocol
+    from app.server.edge.http_server import AnsweringWebSocketProtocol, GuardedH11Protocol
+    from app.server.serving.engine_bridge import RankFactory
 
     runs: list[tuple[Any, dict[str, Any]]] = []
 
@@ -126,7 +176,7 @@ def test_serve_sets_the_openmp_wait_policy_before_torch_loads(argv: list[str], p
 def test_the_weight_dtype_reaches_the_served_engine(argv: list[str], dtype: str) -> None:
     """`serve --dtype` is what the engine's weights are (auto: fp32 on a CPU, bf16 on CUDA, as the
     benchmarks measure), through the same loader the server uses."""
-    from app.server.engine_bridge import InProcessFactory
+    from app.server.serving.engine_bridge import InProcessFactory
 
     config = ServerConfig.from_args(build_parser().parse_args(["serve", "--model", "tiny-random", *argv]))
     factory = InProcessFactory.load(config.model, config.device, config.loras, 1, config.dtype)
@@ -138,7 +188,7 @@ def test_the_weight_dtype_reaches_the_served_engine(argv: list[str], dtype: str)
 def test_the_vae_choice_reaches_the_served_engine() -> None:
     """`serve --vae` travels in the server's configuration (not in the model's name, which the profile
     lookup and /api/config show) to the loader the server uses; refused for a model with its own VAE."""
-    from app.server.engine_bridge import InProcessFactory
+    from app.server.serving.engine_bridge import InProcessFactory
     from engine.vae_choice import SplitVAE
 
     args = build_parser().parse_args(["serve", "--model", "random:tiny", "--vae", "tiny-random"])
@@ -162,7 +212,7 @@ def test_no_playground_serves_without_importing_gradio(tmp_path: Any) -> None:
         "from app.cli import build_parser\n"
         "from app.server.app import create_app\n"
         "from app.server.config import ServerConfig\n"
-        "from app.server.engine_bridge import InProcessFactory\n"
+        "from app.server.serving.engine_bridge import InProcessFactory\n"
         "args = build_parser().parse_args(['serve', '--model', 'tiny-random', '--no-playground'])\n"
         "config = ServerConfig.from_args(args)\n"
         "app = create_app(config, InProcessFactory.load('tiny-random'))\n"

@@ -32,10 +32,10 @@ import ray
 import torch
 
 from app.server.config import ServerConfig
-from app.server.engine_bridge import InProcessFactory, RayFactory, StreamSettings
-from app.server.executors import ServingLoop
-from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
-from app.server.serving import build_serving_loop
+from app.server.media.frame_path import ChunkAssembler, Playout, StreamRunner
+from app.server.serving.engine_bridge import InProcessFactory, RayFactory, StreamSettings
+from app.server.serving.executors import ServingLoop
+from app.server.serving.serving_loop import build_serving_loop
 from engine.cluster.controller import ClusterConfig, ClusterController
 from engine.cluster.worker import ChunkOrder, StepCall, StepOutcome
 from engine.fidelity import FidelityConfig

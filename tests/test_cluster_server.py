@@ -24,7 +24,7 @@ from test_browser_page import CHROMIUM_FLAGS
 from app.client import CodedCamera, ProbeSession, http, open_session
 from app.server.app import create_app
 from app.server.config import ServerConfig
-from app.server.engine_bridge import RayFactory
+from app.server.serving.engine_bridge import RayFactory
 from engine.cluster.controller import ClusterConfig, ClusterController
 
 FRAMES_AFTER = 8  # new output frames the client must see after each event

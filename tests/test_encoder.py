@@ -1,4 +1,4 @@
-"""app/server/encoder.py: the output's VP8 encoder keeps aiortc's stream and codes stylized frames better."""
+"""app/server/media/encoder.py: the output's VP8 encoder keeps aiortc's stream and codes stylized frames better."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from aiortc import RTCPeerConnection, RTCRtpSender, VideoStreamTrack
 from aiortc.codecs.vpx import Vp8Decoder, Vp8Encoder, vp8_depayload
 from aiortc.jitterbuffer import JitterFrame
 
-from app.server.encoder import SENDER_ATTRIBUTE, OutputVp8Encoder, encode_output_frames
+from app.server.media.encoder import SENDER_ATTRIBUTE, OutputVp8Encoder, encode_output_frames
 from engine.embedded.clips import heldout_specs, render_clip
 from engine.embedded.teachers import stylize_clip
 

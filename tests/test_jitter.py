@@ -1,4 +1,4 @@
-"""app/server/jitter.py: a video frame leaves the jitter buffer at its marked last packet."""
+"""app/server/media/jitter.py: a video frame leaves the jitter buffer at its marked last packet."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from aiortc import RTCPeerConnection
 from aiortc.jitterbuffer import JitterBuffer
 from aiortc.rtp import RtpPacket
 
-from app.server.jitter import RECEIVER_ATTRIBUTE, MarkerJitterBuffer, complete_video_frames_on_marker
+from app.server.media.jitter import RECEIVER_ATTRIBUTE, MarkerJitterBuffer, complete_video_frames_on_marker
 
 
 def packet(seq: int, timestamp: int, data: bytes, marker: bool = False) -> RtpPacket:

@@ -26,10 +26,10 @@ from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSes
 
 from app.avsync import BeepMicrophone
 from app.client import CodedCamera, http, pattern_frame, video_frames
-from app.server.frame_path import ChunkAssembler
-from app.server.framecode import band_height, draw_id, read_id
-from app.server.ndi import BGRA, MISSING, NdiError, SourceNames, rgb_image, rgbx_bytes
-from app.server.ndi_in import NdiInput, NdiInputConfig
+from app.server.media.frame_path import ChunkAssembler
+from app.server.media.framecode import band_height, draw_id, read_id
+from app.server.media.ndi import BGRA, MISSING, NdiError, SourceNames, rgb_image, rgbx_bytes
+from app.server.media.ndi_in import NdiInput, NdiInputConfig
 
 Live = Callable[..., AbstractContextManager[str]]
 

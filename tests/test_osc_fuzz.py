@@ -27,7 +27,7 @@ from pythonosc.osc_message import OscMessage
 from test_server_osc import OscPeer, free_udp_port, osc_stream, stream_stats
 
 from app.client import http
-from app.server.osc import REFUSALS_LOGGED_PER_S
+from app.server.control.osc import REFUSALS_LOGGED_PER_S
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKETS = 3000
@@ -83,7 +83,7 @@ async def test_osc_fuzz_leaves_control_http_and_the_log_intact(
     assert [r for r in records if r.exc_info or r.levelno >= logging.ERROR] == []
     assert "Traceback" not in caplog.text
     assert [r.getMessage() for r in records if r.name == "root"] == []  # python-osc's per-tag warnings
-    logged, held = count_refusals([r.getMessage() for r in records if r.name == "app.server.osc"])
+    logged, held = count_refusals([r.getMessage() for r in records if r.name == "app.server.control.osc"])
     # Each budget window is at least a second long: a slower run may log more lines, never more per second.
     assert 0 < logged <= REFUSALS_LOGGED_PER_S * (int(elapsed_s) + 2)
     print(f"{PACKETS} hostile packets ({sum(map(len, packets))} bytes) in {elapsed_s:.1f} s: "

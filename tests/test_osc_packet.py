@@ -1,4 +1,4 @@
-"""The OSC packet reader (app/server/osc_packet.py): what python-osc writes it reads back; what is
+"""The OSC packet reader (app/server/control/osc_packet.py): what python-osc writes it reads back; what is
 malformed or past a bound it refuses with an OscPacketError that says what, and nothing else."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pythonosc.osc_bundle_builder import IMMEDIATELY, OscBundleBuilder
 from pythonosc.osc_message_builder import OscMessageBuilder
 
-from app.server.osc_packet import (
+from app.server.control.osc_packet import (
     MAX_ARGUMENTS,
     MAX_DEPTH,
     MAX_MESSAGES,

@@ -19,7 +19,7 @@ from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSes
 
 from app.avsync import BeepMicrophone
 from app.client import CodedCamera, http, pattern_frame, video_frames
-from app.server.recordings import RecordingError, RecordingStore
+from app.server.control.recordings import RecordingError, RecordingStore
 
 Live = Callable[..., AbstractContextManager[str]]
 

@@ -18,8 +18,14 @@ from test_recordings import call, control, decode, publish, thumb, wait_for
 
 from app.avsync import BeepMicrophone
 from app.client import CodedCamera, pattern_frame
-from app.server.recorder import INTERRUPTED, MP4_OPTIONS, VIDEO_CODEC, VIDEO_TIME_BASE, finish_leftovers
-from app.server.recordings import RecordingStore
+from app.server.control.recorder import (
+    INTERRUPTED,
+    MP4_OPTIONS,
+    VIDEO_CODEC,
+    VIDEO_TIME_BASE,
+    finish_leftovers,
+)
+from app.server.control.recordings import RecordingStore
 
 
 def serve(record_dir: Path, *flags: str) -> AbstractContextManager[tuple[str, subprocess.Popen[bytes]]]:

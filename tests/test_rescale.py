@@ -10,7 +10,7 @@ import pytest
 import torch
 from _runtime_fixtures import clip, fidelity, tiny_runtime
 
-from app.server.engine_bridge import InProcessFactory, InProcessProcessor, StreamSettings
+from app.server.serving.engine_bridge import InProcessFactory, InProcessProcessor, StreamSettings
 from engine.models.tiny_vae import TinyVAECache
 from engine.models.wan_dit import (
     CONFIGS,

@@ -1,5 +1,5 @@
 """Bad SDP, codecs and JSON get a 4xx with a reason in plain words, never a 500 or a Python
-error's text (app/server/sdp.py checks, the gateway's mapping of aiortc's exceptions, the
+error's text (app/server/media/sdp.py checks, the gateway's mapping of aiortc's exceptions, the
 validation-error handler)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.server.control import (
+from app.server.control.messages import (
     ControlError,
     PauseMessage,
     StreamOptions,

@@ -1,4 +1,4 @@
-"""Credentials resist guessing (app/server/security.py GuessThrottle): wrong tokens earn their client
+"""Credentials resist guessing (app/server/edge/security.py GuessThrottle): wrong tokens earn their client
 address a growing wait (429 + Retry-After) on every route that checks one, a burst over TLS gets
 only a handful checked, other addresses are never held up (behind a proxy: the address the
 trusted proxy names), and admin tokens shorter than 16 characters are refused at start-up."""
@@ -31,8 +31,8 @@ from _security_fixtures import (  # noqa: F401
 from conftest import running_server
 
 from app.server.config import MIN_TOKEN_CHARS, ServerConfig, TokenTooShortError
-from app.server.logs import mint_secret
-from app.server.security import (
+from app.server.edge.logs import mint_secret
+from app.server.edge.security import (
     FIRST_WAIT_S,
     FORGET_S,
     FREE_FAILURES,
@@ -99,7 +99,7 @@ def test_wrong_tokens_earn_their_address_a_growing_wait() -> None:
 
 def test_a_burst_of_wrong_logins_over_tls_gets_a_handful_checked(tiny_factory: Any, tmp_path: Path) -> None:  # noqa: F811
     from app.server.app import create_app
-    from app.server.tls import self_signed
+    from app.server.edge.tls import self_signed
 
     pair = self_signed(tmp_path / "tls")
     config = ServerConfig(api_token=ADMIN, https=True, ssl_certfile=str(pair.certfile), ssl_keyfile=str(pair.keyfile))

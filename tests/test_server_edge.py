@@ -1,4 +1,4 @@
-"""The edge's rules for browsers and proxies (app/server/security.py): same-origin by default (WHIP
+"""The edge's rules for browsers and proxies (app/server/edge/security.py): same-origin by default (WHIP
 and WHEP excepted), local rights only for this machine asking for itself, X-Forwarded-* only from
 --forwarded-allow-ips, the API token held by a login cookie, and the playground under the same
 rules and bounds as every other entry point."""
@@ -26,7 +26,7 @@ from conftest import running_server
 
 from app.client import http
 from app.server.config import ServerConfig
-from app.server.security import SESSION_COOKIE, AdminSessions
+from app.server.edge.security import SESSION_COOKIE, AdminSessions
 
 ApiFactory = Callable[..., AbstractAsyncContextManager[Api]]
 EVIL = {"Origin": "https://evil.example"}
@@ -146,7 +146,7 @@ async def test_serve_believes_forwarded_headers_only_from_forwarded_allow_ips(
     tiny_factory: Any, monkeypatch: pytest.MonkeyPatch, trusted: bool  # noqa: F811
 ) -> None:
     from app.server.app import create_app
-    from app.server.http_server import uvicorn_server
+    from app.server.edge.http_server import uvicorn_server
 
     config = ServerConfig(allow_loopback_candidates=True, max_streams=4, max_streams_per_client=1,
                           forwarded_allow_ips=("127.0.0.1",) if trusted else ())

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from app.server.config import ServerConfig
-from app.server.engine_bridge import StreamSettings
-from app.server.executors import AdmissionError, ServingLoop
-from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
-from app.server.serving import build_serving_loop
+from app.server.media.frame_path import ChunkAssembler, Playout, StreamRunner
+from app.server.serving.engine_bridge import StreamSettings
+from app.server.serving.executors import AdmissionError, ServingLoop
+from app.server.serving.serving_loop import build_serving_loop
 from engine.fidelity import FidelityConfig
 
 
@@ -30,7 +30,7 @@ def engine_factory() -> Any:
     has 4 steps and the bundled tiny-random profile, and they are about scheduling, not pictures."""
     import torch
 
-    from app.server.engine_bridge import InProcessFactory
+    from app.server.serving.engine_bridge import InProcessFactory
 
     torch.set_num_threads(1)
     return InProcessFactory.load("tiny-random")
@@ -102,7 +102,7 @@ class Stream:
 
 async def settle(loop: ServingLoop) -> None:
     """One pass of the loop, then wait until the engine has no step in flight, nor a reset after a faulty
-    chunk (no chunk of that stream is taken until the engine has reset it: app/server/frame_path.py)."""
+    chunk (no chunk of that stream is taken until the engine has reset it: app/server/media/frame_path.py)."""
     loop.run_once()
     for _ in range(5000):
         if not loop.core.jobs and not loop.executor._resets:
@@ -456,7 +456,7 @@ async def test_two_lanes_run_two_streams_side_by_side_with_undisturbed_results()
     """Each lane is a worker of the core: the two streams are homed on different lanes, both lanes'
     steps are dispatched at once, and every chunk equals a fresh stream's run of the same chunks (to
     float rounding: a lane's step runs on its share of the threads, which orders the sums differently)."""
-    from app.server.engine_bridge import InProcessFactory
+    from app.server.serving.engine_bridge import InProcessFactory
     from engine.streaming.lanes import EngineLanes
 
     single = InProcessFactory.load("tiny-random")

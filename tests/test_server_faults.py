@@ -28,9 +28,9 @@ import websockets
 from _security_fixtures import served, tiny_factory  # noqa: F401
 
 from app.client import CodedCamera, http, open_session, pattern_frame
-from app.server.engine_bridge import EngineKind, InProcessProcessor, StreamSettings
-from app.server.frame_path import encode_jpeg
-from app.server.session import SessionManager
+from app.server.media.frame_path import encode_jpeg
+from app.server.serving.engine_bridge import EngineKind, InProcessProcessor, StreamSettings
+from app.server.serving.session import SessionManager
 
 ROOT = Path(__file__).resolve().parents[1]
 

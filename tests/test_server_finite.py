@@ -14,7 +14,7 @@ import pytest
 from _security_fixtures import Api, asgi_api, bearer, publisher_offer, tiny_factory  # noqa: F401
 
 from app.playground import Controls, finite
-from app.server.control import ControlError, options_from_query, parse_control
+from app.server.control.messages import ControlError, options_from_query, parse_control
 from engine.pipeline import StreamParams
 
 ApiFactory = Callable[..., AbstractAsyncContextManager[Api]]

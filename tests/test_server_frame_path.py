@@ -13,9 +13,7 @@ import pytest
 from _output_checks import assert_undistorted, circles_clip
 
 from app.server.config import ServerConfig
-from app.server.engine_bridge import EngineKind, StreamSettings
-from app.server.executors import RankExecutor, ServingLoop, StepExecutor
-from app.server.frame_path import (
+from app.server.media.frame_path import (
     ChunkAssembler,
     FrameMeta,
     InputFrame,
@@ -27,8 +25,10 @@ from app.server.frame_path import (
     to_rgb,
     yuv_frame,
 )
-from app.server.framecode import MAX_ID, draw_id, read_id
-from app.server.serving import build_serving_loop
+from app.server.media.framecode import MAX_ID, draw_id, read_id
+from app.server.serving.engine_bridge import EngineKind, StreamSettings
+from app.server.serving.executors import RankExecutor, ServingLoop, StepExecutor
+from app.server.serving.serving_loop import build_serving_loop
 from engine.aspect import StreamSizes, fit_size
 
 

@@ -22,8 +22,8 @@ from conftest import running_server
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.server.control import ControlError, options_from_query, parse_control
-from app.server.sdp import OfferError, check_offer
+from app.server.control.messages import ControlError, options_from_query, parse_control
+from app.server.media.sdp import OfferError, check_offer
 
 MAX_RESPONSE_S = 5.0
 HOOKS = Path(__file__).with_name("_schemathesis_hooks.py")

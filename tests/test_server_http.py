@@ -1,4 +1,4 @@
-"""The HTTP/WebSocket server under the app (app/server/http_server.py), probed with raw sockets:
+"""The HTTP/WebSocket server under the app (app/server/edge/http_server.py), probed with raw sockets:
 oversized request heads are answered (414/431/400) and closed, slow heads and bodies are cut off
 (408), and SIGTERM drains whatever clients hold open and exits 0.
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from app.client import CodedCamera, http, open_session
-from app.server.framecode import MAX_ID
+from app.server.media.framecode import MAX_ID
 
 
 async def test_two_streams_isolated(live_server: Callable[..., AbstractContextManager[str]]) -> None:

@@ -1,4 +1,4 @@
-"""Limits on what clients send, each with the error it gets (app/server/limits.py, security.py)."""
+"""Limits on what clients send, each with the error it gets (app/server/edge/limits.py, security.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import pytest
 import websockets
 from _security_fixtures import REMOTE, Api, asgi_api, bearer, publisher_offer, served, tiny_factory  # noqa: F401
 
-from app.server.control import ControlError, parse_control
-from app.server.frame_path import encode_jpeg, fit_frame
-from app.server.limits import MessageLimitError, RateLimit, control_guard, decode_frame, frame_guard
-from app.server.sdp import MAX_SDP_BYTES, OfferError, check_offer
+from app.server.control.messages import ControlError, parse_control
+from app.server.edge.limits import MessageLimitError, RateLimit, control_guard, decode_frame, frame_guard
+from app.server.media.frame_path import encode_jpeg, fit_frame
+from app.server.media.sdp import MAX_SDP_BYTES, OfferError, check_offer
 
 ApiFactory = Callable[..., AbstractAsyncContextManager[Api]]
 

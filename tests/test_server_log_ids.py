@@ -13,7 +13,7 @@ from contextlib import AbstractAsyncContextManager
 import pytest
 from _security_fixtures import Api, asgi_api, tiny_factory  # noqa: F401
 
-from app.server.logs import install_log_redaction
+from app.server.edge.logs import install_log_redaction
 
 ApiFactory = Callable[..., AbstractAsyncContextManager[Api]]
 PREFIX = 6  # characters of an id that would already tell it apart from the other streams'

@@ -1,4 +1,4 @@
-"""No secret in the logs (app/server/logs.py): a real request sequence on a real server at INFO
+"""No secret in the logs (app/server/edge/logs.py): a real request sequence on a real server at INFO
 (uvicorn's access log included) leaves no token, stream id or WHEP viewer id in any log line."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import websockets
 from _security_fixtures import bearer, publisher_offer, tiny_factory, viewer_offer  # noqa: F401
 from conftest import running_server
 
-from app.server.logs import fingerprint, install_log_redaction, mint_secret, redact
+from app.server.edge.logs import fingerprint, install_log_redaction, mint_secret, redact
 
 
 class Capture(logging.Handler):

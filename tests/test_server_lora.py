@@ -20,12 +20,12 @@ from conftest import running_server
 
 from app.cli import build_parser, main
 from app.client import pattern_frame
-from app.server import control
 from app.server.app import create_app
 from app.server.config import LoRASpec, ServerConfig, lora_specs
-from app.server.control import ControlError, StreamOptions, parse_control
-from app.server.engine_bridge import InProcessFactory
-from app.server.frame_path import encode_jpeg
+from app.server.control import messages as control
+from app.server.control.messages import ControlError, StreamOptions, parse_control
+from app.server.media.frame_path import encode_jpeg
+from app.server.serving.engine_bridge import InProcessFactory
 from engine.models.lora import MAX_LORA_STRENGTH
 from engine.models.wan_dit import CONFIGS, CausalWanDiT
 

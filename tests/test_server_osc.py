@@ -20,9 +20,9 @@ from pythonosc.osc_message import OscMessage
 from pythonosc.udp_client import SimpleUDPClient
 
 from app.client import CodedCamera, ProbeSession, http, open_session
-from app.server.control import ControlError
-from app.server.osc import OscFormError, parse
-from app.server.osc_packet import Unsupported
+from app.server.control.messages import ControlError
+from app.server.control.osc import OscFormError, parse
+from app.server.control.osc_packet import Unsupported
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,7 +101,7 @@ async def osc_stream(live_server: Callable[..., AbstractContextManager[str]]
 async def test_osc_controls_a_stream_with_the_http_checks(
     live_server: Callable[..., AbstractContextManager[str]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="app.server.osc")
+    caplog.set_level(logging.WARNING, logger="app.server.control.osc")
     async with osc_stream(live_server) as (url, session, osc):
         sid, owner = session.stream_id, session.owner_token
         # A prompt and a knob reach the stream (read back over HTTP, not from the OSC side).
@@ -164,7 +164,7 @@ def test_refusals_are_logged_and_answered_within_a_budget(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A flood of bad datagrams (their sender may be forged) gets at most 10 log lines and answers a second."""
-    import app.server.osc as osc
+    import app.server.control.osc as osc
     from app.server.config import ServerConfig
 
     server = osc.OscServer(ServerConfig(), manager=None, access=None)  # type: ignore[arg-type]
@@ -203,7 +203,7 @@ FINDINGS = {
 HANDLER = """
 import json, logging, sys
 from app.server.config import ServerConfig
-from app.server.osc import OscServer
+from app.server.control.osc import OscServer
 records = []
 handler = logging.Handler()
 handler.emit = lambda r: records.append([r.name, r.levelname, r.getMessage(), r.exc_info is not None])
@@ -222,7 +222,7 @@ def test_hostile_packets_cost_the_handler_one_line_each() -> None:
     records = json.loads(result.stdout)
     assert len(records) == len(FINDINGS)
     for (name, level, text, has_traceback), reason in zip(records, FINDINGS.values(), strict=True):
-        assert (name, level, has_traceback) == ("app.server.osc", "WARNING", False)
+        assert (name, level, has_traceback) == ("app.server.control.osc", "WARNING", False)
         assert text.startswith("an OSC packet from 127.0.0.1:9 was dropped: ") and reason in text
 
 
@@ -230,7 +230,7 @@ async def test_a_failure_inside_the_handler_is_one_line_not_a_traceback(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A bug in reading or applying a message costs one budgeted line, and the next message is applied."""
-    import app.server.osc as osc
+    import app.server.control.osc as osc
     from app.server.config import ServerConfig
 
     server = osc.OscServer(ServerConfig(), manager=None, access=None)  # type: ignore[arg-type]

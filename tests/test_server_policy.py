@@ -29,7 +29,7 @@ def engine_factory() -> Any:
     has 4 steps and the bundled tiny-random profile, and they are about scheduling, not pictures."""
     import torch
 
-    from app.server.engine_bridge import InProcessFactory
+    from app.server.serving.engine_bridge import InProcessFactory
 
     torch.set_num_threads(1)
     return InProcessFactory.load("tiny-random")

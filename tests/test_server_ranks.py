@@ -26,7 +26,7 @@ from _parallel_fixtures import (
     policy_reference,
 )
 
-from app.server.engine_bridge import StreamSettings
+from app.server.serving.engine_bridge import StreamSettings
 from engine.models.wan_dit import CONFIGS, CausalWanDiT
 from engine.parallel.launch import run_ring
 from engine.parallel.ring import RingOptions

@@ -1,15 +1,15 @@
-"""One status per refusal, whichever endpoint raised it (app/server/refusals.py)."""
+"""One status per refusal, whichever endpoint raised it (app/server/edge/refusals.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.server.control import ControlError
-from app.server.ndi import NdiError
-from app.server.recordings import RecordingError
-from app.server.refusals import REFUSED, refusal_for
-from app.server.sdp import OfferError
-from app.server.session import CapacityError
+from app.server.control.messages import ControlError
+from app.server.control.recordings import RecordingError
+from app.server.edge.refusals import REFUSED, refusal_for
+from app.server.media.ndi import NdiError
+from app.server.media.sdp import OfferError
+from app.server.serving.session import CapacityError
 
 
 @pytest.mark.parametrize(("exc", "status"), [

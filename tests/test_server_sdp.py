@@ -9,8 +9,8 @@ import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 
 from app.client import CodedCamera
-from app.server.ice import allow_loopback_candidates, strip_candidates
-from app.server.sdp import OfferError, check_offer
+from app.server.media.ice import allow_loopback_candidates, strip_candidates
+from app.server.media.sdp import OfferError, check_offer
 
 
 async def _offer(direction: str) -> str:

@@ -1,5 +1,5 @@
 """Access: per-stream owner/viewer capabilities, admin-only listing, the API token and origins
-(app/server/security.py). Each refusal is checked, and that refusals never reveal whether a
+(app/server/edge/security.py). Each refusal is checked, and that refusals never reveal whether a
 stream exists to a caller without rights to it."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from _security_fixtures import (  # noqa: F401
     viewer_offer,
 )
 
-from app.server.security import OWNER_HEADER, STREAM_ID_HEADER, VIEWER_HEADER
+from app.server.edge.security import OWNER_HEADER, STREAM_ID_HEADER, VIEWER_HEADER
 
 ApiFactory = Callable[..., AbstractAsyncContextManager[Api]]
 UPDATE = json.dumps({"type": "update", "seed": 3})

@@ -1,6 +1,6 @@
 """Sessions under concurrency and at their end: admission that holds when offers race, session URLs
 that are their client's credential (RFC 9725), one answer for absent and foreign ids on every route
-shape, and a stream that ends as soon as its publisher leaves (app/server/gateway.py, whip.py)."""
+shape, and a stream that ends as soon as its publisher leaves (app/server/media/gateway.py, whip.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from _security_fixtures import (  # noqa: F401
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from fastapi.routing import APIRoute
 
-from app.server.security import STREAM_ID_HEADER
+from app.server.edge.security import STREAM_ID_HEADER
 
 ApiFactory = Callable[..., AbstractAsyncContextManager[Api]]
 SDP = {"Content-Type": "application/sdp"}

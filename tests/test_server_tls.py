@@ -21,7 +21,7 @@ from conftest import free_port
 from cryptography import x509
 
 from app.cli import build_parser
-from app.server.tls import CertificateError, lan_addresses, load_pair, self_signed
+from app.server.edge.tls import CertificateError, lan_addresses, load_pair, self_signed
 
 ROOT = Path(__file__).resolve().parents[1]
 

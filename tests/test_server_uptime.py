@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from _security_fixtures import tiny_factory  # noqa: F401
 
 from app.server.config import ServerConfig
-from app.server.serving import build_serving_loop
+from app.server.serving.serving_loop import build_serving_loop
 from engine.serving.playout import PlayoutTracker
 
 

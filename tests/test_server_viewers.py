@@ -16,9 +16,9 @@ import av
 import numpy as np
 import pytest
 
-import app.server.frame_path as frame_path
+import app.server.media.frame_path as frame_path
 from app.client import CodedCamera, http, open_session, open_whep_viewer, pattern_frame
-from app.server.frame_path import FrameMeta, OutputFrame
+from app.server.media.frame_path import FrameMeta, OutputFrame
 
 
 def test_an_output_frame_converts_once_and_hands_each_consumer_its_own_frame(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,8 +11,8 @@ from contextlib import AbstractContextManager
 import websockets
 
 from app.client import pattern_frame
-from app.server.frame_path import decode_jpeg, encode_jpeg
-from app.server.framecode import draw_id, read_id
+from app.server.media.frame_path import decode_jpeg, encode_jpeg
+from app.server.media.framecode import draw_id, read_id
 
 
 async def test_websocket_stream_and_errors(live_server: Callable[..., AbstractContextManager[str]]) -> None:

@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from app.dashboard import dashboard_router
 from app.server.config import ServerConfig
-from app.server.control import (
+from app.server.control.messages import (
     MAX_CUES,
     ControlError,
     CueSet,
@@ -36,15 +36,11 @@ from app.server.control import (
     options_from_query,
     parse_cue_set,
 )
-from app.server.engine_bridge import InProcessFactory, ProcessorFactory
-from app.server.gateway import Gateway
-from app.server.ice import allow_loopback_candidates, browser_ice_servers
-from app.server.metrics import CONTENT_TYPE, build_registry
-from app.server.ndi import SourceNames, allowed
-from app.server.openapi import SDP_NOT_BLANK, allow_documented_methods, document, errors
-from app.server.recordings import GB, RecordingStore, recordings_router
-from app.server.refusals import REFUSED, refusal_for
-from app.server.security import (
+from app.server.control.recordings import GB, RecordingStore, recordings_router
+from app.server.edge.metrics import CONTENT_TYPE, build_registry
+from app.server.edge.openapi import SDP_NOT_BLANK, allow_documented_methods, document, errors
+from app.server.edge.refusals import REFUSED, refusal_for
+from app.server.edge.security import (
     LOGIN_PAGE,
     SESSION_COOKIE,
     AccessControl,
@@ -56,11 +52,15 @@ from app.server.security import (
     Throttled,
     client_host,
 )
-from app.server.serving import build_serving_loop
-from app.server.session import SessionManager
-from app.server.whip import whip_router
-from app.server.workers import workers_router
-from app.server.ws import serve_websocket
+from app.server.edge.workers import workers_router
+from app.server.media.gateway import Gateway
+from app.server.media.ice import allow_loopback_candidates, browser_ice_servers
+from app.server.media.ndi import SourceNames, allowed
+from app.server.media.whip import whip_router
+from app.server.media.ws import serve_websocket
+from app.server.serving.engine_bridge import InProcessFactory, ProcessorFactory
+from app.server.serving.serving_loop import build_serving_loop
+from app.server.serving.session import SessionManager
 from engine.capabilities import ModelCapabilities
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class NdiReply(BaseModel):
     stream_id: str
     whep_url: str
     view_url: str
-    owner_token: str  # added by the edge (app/server/security.py), as for /api/offer
+    owner_token: str  # added by the edge (app/server/edge/security.py), as for /api/offer
     viewer_token: str
 
 
@@ -108,7 +108,7 @@ class OfferReply(BaseModel):
     view_url: str
     notice: str | None = None  # the prompt is far from every look the model ships (names the nearest)
     looks: list[LookShare] = []  # the looks the prompt is served as (a model with looks)
-    owner_token: str  # added by the edge (app/server/security.py), like the viewer token
+    owner_token: str  # added by the edge (app/server/edge/security.py), like the viewer token
     viewer_token: str
 
 
@@ -211,7 +211,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         allow_loopback_candidates()
     osc_socket = None
     if config.osc_port is not None:  # before the model loads: a port in use is said at once
-        from app.server.osc import bind
+        from app.server.control.osc import bind
 
         osc_socket = bind(config)
     if factory is None:
@@ -236,7 +236,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         codec_pool = started_default_executor(asyncio.get_running_loop())
         osc = None
         if osc_socket is not None:
-            from app.server.osc import OscServer
+            from app.server.control.osc import OscServer
 
             osc = await OscServer.start(config, osc_socket, manager, access)
         if config.ndi_in is not None:
@@ -252,7 +252,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     app.state.manager = manager
     app.state.config = config
     # Capabilities, listing rights, body size, origins, API token, streams per client
-    # (app/server/security.py). Added before CORS, so CORS wraps it: refusals get CORS headers too.
+    # (app/server/edge/security.py). Added before CORS, so CORS wraps it: refusals get CORS headers too.
     access = AccessControl(config, is_live=lambda stream_id: stream_id in manager.sessions)
     app.state.access = access
     sessions = AdminSessions(config.api_token)
@@ -363,7 +363,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
 
     async def open_ndi_in(source: str) -> None:
         """--ndi-in: the operator's NDI source as a stream; a failure is logged, the server goes on."""
-        from app.server.ndi_in import open_ndi_stream
+        from app.server.media.ndi_in import open_ndi_stream
 
         try:
             settings = StreamOptions().to_settings(config.default_prompt, config.max_prompt_chars,
@@ -380,7 +380,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
         if not allowed(body.source, config.ndi_allow):
             return _json_error(403, f"NDI source {body.source!r} is not one this server lets streams open "
                                     "(the operator allows sources with diffcast serve --ndi-allow PATTERN)")
-        from app.server.ndi_in import open_ndi_stream, source_exists
+        from app.server.media.ndi_in import open_ndi_stream, source_exists
 
         try:
             settings = body.to_settings(config.default_prompt, config.max_prompt_chars, *config.stream_defaults())
@@ -488,9 +488,9 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
 def serve(config: ServerConfig, factory: ProcessorFactory | None = None) -> None:
     """Build the app on ``factory`` (see :func:`create_app`) and serve it until SIGTERM/SIGINT: the
     one place `diffcast serve` runs uvicorn, in process and in rank 0 of ``--gpus N`` alike (the
-    guarded server of app/server/http_server.py)."""
-    from app.server.http_server import serve_until_stopped, uvicorn_server
-    from app.server.tls import page_urls
+    guarded server of app/server/edge/http_server.py)."""
+    from app.server.edge.http_server import serve_until_stopped, uvicorn_server
+    from app.server.edge.tls import page_urls
 
     app = create_app(config, factory)
     log.info("serving on %s", " ".join(page_urls(config)))

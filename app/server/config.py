@@ -1,13 +1,16 @@
-"""Server configuration (one dataclass, filled by `diffcast serve` or by tests)."""
+"""Server configuration: one dataclass, filled by `diffcast serve` or by tests. Each option is declared once,
+as a field: its default, its flag and help, and its checks (``__post_init__``)."""
 
 from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, get_type_hints
 
 # Admin tokens (--api-token, --token) shorter than this are refused: the wait after wrong guesses
-# (app/server/security.py GuessThrottle) slows guessing, it cannot save a token of a few characters.
+# (app/server/edge/security.py GuessThrottle) slows guessing, it cannot save a token of a few characters.
 MIN_TOKEN_CHARS = 16
 
 # The generic (StreamDiffusionV2-style) operating point: stream defaults for a model that names none.
@@ -71,131 +74,212 @@ def _pair(text: str, flag: str, form: str) -> tuple[str, str]:
 
 
 @dataclass(frozen=True)
+class Flag:
+    """How `diffcast serve` sets a ServerConfig field. The field's default is the flag's, and ``{default}``
+    in the help text says it: an option is declared once, beside its field."""
+
+    help: str
+    name: str | None = None  # the flag; None: --field-name
+    metavar: str | None = None
+    # The values a string option takes (a function: the policy presets are read only when the parser is built).
+    choices: Callable[[], list[str]] | None = None
+    # From the flag's text (or list of texts, for a repeatable one) to the field's value.
+    parse: Callable[[Any], Any] | None = None
+    inverted: bool = False  # a flag that switches a True field off (--no-playground)
+
+
+def option(default: Any, help: str, **flag: Any) -> Any:
+    """A ServerConfig field that `diffcast serve` sets by a flag (``Flag``'s keywords)."""
+    return field(default=default, metadata={"flag": Flag(help, **flag)})
+
+
+def _policy_names() -> list[str]:
+    from engine.serving.policy import PRESET_ALIASES, policy_presets
+
+    return [*PRESET_ALIASES, *policy_presets()]
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+@dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8080
+    host: str = option("127.0.0.1", "address to listen on (default {default})")
+    port: int = option(8080, "HTTP port (default {default})")
     # None = the engine's embedded default model; "tiny-random" = tiny random-weight model (tests).
-    model: str | None = None
-    # LoRAs loaded with the model (--lora); streams set their strengths (docs/lora.md).
+    model: str | None = option(
+        None, "model: omitted = the embedded default; 'tiny-random' = random-weight test model; "
+              "'random:wan2.1-1.3b' = full-size random weights, no download; or a path")
+    # LoRAs loaded with the model (--lora and --lora-strength, shared with `diffcast stylize`; docs/lora.md).
     loras: tuple[LoRASpec, ...] = ()
-    device: str = "cpu"
-    dtype: str = "auto"  # weight dtype (engine.devices.resolve_dtype): auto = bf16 on CUDA, fp32 on a CPU
-    vae: str | None = None  # a Wan model's stream VAE (--vae, engine/vae_choice.py); None: the model's own
+    device: str = option("cpu", "torch device for the engine: cpu (default), cuda or cuda:N")
+    # Weight dtype (engine.devices.resolve_dtype): auto = bf16 on CUDA, fp32 on a CPU.
+    dtype: str = option("auto", "weight dtype (default auto: bf16 on cuda, fp32 on cpu), as `diffcast bench engine` "
+                                "measures it; in-process, --ray workers and --gpus ranks alike",
+                        choices=lambda: ["auto", "fp32", "bf16"])
+    # A Wan model's stream VAE (--vae, shared with the other commands: app/commands/arguments.py,
+    # engine/vae_choice.py); None: the model's own.
+    vae: str | None = None
     # Engine lanes of the in-process engine: steps of different streams side by side, each lane a
     # worker of the serving policy (engine/streaming/lanes.py). 0 = auto: one per thread on a CPU, up
     # to 2; one on an accelerator.
-    lanes: int = 0
-    max_streams: int = 4
+    lanes: int = option(0, "engine lanes: steps of different streams run side by side, each lane on its share of "
+                           "the threads (0 = auto: one per thread on a CPU, up to 2; one on a GPU)")
+    max_streams: int = option(4, "concurrent streams before 503 (default {default})")
     # WHEP viewers per stream: each one costs a video encoder on the server.
-    max_viewers: int = 8
+    max_viewers: int = option(8, "WHEP viewers per stream before 503 (default {default})")
     # STUN/TURN URLs handed to aiortc and to the page. Empty by default: a public STUN server delays
     # every answer by seconds on an offline host and is not needed on a LAN.
-    ice_servers: tuple[str, ...] = ()
-    ice_username: str | None = None
-    ice_credential: str | None = None
+    ice_servers: tuple[str, ...] = option(
+        (), "STUN/TURN server URL (repeatable), e.g. stun:stun.l.google.com:19302 or turn:host:3478",
+        name="--ice-server", metavar="URL")
+    ice_username: str | None = option(None, "username for the TURN servers")
+    ice_credential: str | None = option(None, "credential for the TURN servers")
     # aioice leaves 127.0.0.1 out of host candidates; tests and single-machine use need it.
-    allow_loopback_candidates: bool = False
+    allow_loopback_candidates: bool = option(
+        False, "offer 127.0.0.1 as an ICE candidate (single-machine use and tests)")
     # Bearer token required on WHIP/WHEP requests (OBS "Bearer Token" field); None = open.
-    token: str | None = None
-    max_prompt_chars: int = 500
-    # Hardening (app/server/security.py, limits.py; docs/security.md). Service-wide API token: needed
+    token: str | None = option(None, "Bearer token required on WHIP/WHEP requests")
+    max_prompt_chars: int = option(500, "longest accepted prompt (default {default})")
+    # Hardening (app/server/edge/security.py, limits.py; docs/security.md). Service-wide API token: needed
     # to create or list streams, and an admin credential over every stream; None = no such gate.
-    api_token: str | None = None
+    api_token: str | None = option(
+        None, "service-wide API token: needed to create or list streams, and an admin credential (docs/security.md)")
     # Origins whose pages may call the API (CORS and an Origin check) besides the service's own;
     # () = its own pages only, while WHIP and WHEP answer any origin (third-party players).
-    allowed_origins: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = option(
+        (), "origin (e.g. https://example.com) whose pages may call the API besides the service's own "
+            "(repeatable; default: none; WHIP and WHEP answer any origin unless this is given)",
+        name="--allowed-origin", metavar="ORIGIN")
     # Reverse proxies whose X-Forwarded-For / X-Forwarded-Proto are believed (uvicorn's proxy headers
     # handling); () = none: every client is its socket's peer address.
-    forwarded_allow_ips: tuple[str, ...] = ()
+    forwarded_allow_ips: tuple[str, ...] = option(
+        (), "comma-separated addresses of reverse proxies whose X-Forwarded-For/-Proto headers are trusted "
+            "(default: none)", metavar="IPS", parse=_comma_list)
     # True: WHEP/stats need the stream's viewer (or owner) token; False: the unlisted stream id suffices.
-    private_viewing: bool = False
-    max_body_bytes: int = 65536
+    private_viewing: bool = option(
+        False, "WHEP and stream stats need the stream's viewer token (default: the unlisted stream id suffices)")
+    max_body_bytes: int = option(65536, "largest request body (default {default})")
     # Playground uploads (video files): bytes each, and files kept at once. Each is deleted when the
     # job that used it ends, or after upload_ttl_s (Gradio's delete_cache), whichever comes first.
-    max_upload_bytes: int = 64 << 20
-    max_uploads: int = 8
+    max_upload_bytes: int = option(64 << 20, "largest playground upload in bytes (default {default}: 64 MiB)")
+    max_uploads: int = option(8, "playground uploads kept at once (default {default})")
     upload_ttl_s: int = 1800
-    max_streams_per_client: int = 2
+    max_streams_per_client: int = option(2, "concurrent streams per client address (default {default})")
     # Control messages (data channel, WebSocket text, HTTP control): bytes each, and per second.
     max_message_bytes: int = 4096
-    max_messages_per_s: float = 10.0
+    max_messages_per_s: float = option(10.0, "control messages per second per stream (default {default})")
     # WebSocket video frames: bytes each, and pixels before decoding (larger ones are downscaled).
     max_frame_bytes: int = 1 << 20
     max_frame_pixels: int = 4096 * 4096
     # A stream whose client sent no frame for this long is closed (a vanished or idle client).
-    input_timeout_s: float = 15.0
+    input_timeout_s: float = option(15.0, "close a stream whose client sent no frame for this long (default {default})")
     # A client must send a request's head within this many seconds of starting it (or of
     # connecting), and its body within this grace plus one second per 1000 bytes
-    # (app/server/http_server.py): slow clients cannot hold connections.
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 10.0
+    # (app/server/edge/http_server.py): slow clients cannot hold connections.
+    header_timeout_s: float = option(
+        10.0, "408 for a client that has not sent a request's headers this long after starting it (default {default})")
+    body_timeout_s: float = option(
+        10.0, "408 for a request body not received within this grace plus 1 s per 1000 bytes (default {default})")
     # Seconds a client is told to wait when the server is full.
     retry_after_s: int = 5
     # Test knob: extra sleep per engine chunk, to emulate a model slower than the camera.
-    engine_delay_ms: float = 0.0
+    engine_delay_ms: float = option(0.0, "test knob: extra delay per chunk")
     # Test knob: extra sleep per denoising step of each forward (fewer steps are then faster, as with
     # a DiT-dominated model on a GPU); the policy's profile is charged the same delays.
-    engine_step_delay_ms: float = 0.0
+    engine_step_delay_ms: float = option(
+        0.0, "test knob: extra delay per denoising step of each forward (emulates a DiT-bound model)")
     # Test knob (--worker-delay-ms): extra delay per chunk on each Ray worker actor, in start order, to
     # make workers unequal; the policy is not told (it measures its streams' chunk times).
-    worker_delay_ms: tuple[float, ...] = ()
+    worker_delay_ms: tuple[float, ...] = option(
+        (), "test knob: extra delay per chunk on each Ray worker, in start order (makes workers unequal; the "
+            "policy finds out by measuring)", metavar="D1,D2,...", parse=lambda text: parse_delays(text))
     # Ray worker actors the autoscaler may run: at least min_workers, at most max_workers (0 = the
     # number started, no autoscaling).
-    min_workers: int = 1
-    max_workers: int = 0
+    min_workers: int = option(1, "fewest Ray workers the autoscaler keeps (default {default})")
+    max_workers: int = option(0, "most Ray workers the autoscaler may run (default 0 = --workers, no autoscaling)")
     # Scale-in waits this long after the last scale event (workers are not removed and re-added).
-    scale_in_cooldown_s: float = 60.0
+    scale_in_cooldown_s: float = option(
+        60.0, "the autoscaler removes a worker only this long after its last scale event (default {default})")
     # Serving policy preset the engine core runs (engine.serving.policy.policy_presets, or the alias
     # "slack" = "slackserve"): admission, order, per-chunk fidelity, batching, eviction, preemption.
     # "fifo" = streams take turns at their own fixed fidelity.
-    policy: str = "slack"
+    policy: str = option(
+        "slack", "serving policy preset the engine core runs (docs/configuration.md): slack (= slackserve, the "
+                 "default) admits streams, orders chunks, picks each chunk's fidelity, batches streams, evicts and "
+                 "preempts by playout slack; fifo: streams take turns at their own fixed fidelity; or any of {choices}",
+        metavar="PRESET", choices=_policy_names)
     # Stream states resident in the engine at once; more streams are parked in host memory and
     # brought back when they run (credit-aware eviction). 0 = no limit.
-    state_slots: int = 0
+    state_slots: int = option(
+        0, "stream states resident in the engine at once; the policy parks the others in host memory "
+           "(credit-aware eviction) and restores them bit-identically when they run (default 0 = no limit; "
+           "on CUDA also no more than fit the GPU's free memory)")
     # Device memory the engine may use, weights included (None: the GPU's free memory on CUDA, no bound
     # on a CPU); states beyond it are parked or refused at admission (engine/serving/device_memory.py).
-    device_memory_gib: float | None = None
+    device_memory_gib: float | None = option(
+        None, "device memory the engine may use, weights included: stream states beyond what fits are parked "
+              "in host memory or refused at admission (default: the GPU's free memory on CUDA; no bound on a CPU)")
     # Fidelity profile for the policy (diffcast-fidelity-profile/1); None = the bundled measured one.
-    profile: str | None = None
+    profile: str | None = option(
+        None, "fidelity profile the policy plans with (default: the bundled one; write one with `diffcast profile`)",
+        metavar="FILE")
     # Most streams one batched forward may carry under the slack policy.
-    max_batch: int = 4
-    # Test/bench knob: copy the frame-ID band (app.server.framecode) of each input frame onto the
+    max_batch: int = option(4, "most streams per batched forward (default {default})")
+    # Test/bench knob: copy the frame-ID band (app.server.media.framecode) of each input frame onto the
     # output frame made from it, so an external client can measure glass-to-glass latency.
-    trace_stamp: bool = False
+    trace_stamp: bool = option(
+        False, "copy each input frame's frame-ID band onto its output (glass-to-glass measurements)")
     # The Gradio playground at /playground: off, the server neither mounts nor imports Gradio (a GPU
     # machine that carries the media packages as wheels carries no Gradio: it alone is most of the room).
-    playground: bool = True
+    playground: bool = option(
+        True, "leave the Gradio playground (/playground) out: the server does not import Gradio",
+        name="--no-playground", inverted=True)
     # Test knob: strip ICE candidates from both sides of every WebRTC negotiation so ICE must
     # fail (exercises the page's WebSocket fallback).
-    break_ice: bool = False
+    break_ice: bool = option(False, "test knob: make every ICE negotiation fail")
     # Playout bounds: the output clock follows the model's production rate within these limits.
-    max_fps: float = 30.0
+    max_fps: float = option(30.0, "upper bound of the output frame rate (default {default})")
     min_fps: float = 2.0
     jpeg_quality: int = 80
-    # Server-side recording (app/server/recordings.py): the directory (None = recording off) and
+    # Server-side recording (app/server/control/recordings.py): the directory (None = recording off) and
     # the most it may hold, in GB (1024**3 bytes).
-    record_dir: str | None = None
-    record_max_gb: float = 10.0
+    record_dir: str | None = option(
+        None, "enable server-side recording (the control field record) into this directory (default: off)")
+    record_max_gb: float = option(
+        10.0, "most disk the recordings may use, in GB; full = new recordings refused (default {default})")
     default_prompt: str = "oil painting"
     # Stream defaults when a client gives none; None = the model's own (engine.pipeline.model_capabilities).
     default_noise_scale: float | None = None
     default_steps: int | None = None
-    # TLS (app/server/tls.py): https=True with no files = the kept self-signed certificate, made on
+    # TLS (app/server/edge/tls.py): https=True with no files = the kept self-signed certificate, made on
     # first run; serve() fills the two paths in before uvicorn starts.
-    https: bool = False
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    # OSC control over UDP (app/server/osc.py); None = off. Loopback unless --osc-host widens it.
-    osc_port: int | None = None
-    osc_host: str = "127.0.0.1"
+    https: bool = option(
+        False, "serve over TLS (a phone's browser gives the page its camera only over HTTPS): with a self-signed "
+               "certificate made on first run and kept (docs/service.md), unless --ssl-certfile/--ssl-keyfile")
+    ssl_certfile: str | None = option(None, "TLS certificate (chain); implies --https", metavar="PEM")
+    ssl_keyfile: str | None = option(None, "private key of --ssl-certfile", metavar="PEM")
+    # OSC control over UDP (app/server/control/osc.py); None = off. Loopback unless --osc-host widens it.
+    osc_port: int | None = option(
+        None, "accept OSC control messages on this UDP port (docs/osc.md; default: off)", metavar="PORT")
+    osc_host: str = option(
+        "127.0.0.1", "address the OSC port listens on (default {default}; 0.0.0.0 for controllers on the LAN)")
     # UDP port on the sender's host that refusals (and acks) go to when a message names none.
-    osc_reply_port: int | None = None
-    # NDI (app/server/ndi*.py, docs/ndi.md): publishing streams as NDI sources (the control field
+    osc_reply_port: int | None = option(
+        None, "UDP port on the sender's host that OSC errors and acks go to when a message names none",
+        name="--osc-reply", metavar="PORT")
+    # NDI (app/server/media/ndi*.py, docs/ndi.md): publishing streams as NDI sources (the control field
     # ndi_out, once the operator opts in: NDI has no viewer authentication); an NDI source opened as
     # a stream at start; and the sources stream owners may open through POST /api/ndi (patterns).
-    ndi_out: bool = False
-    ndi_in: str | None = None
-    ndi_allow: tuple[str, ...] = ()
+    ndi_out: bool = option(
+        False, "let streams publish their output as NDI sources (the control field ndi_out; docs/ndi.md): NDI has "
+               "no viewer authentication, anyone on the network can watch")
+    ndi_in: str | None = option(
+        None, "open one stream at start whose camera is this NDI source (docs/ndi.md)", metavar='"MACHINE (SOURCE)"')
+    ndi_allow: tuple[str, ...] = option(
+        (), "NDI sources stream owners may open through POST /api/ndi, as shell-style patterns "
+            "(e.g. 'STUDIO (*)'; repeatable; default: none)", metavar="PATTERN")
     presets: tuple[str, ...] = (
         "oil painting",
         "watercolor sketch",
@@ -206,74 +290,47 @@ class ServerConfig:
     )
 
     @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """`diffcast serve`'s flag for every field declared with ``option``; the engine launch flags
+        (--gpus, --ray, --workers, --threads) are the command's own (app/commands/serve.py)."""
+        hints = get_type_hints(cls)
+        for item in fields(cls):
+            flag: Flag | None = item.metadata.get("flag")
+            if flag is None:
+                continue
+            name = flag.name or "--" + item.name.replace("_", "-")
+            kind = hints[item.name]
+            choices = flag.choices() if flag.choices else None
+            text = flag.help.format(default=item.default, choices=", ".join(choices or ()))
+            if kind is bool:
+                action = "store_false" if flag.inverted else "store_true"
+                parser.add_argument(name, dest=item.name, action=action, help=text)
+            elif isinstance(item.default, tuple) and flag.parse is None:
+                parser.add_argument(name, dest=item.name, action="append", default=[], metavar=flag.metavar,
+                                    help=text)
+            else:
+                # int and float options (optional or not) parse their text; the rest are strings.
+                scalar: Callable[[str], Any] = next((t for t in (int, float) if kind in (t, t | None)), str)
+                parser.add_argument(name, dest=item.name, type=scalar, default=item.default, metavar=flag.metavar,
+                                    choices=choices, help=text)
+
+    @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerConfig:
-        """The config `diffcast serve`'s flags describe (app/commands/serve.py adds them); the engine
-        launch flags (--gpus, --ray, --workers, --threads) are the command's own. Raises ValueError
-        with a plain-words message for a value out of range."""
-        if args.max_streams < 1:
-            raise ValueError(f"--max-streams must be at least 1, got {args.max_streams}")
-        if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
-            raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both, or neither (with --https "
-                             "a self-signed certificate is made)")
-        for flag, port in (("--osc-port", args.osc_port), ("--osc-reply", args.osc_reply)):
-            if port is not None and not 0 < port < 65536:
-                raise ValueError(f"{flag} must be a UDP port (1-65535), got {port}")
-        return cls(
-            host=args.host,
-            port=args.port,
-            model=args.model,
-            loras=lora_specs(args.lora, args.lora_strength),
-            device=args.device,
-            dtype=getattr(args, "dtype", "auto"),
-            vae=getattr(args, "vae", None),
-            max_streams=args.max_streams,
-            max_viewers=args.max_viewers,
-            ice_servers=tuple(args.ice_server),
-            ice_username=args.ice_username,
-            ice_credential=args.ice_credential,
-            allow_loopback_candidates=args.allow_loopback_candidates,
-            token=args.token,
-            max_prompt_chars=args.max_prompt_chars,
-            api_token=args.api_token,
-            allowed_origins=tuple(args.allowed_origin),
-            forwarded_allow_ips=tuple(ip.strip() for ip in args.forwarded_allow_ips.split(",") if ip.strip()),
-            private_viewing=args.private_viewing,
-            max_body_bytes=args.max_body_bytes,
-            max_upload_bytes=args.max_upload_bytes,
-            max_uploads=args.max_uploads,
-            max_streams_per_client=args.max_streams_per_client,
-            max_messages_per_s=args.max_messages_per_s,
-            input_timeout_s=args.input_timeout_s,
-            header_timeout_s=args.header_timeout_s,
-            body_timeout_s=args.body_timeout_s,
-            max_fps=args.max_fps,
-            engine_delay_ms=args.engine_delay_ms,
-            engine_step_delay_ms=args.engine_step_delay_ms,
-            worker_delay_ms=parse_delays(getattr(args, "worker_delay_ms", None)),
-            min_workers=getattr(args, "min_workers", 1),
-            max_workers=getattr(args, "max_workers", 0),
-            lanes=getattr(args, "lanes", 0),
-            scale_in_cooldown_s=getattr(args, "scale_in_cooldown_s", 60.0),
-            policy=args.policy,
-            state_slots=args.state_slots,
-            device_memory_gib=getattr(args, "device_memory_gib", None),
-            profile=args.profile,
-            max_batch=args.max_batch,
-            trace_stamp=args.trace_stamp,
-            playground=not getattr(args, "no_playground", False),
-            break_ice=args.break_ice,
-            https=args.https or args.ssl_certfile is not None,
-            ssl_certfile=args.ssl_certfile,
-            ssl_keyfile=args.ssl_keyfile,
-            osc_port=args.osc_port,
-            osc_host=args.osc_host,
-            osc_reply_port=args.osc_reply,
-            record_dir=args.record_dir,
-            record_max_gb=args.record_max_gb,
-            ndi_out=args.ndi_out,
-            ndi_in=args.ndi_in,
-            ndi_allow=tuple(args.ndi_allow),
-        )
+        """The config `diffcast serve`'s flags describe. Raises ValueError with a plain-words message for a
+        value out of range (``__post_init__`` checks every field, however it was set)."""
+        values: dict[str, Any] = {}
+        for item in fields(cls):
+            flag: Flag | None = item.metadata.get("flag")
+            if flag is None:
+                continue
+            value = getattr(args, item.name)
+            if flag.parse is not None:
+                value = flag.parse(value) if value else item.default
+            elif isinstance(value, list):
+                value = tuple(value)
+            values[item.name] = value
+        values["https"] = values["https"] or values["ssl_certfile"] is not None
+        return cls(**values, loras=lora_specs(args.lora, args.lora_strength), vae=args.vae)
 
     def stream_defaults(self) -> tuple[float, int]:
         """(noise scale, steps) for a stream whose client gives none: the configured (or, after
@@ -285,6 +342,14 @@ class ServerConfig:
         from engine.serving.policy import resolve_preset
 
         resolve_preset(self.policy)  # ValueError naming the presets
+        if self.max_streams < 1:
+            raise ValueError(f"--max-streams must be at least 1, got {self.max_streams}")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both, or neither (with --https "
+                             "a self-signed certificate is made)")
+        for flag, port in (("--osc-port", self.osc_port), ("--osc-reply", self.osc_reply_port)):
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(f"{flag} must be a UDP port (1-65535), got {port}")
         for flag, token in (("--api-token", self.api_token), ("--token", self.token)):
             if token is not None and len(token) < MIN_TOKEN_CHARS:  # its length only: never echo a secret
                 raise TokenTooShortError(
@@ -309,7 +374,7 @@ class ServerConfig:
         if self.ndi_in is not None and not self.ndi_in.strip():
             raise ValueError('--ndi-in names an NDI source, "MACHINE (SOURCE)"; got an empty name')
         if self.ndi_out or self.ndi_in is not None or self.ndi_allow:
-            from app.server.ndi import runtime
+            from app.server.media.ndi import runtime
 
             runtime()  # NdiError (a ValueError) in plain words when the ndi extra is missing
         if self.max_workers and self.max_workers < self.min_workers:

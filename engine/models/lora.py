@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 # Strengths a stream may ask for (negative ones push away from the LoRA's look). The HTTP edge states
-# the same bound in its schema (app/server/control.py, which does not import torch).
+# the same bound in its schema (app/server/control/messages.py, which does not import torch).
 MAX_LORA_STRENGTH = 4.0
 
 

@@ -16,7 +16,7 @@ autoscaler's advice). Admission, pauses, prompt switches and departures come in 
 
 The core is pure Python with an injected clock. Its executors: the simulator's simulated workers
 (engine/sim/simulator.py, a virtual clock and profiled step times) and the live server's in-process
-engine (app/server/executors.py, real chunks on the engine thread). Both run this code; only the
+engine (app/server/serving/executors.py, real chunks on the engine thread). Both run this code; only the
 executor differs. FIFO and the other baselines are policy presets (``policy_presets``), not loops.
 """
 

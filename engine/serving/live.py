@@ -1,7 +1,7 @@
 """How the serving policy runs live: the preset as a live server runs it, the profile points its engine
 runs, and the bundled profile it plans with when none is given.
 
-Shared by the live server (app/server/executors.py) and the headless serving loop
+Shared by the live server (app/server/serving/executors.py) and the headless serving loop
 (engine/streaming/headless.py), so that a figure measured without the media stack is what `diffcast
 serve` does. Pure: the caller says what the device can do.
 """

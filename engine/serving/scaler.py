@@ -9,7 +9,7 @@ utilisation, within ``min_workers`` / ``max_workers``); this carries it out thro
   marked draining (admission and re-homing skip them), their streams re-homed to the others at chunk
   boundaries, and a worker is removed only once no stream lives on it.
 
-The live server's Ray executor (app/server/cluster_executor.py) and the simulator (engine/sim/) both
+The live server's Ray executor (app/server/serving/cluster_executor.py) and the simulator (engine/sim/) both
 run it; only the executor's way of starting and stopping a worker differs.
 """
 

@@ -578,7 +578,7 @@ class StreamRuntime:
 
     def take_fault(self, stream_id: str) -> tuple[int, str] | None:
         """How many of the stream's chunks came out non-finite since the last call, and the latest one's
-        reason; None when none did. The live server tells the stream's owner (app/server/executors.py)."""
+        reason; None when none did. The live server tells the stream's owner (app/server/serving/executors.py)."""
         return self._faults.pop(stream_id, None)
 
     def _non_finite(self, chunks: Sequence[ChunkInFlight]) -> dict[int, str]:
@@ -592,7 +592,7 @@ class StreamRuntime:
         The stream's state is left as it is: its KV caches may hold the cause (the chunk's keys and
         values were written from it), and emptying them in place would break their frame bookkeeping
         (KVCache.reserve). Its owner resets the stream (``Stream.reset``; the live server does it itself,
-        app/server/executors.py); a cause outside the state (its weights, a LoRA) shows again after."""
+        app/server/serving/executors.py); a cause outside the state (its weights, a LoRA) shows again after."""
         if not chunks:
             return {}
         finite = torch.stack([c.x.sum(dtype=torch.float32) for c in chunks]).isfinite().tolist()

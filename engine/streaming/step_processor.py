@@ -1,7 +1,7 @@
 """One stream driven step by step through the chunk recipe's stages, and one engine step over several.
 
 The engine core (engine/serving/core.py) plans every denoising step; whoever owns the engine carries a
-step out with :func:`run_step`: the in-process server's engine thread (app/server/executors.py) and each
+step out with :func:`run_step`: the in-process server's engine thread (app/server/serving/executors.py) and each
 Ray worker actor (engine/cluster/worker.py) run this same code, so per-chunk fidelity, cross-user
 batches, eviction to host memory and step preemption behave alike on both.
 """

@@ -1,6 +1,6 @@
 """The engine core's executor over Ray worker actors (`diffcast serve --ray --workers N`).
 
-`RayExecutor` is the step-wise executor (app/server/executors.py, ``StepExecutor``) whose engine step
+`RayExecutor` is the step-wise executor (app/server/serving/executors.py, ``StepExecutor``) whose engine step
 is a call on worker ``w``'s actor: ``StreamWorker.run_step`` runs the same chunk stages the in-process
 engine runs (engine/streaming/step_processor.py), so the policy's whole plan holds on every worker:
 per-chunk fidelity, cross-user batches on a worker, eviction to the actor's host memory, preemption
@@ -30,8 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 from ray.exceptions import RayActorError, RayTaskError
 
-from app.server.engine_bridge import RayProcessor
-from app.server.executors import LiveStream, StepExecutor
+from app.server.serving.engine_bridge import RayProcessor
+from app.server.serving.executors import LiveStream, StepExecutor
 from engine.cluster.controller import ClusterController, ClusterError, Recovery
 from engine.cluster.worker import ChunkOrder, StepCall
 from engine.serving.core import Clock, EngineCore, StepOrder, Work

@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiortc import RTCPeerConnection
 
-from app.server.audio import SPREAD_WINDOW_S, SYNC_WINDOW_S, AudioPlayout
 from app.server.config import ServerConfig
-from app.server.control import (
+from app.server.control.messages import (
     ControlError,
     ControlMessage,
     CueMessage,
@@ -26,18 +25,19 @@ from app.server.control import (
     UpdateMessage,
     parse_control,
 )
-from app.server.engine_bridge import ProcessorFactory, StreamSettings
-from app.server.frame_path import ChunkAssembler, Playout, StreamRunner
-from app.server.limits import InputTimeout, MessageGuard, control_guard, watch_input
-from app.server.logs import mint_secret
-from app.server.ndi import DEFAULT_LABEL, NDI_OUT_OFF, SourceNames
-from app.server.ndi_out import NdiOutput
-from app.server.recorder import Recorder
-from app.server.recordings import NOT_ENABLED, RecordingError, RecordingStore
+from app.server.control.recorder import Recorder
+from app.server.control.recordings import NOT_ENABLED, RecordingError, RecordingStore
+from app.server.edge.limits import InputTimeout, MessageGuard, control_guard, watch_input
+from app.server.edge.logs import mint_secret
+from app.server.media.audio import SPREAD_WINDOW_S, SYNC_WINDOW_S, AudioPlayout
+from app.server.media.frame_path import ChunkAssembler, Playout, StreamRunner
+from app.server.media.ndi import DEFAULT_LABEL, NDI_OUT_OFF, SourceNames
+from app.server.media.ndi_out import NdiOutput
+from app.server.serving.engine_bridge import ProcessorFactory, StreamSettings
 from engine.streaming.prompts import seconds_to_chunks
 
 if TYPE_CHECKING:
-    from app.server.executors import ServingLoop
+    from app.server.serving.executors import ServingLoop
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class Session:
     def video_delay_s(self) -> tuple[float, float] | None:
         """Input capture -> output shown, as the audio must be delayed, and how much it varies: the
         playout's latency (arrival -> shown); the video receiver hands a frame on at its last packet
-        (app/server/jitter.py), so arrival is capture plus the network."""
+        (app/server/media/jitter.py), so arrival is capture plus the network."""
         recent, longer = self.playout.recent_latency_s(SYNC_WINDOW_S), self.playout.recent_latency_s(SPREAD_WINDOW_S)
         if recent is None or longer is None:
             return None
@@ -367,7 +367,7 @@ class SessionManager:
         self._opening = 0
         self.opened = 0
         self.closed_totals = {"dropped_frames": 0, "output_frames": 0}
-        # The serving loop (the engine core; app/server/serving.py builds it): admission, order, fidelity, batching,
+        # The serving loop (the engine core; app/server/serving/serving_loop.py builds it): admission, order, fidelity, batching,
         # eviction and preemption by the serving policy (--policy); set by create_app.
         self.serving: ServingLoop | None = None
         self._loop_task: asyncio.Task[None] | None = None

@@ -16,7 +16,7 @@ skips audio, backward plays silence (audio already heard is never played twice).
 Capture times are estimated from arrival times, net of what aiortc's audio receiver adds: its
 jitter buffer releases a packet only when ``AUDIO_PREFETCH`` newer ones have arrived; and Opus's own
 delay (``CODEC_DELAY_S``) is taken off. (The video receiver hands a frame on at its last packet,
-app/server/jitter.py, so video arrival needs no such correction.)
+app/server/media/jitter.py, so video arrival needs no such correction.)
 """
 
 from __future__ import annotations

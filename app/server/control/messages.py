@@ -19,7 +19,7 @@ from pydantic import (
 )
 
 from app.server.config import GENERIC_NOISE_SCALE, GENERIC_STEPS
-from app.server.engine_bridge import StreamSettings
+from app.server.serving.engine_bridge import StreamSettings
 
 MAX_STEPS = 4  # StreamDiffusionV2's V2V schedule has at most 4 denoising steps
 # The first timestep is 1000*s - 100 after motion-aware damping (s - 0.1 at full motion), so below

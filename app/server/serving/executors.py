@@ -10,13 +10,13 @@ step is over. Here:
   stabilises. Streams whose steps the policy groups share one forward (split by cache fill level);
   a stream the policy preempts keeps its half-done chunk parked in its processor; evicted streams'
   states go to host memory and come back bit-identically before their next step.
-* ``RayExecutor`` (app/server/cluster_executor.py) — the ``StepExecutor`` over Ray worker actors:
+* ``RayExecutor`` (app/server/serving/cluster_executor.py) — the ``StepExecutor`` over Ray worker actors:
   each ``Work`` is one step on worker ``w``'s actor; re-homing, worker failures, autoscaling.
 * ``RankExecutor`` — whole chunks (`ChunkBatchFactory`: the pipeline ranks): a ``Work``'s new chunks,
   each at the policy's point, go through the ring together (their micro-steps overlap across ranks);
   whole chunks, so no step preemption and no eviction (docs/parallel.md).
 
-Which one serves a factory follows from its declared `EngineKind` (app/server/serving.py).
+Which one serves a factory follows from its declared `EngineKind` (app/server/serving/serving_loop.py).
 ``ServingLoop`` is the asyncio side: it admits streams through the core, feeds it cursor reports,
 pauses and prompt switches, runs the control tick, and kicks idle workers when input arrives.
 """
@@ -36,13 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from app.server.engine_bridge import (
+from app.server.media.frame_path import InputFrame, Playout, StreamRunner
+from app.server.serving.engine_bridge import (
     ChunkBatchFactory,
     InProcessProcessor,
     StepProcessor,
 )
-from app.server.frame_path import InputFrame, Playout, StreamRunner
-from app.server.session import CapacityError
+from app.server.serving.session import CapacityError
 from engine.fidelity import FidelityConfig
 from engine.serving.core import Clock, EngineCore, StepOrder, StepResult, Work
 from engine.serving.live import (
@@ -238,7 +238,7 @@ class _LiveExecutor:
 
 class StepExecutor(_LiveExecutor):
     """One denoising step per ``Work`` on a worker's engine: here the in-process engine's lanes, each
-    worker a lane. `RayExecutor` (app/server/cluster_executor.py) runs the step on worker ``w``'s actor
+    worker a lane. `RayExecutor` (app/server/serving/cluster_executor.py) runs the step on worker ``w``'s actor
     (``_engine_step``), moves states between actors (``rehome``), follows streams whose worker died
     (``_complete``), checks a stream is one of its cluster's (``check``) and adds and removes workers
     for the autoscaler."""

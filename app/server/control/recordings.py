@@ -13,7 +13,7 @@ valid, its JSON says ``"ended": "storage full"``), and new recordings are refuse
 storage is full" until recordings are deleted. Nothing is deleted behind the owner's back.
 
 A server killed while recording leaves ``.part`` files: the next one to open the directory
-finishes them (app/server/recorder.py ``finish_leftovers``) before it serves, so they are listed,
+finishes them (app/server/control/recorder.py ``finish_leftovers``) before it serves, so they are listed,
 downloadable and deletable by their owner (the ``owner`` file was written when the recording
 started) and counted once.
 """
@@ -33,11 +33,11 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 
-from app.server.control import ControlError
-from app.server.logs import mint_secret
-from app.server.openapi import ERROR_JSON, errors
-from app.server.recorder import finish_leftovers
-from app.server.security import Access, AccessControl, GuessThrottle, client_host, presented_token
+from app.server.control.messages import ControlError
+from app.server.control.recorder import finish_leftovers
+from app.server.edge.logs import mint_secret
+from app.server.edge.openapi import ERROR_JSON, errors
+from app.server.edge.security import Access, AccessControl, GuessThrottle, client_host, presented_token
 
 STREAM_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 FILE_NAME = re.compile(r"([A-Za-z0-9_-]{22})\.(mp4|json)")

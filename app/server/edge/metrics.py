@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.server.session import SessionManager
+from app.server.serving.session import SessionManager
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

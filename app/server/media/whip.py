@@ -20,12 +20,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse
 
 from app.server.config import ServerConfig
-from app.server.control import options_from_query
-from app.server.gateway import Gateway
-from app.server.openapi import errors, options_answer, sdp_answer, sdp_body
-from app.server.refusals import REFUSED, refusal_for
-from app.server.security import OWNER_HEADER, STREAM_ID_HEADER, VIEWER_HEADER, GuessThrottle, client_host
-from app.server.session import SessionManager
+from app.server.control.messages import options_from_query
+from app.server.edge.openapi import errors, options_answer, sdp_answer, sdp_body
+from app.server.edge.refusals import REFUSED, refusal_for
+from app.server.edge.security import OWNER_HEADER, STREAM_ID_HEADER, VIEWER_HEADER, GuessThrottle, client_host
+from app.server.media.gateway import Gateway
+from app.server.serving.session import SessionManager
 
 SDP = "application/sdp"
 SESSION_METHODS = "DELETE, OPTIONS"

@@ -83,7 +83,7 @@ class StreamProcessor(Protocol):
 
 class EngineKind(enum.Enum):
     """How the engine core drives a factory's engine; the serving loop's executor follows from it
-    (app/server/serving.py), never from probing the factory."""
+    (app/server/serving/serving_loop.py), never from probing the factory."""
 
     # StepProcessors in this process, one denoising step per engine-core Work, on engine lanes
     # (StepExecutor): per-chunk fidelity, cross-user batches, step preemption, eviction.
@@ -282,7 +282,7 @@ class RankProcessor:
 
 class RankFactory:
     """Opens streams on a running :class:`engine.parallel.ring.RingRuntime` (rank 0 of
-    `diffcast serve --gpus N`, app/server/ranks.py); ``pipeline`` is the same model loaded in this
+    `diffcast serve --gpus N`, app/server/serving/ranks.py); ``pipeline`` is the same model loaded in this
     rank, for its default size, chunk lengths and fidelity mapping."""
 
     kind = EngineKind.CHUNK_BATCHES

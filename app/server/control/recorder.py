@@ -34,8 +34,8 @@ from typing import Any
 import av
 import numpy as np
 
-from app.server.audio import FRAME_S, FRAME_SAMPLES, SAMPLE_RATE, AudioPlayout, audio_frame
-from app.server.frame_path import OutputFrame, Playout
+from app.server.media.audio import FRAME_S, FRAME_SAMPLES, SAMPLE_RATE, AudioPlayout, audio_frame
+from app.server.media.frame_path import OutputFrame, Playout
 from engine.aspect import fit_frame
 
 log = logging.getLogger(__name__)

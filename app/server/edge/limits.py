@@ -1,7 +1,7 @@
 """Per-message limits on what clients send: control-message size and rate (data channel and
 WebSocket text), WebSocket frame size and rate, and incoming image size (decoded downscaled).
 
-Request bodies, origins and streams per client are limited at the edge (app/server/security.py);
+Request bodies, origins and streams per client are limited at the edge (app/server/edge/security.py);
 the total number of streams by --max-streams and the serving policy's admission (session.py,
 scheduler.py).
 """
@@ -17,7 +17,7 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from app.server.frame_path import ChunkAssembler
+from app.server.media.frame_path import ChunkAssembler
 
 Clock = Callable[[], float]
 # cv2.imdecode's reduced modes decode a JPEG at 1/2, 1/4 or 1/8 size for little more than the
@@ -95,7 +95,7 @@ def decode_frame(data: bytes, budget_px: int, max_pixels: int) -> tuple[np.ndarr
     Images over ``max_pixels`` are refused before decoding (a decompression bomb); large JPEGs are
     decoded at a reduced scale that still holds ``budget_px`` pixels (the model's pixel budget, which
     no stream's size exceeds). Nothing is cropped or resized here: the engine thread resizes the frame
-    once, straight to the size its chunk runs at (app/server/frame_path.py)."""
+    once, straight to the size its chunk runs at (app/server/media/frame_path.py)."""
     width, height = image_size(data)
     if width < 1 or height < 1 or width * height > max_pixels:
         raise MessageLimitError(f"frame is {width}x{height}; frames may have at most {max_pixels} pixels")

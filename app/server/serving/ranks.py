@@ -2,7 +2,7 @@
 
 The engine side (spawning the ranks, the ring of micro-steps) is `engine.parallel`; this module
 starts it with the service as rank 0's program, and the service drives the ring through
-`RankFactory` (app/server/engine_bridge.py) while ranks 1..N-1 serve their stages.
+`RankFactory` (app/server/serving/engine_bridge.py) while ranks 1..N-1 serve their stages.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import signal
 from dataclasses import dataclass
 
 from app.server.config import ServerConfig
-from app.server.engine_bridge import RankFactory
+from app.server.serving.engine_bridge import RankFactory
 from engine.parallel.launch import LoadedModel, loaded_pipeline, run_ring
 from engine.parallel.ring import RingOptions, RingRuntime
 

@@ -3,7 +3,7 @@
     camera frames ──push──▶ ChunkAssembler (holds at most a chunk and a small backlog of frames)
                                │ take(n) when the engine core dispatches the stream's next chunk
                                ▼
-                           StreamRunner ──engine thread (app/server/executors.py)──▶ the engine
+                           StreamRunner ──engine thread (app/server/serving/executors.py)──▶ the engine
                                │ deliver
                                ▼
                            Playout (bounded buffer) ──tick at the production rate──▶ output tracks
@@ -32,8 +32,8 @@ from aiortc import MediaStreamTrack
 from aiortc.mediastreams import MediaStreamError
 from av.video.reformatter import VideoReformatter
 
-from app.server.engine_bridge import StreamProcessor
-from app.server.framecode import copy_band
+from app.server.media.framecode import copy_band
+from app.server.serving.engine_bridge import StreamProcessor
 from engine.aspect import crop_box, fit_frame
 from engine.fidelity import FidelityConfig
 
@@ -420,7 +420,7 @@ class Playout:
     def recent_latency_s(self, window_s: float) -> tuple[float, float] | None:
         """(mean, max - min) of the latency (input arrival -> played) of the output frames played
         in the last ``window_s`` (or of the last one played); None before the first. What the
-        stream's audio is delayed by (app/server/audio.py): below the input rate, latency saws up
+        stream's audio is delayed by (app/server/media/audio.py): below the input rate, latency saws up
         within each chunk (its frames arrived faster than they are played); the mean is the
         middle of that saw, the spread its height."""
         if not self._latencies:
@@ -523,7 +523,7 @@ class StreamRunner:
     def _chunk_size(self) -> int:
         return self._processor.first_chunk_frames if self._restart else self._processor.chunk_frames
 
-    # -- hooks for the engine core's executors (app/server/executors.py) ---------------------------
+    # -- hooks for the engine core's executors (app/server/serving/executors.py) ---------------------------
 
     @property
     def processor(self) -> StreamProcessor:

@@ -31,7 +31,7 @@ the socket's peer, or behind ``--forwarded-allow-ips`` the client the proxy name
 The middleware also enforces the request-body and upload limits, the allowed origins (WHIP and
 WHEP answer any page, so that third-party players work; everything else only the service's own
 pages and ``--allowed-origin``), the service-wide API token on stream creation and on the
-playground, and the streams-per-client limit (app/server/limits.py has the rest).
+playground, and the streams-per-client limit (app/server/edge/limits.py has the rest).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from urllib.parse import parse_qs, quote
 from starlette.middleware.cors import CORSMiddleware
 
 from app.server.config import ServerConfig
-from app.server.logs import SECRETS, mint_secret
+from app.server.edge.logs import SECRETS, mint_secret
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ STREAM_RULES: tuple[tuple[str, re.Pattern[str], Access], ...] = (
     ("DELETE", re.compile(r"^/whip/([^/]+)$"), Access.OWNER),
     ("POST", re.compile(r"^/whep/([^/]+)$"), Access.VIEWER),
 )
-# A stream's recordings: its owner's, also after the stream ended (app/server/recordings.py checks).
+# A stream's recordings: its owner's, also after the stream ended (app/server/control/recordings.py checks).
 RECORDINGS = re.compile(r"^/api/streams/[^/]+/recordings(/[^/]+)?$")
 # Routes that reveal every stream's id: admin only.
 LISTING = {("GET", "/api/streams"), ("GET", "/api/dashboard"), ("GET", "/api/workers"), ("GET", "/metrics")}
@@ -151,7 +151,7 @@ def credential(method: str, path: str, config: ServerConfig) -> str | None:
     """Whether ``Authorization: Bearer`` is "required" or "optional" on ``method`` ``path`` under
     ``config``, or not asked for (None): for the OpenAPI document."""
     if config.token is not None and path.startswith(("/whip", "/whep")) and method != "OPTIONS":
-        return "required"  # the WHIP/WHEP --token (app/server/whip.py)
+        return "required"  # the WHIP/WHEP --token (app/server/media/whip.py)
     if (method, path) in LISTING:
         return "required" if config.api_token or config.token else None  # else loopback only
     if (method, path) in CREATION:
@@ -160,7 +160,7 @@ def credential(method: str, path: str, config: ServerConfig) -> str | None:
         if rule_method == method and pattern.match(path):
             return "optional" if need == Access.VIEWER and not config.private_viewing else "required"
     if RECORDINGS.match(path):
-        return "required"  # the owner's, checked by the routes (app/server/recordings.py)
+        return "required"  # the owner's, checked by the routes (app/server/control/recordings.py)
     return None
 
 

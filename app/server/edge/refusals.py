@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.server.control import ControlError
-from app.server.ndi import NdiError
-from app.server.sdp import OfferError
-from app.server.session import CapacityError
+from app.server.control.messages import ControlError
+from app.server.media.ndi import NdiError
+from app.server.media.sdp import OfferError
+from app.server.serving.session import CapacityError
 
 # Most specific first: a subclass takes its own status before its base's.
 STATUSES: tuple[tuple[type[Exception], int], ...] = (

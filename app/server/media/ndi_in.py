@@ -21,11 +21,11 @@ from typing import Any
 import av
 import numpy as np
 
-from app.server.audio import SAMPLE_RATE, AudioPlayout
-from app.server.engine_bridge import StreamSettings
-from app.server.frame_path import ChunkAssembler
-from app.server.ndi import NdiError, rgb_image, runtime
-from app.server.session import Session, SessionManager
+from app.server.media.audio import SAMPLE_RATE, AudioPlayout
+from app.server.media.frame_path import ChunkAssembler
+from app.server.media.ndi import NdiError, rgb_image, runtime
+from app.server.serving.engine_bridge import StreamSettings
+from app.server.serving.session import Session, SessionManager
 
 log = logging.getLogger(__name__)
 

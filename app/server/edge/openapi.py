@@ -2,7 +2,7 @@
 tests/test_server_fuzz.py).
 
 Routes declare their own answers (``responses=`` built here); :func:`document` adds the refusals
-and credentials of the HTTP edge (app/server/security.py: origins, body size, tokens, per-client
+and credentials of the HTTP edge (app/server/edge/security.py: origins, body size, tokens, per-client
 limit) to every operation they apply to, from the same tables the edge enforces, and the 422 every
 operation with parameters can give. :func:`allow_documented_methods` makes each 405's ``Allow``
 header list the methods the document gives the path, so the two cannot disagree.
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.server.config import ServerConfig
-from app.server.security import credential, edge_refusals
+from app.server.edge.security import credential, edge_refusals
 
 SDP = "application/sdp"
 # The JSON errors of /api routes and the validation handler, and the plain-text ones elsewhere
@@ -48,7 +48,7 @@ RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before trying aga
 
 def errors(path: str, *statuses: int) -> dict[int | str, dict[str, Any]]:
     """``responses=`` entries for ``statuses`` in the style the route answers errors in: JSON
-    ``{"detail"}`` under /api, plain text elsewhere (app/server/security.py ``refuse``)."""
+    ``{"detail"}`` under /api, plain text elsewhere (app/server/edge/security.py ``refuse``)."""
     media = {"application/json": {"schema": ERROR_JSON}} if path.startswith("/api/") else {"text/plain": {"schema": TEXT}}
     entries: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
@@ -83,7 +83,7 @@ def options_answer(allow: str, extra: dict[str, str] | None = None) -> dict[int 
 
 def document(app: FastAPI, config: ServerConfig) -> None:
     """Finish ``app``'s OpenAPI document as it is generated: the edge's refusals and credentials
-    (app/server/security.py, from the tables the edge enforces, for this ``config``) on every
+    (app/server/edge/security.py, from the tables the edge enforces, for this ``config``) on every
     operation, and the 422 of operations with parameters in our handler's JSON."""
     generate = app.openapi
     finished: list[dict[str, Any]] = []

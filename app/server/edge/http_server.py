@@ -41,7 +41,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from app.server.config import ServerConfig
-from app.server.logs import install_log_redaction
+from app.server.edge.logs import install_log_redaction
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,10 @@ class HttpLimits:
     max_header_fields: int = 100
     max_field_bytes: int = 8000
     max_head_bytes: int = 32768
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 10.0
+    # The two timeouts are server options (--header-timeout-s, --body-timeout-s): their defaults are
+    # ServerConfig's.
+    header_timeout_s: float = ServerConfig.header_timeout_s
+    body_timeout_s: float = ServerConfig.body_timeout_s
     # A body may take body_timeout_s plus one second per this many bytes (about 8 kbit/s).
     min_body_rate: float = 1000.0
 
@@ -274,7 +276,7 @@ def uvicorn_server(app: Any, config: ServerConfig, *, port: int | None = None,
     if config.https and not (config.ssl_certfile and config.ssl_keyfile):
         # Never plain HTTP for a config that asks for TLS.
         raise ValueError("https=True needs ssl_certfile and ssl_keyfile: resolve the config with "
-                         "app.server.tls.with_certificate first")
+                         "app.server.edge.tls.with_certificate first")
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port if port is None else port, log_level=log_level,
         http=guarded_protocol(HttpLimits.from_config(config)), ws=AnsweringWebSocketProtocol,
@@ -286,7 +288,7 @@ def uvicorn_server(app: Any, config: ServerConfig, *, port: int | None = None,
         # which would let any local process (or a misconfigured local proxy) set client addresses.
         proxy_headers=bool(config.forwarded_allow_ips),
         forwarded_allow_ips=list(config.forwarded_allow_ips) or None,
-        # TLS for --https (app/server/tls.py has filled both paths in by now).
+        # TLS for --https (app/server/edge/tls.py has filled both paths in by now).
         ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile,
     ))
     # After uvicorn.Config, which (re)configures the uvicorn loggers.

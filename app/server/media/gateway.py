@@ -12,16 +12,16 @@ from aiortc.contrib.media import MediaRelay
 from aiortc.exceptions import OperationError
 from aiortc.mediastreams import MediaStreamError
 
-from app.server.audio import AudioPlayout, DelayedAudioTrack, offers_audio, wants_audio
 from app.server.config import ServerConfig
-from app.server.encoder import encode_output_frames
-from app.server.engine_bridge import StreamSettings
-from app.server.frame_path import ChunkAssembler, Playout, video_frames
-from app.server.ice import rtc_configuration, strip_candidates
-from app.server.jitter import complete_video_frames_on_marker
-from app.server.logs import mint_secret
-from app.server.sdp import OfferError, check_offer
-from app.server.session import CapacityError, Session, SessionManager
+from app.server.edge.logs import mint_secret
+from app.server.media.audio import AudioPlayout, DelayedAudioTrack, offers_audio, wants_audio
+from app.server.media.encoder import encode_output_frames
+from app.server.media.frame_path import ChunkAssembler, Playout, video_frames
+from app.server.media.ice import rtc_configuration, strip_candidates
+from app.server.media.jitter import complete_video_frames_on_marker
+from app.server.media.sdp import OfferError, check_offer
+from app.server.serving.engine_bridge import StreamSettings
+from app.server.serving.session import CapacityError, Session, SessionManager
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class Gateway:
         """A camera publisher (the page, or a WHIP client): returns the new session and the answer SDP."""
         check_offer(offer_sdp, publish=True)
         session = await self._manager.open(kind, settings)
-        if offers_audio(offer_sdp):  # its audio comes back out, as late as the video (app/server/audio.py)
+        if offers_audio(offer_sdp):  # its audio comes back out, as late as the video (app/server/media/audio.py)
             session.enable_audio()
         pc = self._peer()
         session.publisher_session = mint_secret(16)  # the WHIP session URL's capability

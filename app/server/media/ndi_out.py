@@ -1,6 +1,6 @@
 """One stream's output published as an NDI source: what viewers see, with its audio, in sync.
 
-Like the recorder (app/server/recorder.py), the event loop only copies references into a bounded
+Like the recorder (app/server/control/recorder.py), the event loop only copies references into a bounded
 queue, each playout tick's frame and each audio tick's samples, in the order they are played; a
 thread of the output's own converts and hands them to libndi, so neither the event loop nor the
 engine waits on NDI. Both playouts tick on the same monotonic clock and each item is sent as it
@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from app.server.audio import CHANNELS, FRAME_SAMPLES, SAMPLE_RATE, AudioPlayout
-from app.server.frame_path import Playout
-from app.server.ndi import NdiError, SourceNames, rgbx_bytes, runtime
+from app.server.media.audio import CHANNELS, FRAME_SAMPLES, SAMPLE_RATE, AudioPlayout
+from app.server.media.frame_path import Playout
+from app.server.media.ndi import NdiError, SourceNames, rgbx_bytes, runtime
 from engine.aspect import fit_frame
 
 log = logging.getLogger(__name__)

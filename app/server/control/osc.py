@@ -12,7 +12,7 @@ the server has ``--osc-reply``, answered with ``/diffcast/error <address> <strea
 an applied message is then acknowledged with ``/diffcast/ack <address> <stream_id>``.
 
 Messages are applied one at a time in arrival order (bundles' time tags are not waited for).
-Packets are read by :mod:`app.server.osc_packet`, under bounds, not by python-osc's parser (which
+Packets are read by :mod:`app.server.control.osc_packet`, under bounds, not by python-osc's parser (which
 hung the event loop on hostile packets); nothing a packet holds reaches the loop's exception
 handler: every failure is a refusal, logged and answered within one budget.
 """
@@ -32,10 +32,10 @@ import numpy as np
 from pythonosc.osc_message_builder import OscMessageBuilder
 
 from app.server.config import ServerConfig
-from app.server.control import ControlError
-from app.server.osc_packet import Message, OscPacketError, Unsupported, read_packet
-from app.server.security import Access, AccessControl
-from app.server.session import SessionManager
+from app.server.control.messages import ControlError
+from app.server.control.osc_packet import Message, OscPacketError, Unsupported, read_packet
+from app.server.edge.security import Access, AccessControl
+from app.server.serving.session import SessionManager
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from fastapi import WebSocket, WebSocketDisconnect
 from starlette.websockets import WebSocketState
 
 from app.server.config import ServerConfig
-from app.server.engine_bridge import StreamSettings
-from app.server.frame_path import encode_jpeg
-from app.server.limits import decode_frame, frame_guard
-from app.server.session import CapacityError, SessionManager
+from app.server.edge.limits import decode_frame, frame_guard
+from app.server.media.frame_path import encode_jpeg
+from app.server.serving.engine_bridge import StreamSettings
+from app.server.serving.session import CapacityError, SessionManager
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The serving loop for a server: the engine core with the executor its engine's declared kind needs.
 
 The one module that knows every live executor (in process, Ray actors, pipeline ranks), so that the
-executors themselves import no sibling (app/server/executors.py, app/server/cluster_executor.py).
+executors themselves import no sibling (app/server/serving/executors.py, app/server/serving/cluster_executor.py).
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from concurrent.futures import Executor as ThreadExecutor
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from app.server.cluster_executor import RayExecutor
 from app.server.config import ServerConfig
-from app.server.engine_bridge import (
+from app.server.serving.cluster_executor import RayExecutor
+from app.server.serving.engine_bridge import (
     ChunkBatchFactory,
     EngineKind,
     InProcessFactory,
     ProcessorFactory,
     RayFactory,
 )
-from app.server.executors import (
+from app.server.serving.executors import (
     LEDGER_LOG_ROWS,
     UNLIMITED_SLOTS,
     RankExecutor,

@@ -1,7 +1,7 @@
 """``GET /api/workers``: every engine worker as the serving policy sees it (the in-process engine is one
 worker; ``--ray`` has one per worker actor): its streams, their urgency tiers, its load.
 
-It lists stream ids (what WHEP needs), so app/server/security.py lets only admins (``--api-token`` /
+It lists stream ids (what WHEP needs), so app/server/edge/security.py lets only admins (``--api-token`` /
 ``--token`` as Bearer) or, with no token set, a local client (loopback peer and Host) in.
 """
 
@@ -12,8 +12,8 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from app.server.openapi import errors
-from app.server.session import SessionManager
+from app.server.edge.openapi import errors
+from app.server.serving.session import SessionManager
 
 
 class WorkerTiers(BaseModel):

@@ -1,0 +1,2 @@
+"""Control of a live stream: control messages checked at the edge, OSC, recording and the
+owner's recordings API."""
