@@ -376,6 +376,10 @@ async def test_ndi_in_is_a_stream_camera_and_the_api_opens_only_allowed_sources(
                            == 200, "the recordings")
             listing = (await call("GET", recordings, token=reply["owner_token"]))[1]
             assert [item["ended"] for item in listing] == [f"NDI source {camera.name!r} vanished"], listing
+            # And the stream itself says so to its owner (410 with the reason), to no one else.
+            status, gone = await call("GET", second, token=reply["owner_token"])
+            assert status == 410 and f"NDI source {camera.name!r} vanished" in gone["detail"], (status, gone)
+            assert (await call("GET", second))[0] == 401  # as for any id that is not a live stream
     finally:
         camera.close()
         watcher.close()

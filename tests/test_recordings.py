@@ -174,7 +174,7 @@ async def test_recording_writes_the_output_with_its_audio_for_its_owner(live_ser
         await wait_for(lambda: len(json.loads(http("GET", recordings, None, {"Authorization": f"Bearer {owner}"})[2])) == 2)
         listing = json.loads((await call("GET", recordings, token=owner))[1])
         last = next(item for item in listing if item["name"] != name)
-        assert last["ended"] == "stream ended" and last["frames"] > 0
+        assert last["ended"] == "stopped by its owner" and last["frames"] > 0
         frames, _, _ = decode((await call("GET", f"{recordings}/{last['name']}", token=owner))[1])
         assert len(frames) == last["frames"]
 

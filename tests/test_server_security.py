@@ -24,7 +24,16 @@ from _security_fixtures import (  # noqa: F401
     viewer_offer,
 )
 
-from app.server.edge.security import OWNER_HEADER, STREAM_ID_HEADER, VIEWER_HEADER
+from app.server.config import ServerConfig
+from app.server.edge.security import (
+    ENDED_KEPT,
+    ENDED_KEPT_S,
+    OWNER_HEADER,
+    STREAM_ID_HEADER,
+    VIEWER_HEADER,
+    Access,
+    AccessControl,
+)
 
 ApiFactory = Callable[..., AbstractAsyncContextManager[Api]]
 UPDATE = json.dumps({"type": "update", "seed": 3})
@@ -191,3 +200,33 @@ async def test_legacy_whip_token_is_an_operator_credential(asgi_api: ApiFactory,
         stream = await api.create()
         response = await api.client.delete(f"/api/streams/{stream.stream_id}", headers=bearer("s3cret-0123456789ab"))
         assert response.status_code == (204 if token else 404)
+
+
+def test_an_ended_stream_tells_its_owner_why_for_a_while() -> None:
+    """After its stream ends (an NDI source vanishing, say) the owner gets 410 and the reason on the
+    stream's routes, for ENDED_KEPT_S; anyone else gets the 404 of an id that never was."""
+    now = [0.0]
+    live = {"s1", "s2"}
+    access = AccessControl(ServerConfig(), is_live=lambda stream_id: stream_id in live, clock=lambda: now[0])
+    mine, other = access.grant("s1"), access.grant("s2")
+    access.ended("s1", "NDI source 'STUDIO (cam)' vanished")
+    live.discard("s1")
+    assert access.refusal(mine.owner, "s1", Access.OWNER) == (410, "stream s1 has ended: NDI source 'STUDIO (cam)' vanished")
+    assert access.refusal(mine.owner, "s1", Access.VIEWER) is not None  # no watching an ended stream either
+    assert access.refusal(mine.viewer, "s1", Access.VIEWER) == (404, "no stream s1")
+    assert access.refusal(other.owner, "s1", Access.OWNER) == (404, "no stream s1")
+    assert access.refusal(None, "s1", Access.OWNER)[0] == 401  # type: ignore[index]
+    assert access.refusal(other.owner, "s2", Access.OWNER) is None  # the live one undisturbed
+    now[0] = ENDED_KEPT_S + 1
+    assert access.refusal(mine.owner, "s1", Access.OWNER) == (404, "no stream s1")
+
+
+def test_ended_streams_are_remembered_within_a_bound() -> None:
+    live: set[str] = set()
+    access = AccessControl(ServerConfig(), is_live=lambda stream_id: stream_id in live)
+    grants = {f"s{i}": access.grant(f"s{i}") for i in range(ENDED_KEPT + 1)}
+    for stream_id in grants:
+        access.ended(stream_id, "stream ended")
+    assert access.refusal(grants["s0"].owner, "s0", Access.OWNER) == (404, "no stream s0")  # the oldest forgotten
+    last = f"s{ENDED_KEPT}"
+    assert access.refusal(grants[last].owner, last, Access.OWNER) == (410, f"stream {last} has ended: stream ended")

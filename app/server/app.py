@@ -255,6 +255,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
     # (app/server/edge/security.py). Added before CORS, so CORS wraps it: refusals get CORS headers too.
     access = AccessControl(config, is_live=lambda stream_id: stream_id in manager.sessions)
     app.state.access = access
+    manager.on_ended = access.ended
     sessions = AdminSessions(config.api_token)
     guesses = GuessThrottle()  # wrong credentials per client address, wherever one is checked
     app.add_middleware(
@@ -445,7 +446,7 @@ def create_app(config: ServerConfig, factory: ProcessorFactory | None = None) ->
 
     @app.delete("/api/streams/{stream_id}", status_code=204, responses=errors("/api/streams/{stream_id}", 404))
     async def stop(stream_id: str) -> Response:
-        if not await manager.close(stream_id):
+        if not await manager.close(stream_id, "stopped by its owner"):
             return _json_error(404, f"no stream {stream_id}")
         return Response(status_code=204)
 

@@ -34,6 +34,7 @@ REASONS = {
     403: "Not allowed: an origin not in --allowed-origin, or a viewer token used for an owner action",
     404: "No such stream or session (also the answer to a token that does not grant it)",
     405: "The method is not supported here (`Allow` lists those that are)",
+    410: "The stream has ended: its owner is told why for 10 minutes after (e.g. its NDI source vanished)",
     413: "The request body is over --max-body-bytes",
     415: "The body must be `application/sdp`",
     422: "The request's parameters, stream options or JSON body are not valid (the reason names each)",

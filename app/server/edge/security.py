@@ -82,6 +82,9 @@ FIRST_WAIT_S = 1.0
 MAX_WAIT_S = 60.0
 FORGET_S = 600.0
 MAX_ADDRESSES = 10_000
+# An ended stream's owner is told why (410) this long after, for at most this many streams at once.
+ENDED_KEPT_S = 600.0
+ENDED_KEPT = 256
 
 
 class Access(enum.IntEnum):
@@ -143,7 +146,7 @@ def edge_refusals(method: str, path: str) -> set[int]:
     elif (method, path) in CREATION:
         statuses |= {401, 429}
     if any(rule == method and pattern.match(path) for rule, pattern, _ in STREAM_RULES):
-        statuses |= {401, 403, 404, 429}
+        statuses |= {401, 403, 404, 410, 429}  # 410: an ended stream, to its owner
     return statuses
 
 
@@ -314,14 +317,48 @@ class AdminSessions:
         return hmac.new(self._key, str(expires).encode(), hashlib.sha256).hexdigest()
 
 
-class AccessControl:
-    """The capabilities of live streams. A grant dies with its stream (checked through ``is_live``)."""
+@dataclass(frozen=True)
+class Ended:
+    """A stream that ended, as its owner is told for a while after: 410 and why (its NDI source
+    vanished, say) instead of the 404 of an id that never was."""
 
-    def __init__(self, config: ServerConfig, is_live: Callable[[str], bool]) -> None:
+    owner: str
+    reason: str
+    at: float
+
+
+class AccessControl:
+    """The capabilities of live streams. A grant dies with its stream (checked through ``is_live``);
+    an ended stream's owner token is kept ENDED_KEPT_S (at most ENDED_KEPT of them), so that its
+    owner learns why it ended."""
+
+    def __init__(self, config: ServerConfig, is_live: Callable[[str], bool],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._admin_tokens = tuple(t for t in (config.api_token, config.token) if t)
         self._is_live = is_live
         self._grants: dict[str, Grant] = {}
+        self._ended: dict[str, Ended] = {}
+        self._clock = clock
         self.private_viewing = config.private_viewing
+
+    def ended(self, stream_id: str, reason: str) -> None:
+        """Stream ``stream_id`` ended for ``reason`` (SessionManager.on_ended): its owner is told so."""
+        grant = self._grants.pop(stream_id, None)
+        if grant is None:
+            return
+        now = self._clock()
+        self._ended[stream_id] = Ended(grant.owner, reason, now)
+        for old in [s for s, e in self._ended.items() if now - e.at > ENDED_KEPT_S]:
+            del self._ended[old]
+        while len(self._ended) > ENDED_KEPT:
+            del self._ended[next(iter(self._ended))]
+
+    def end_reason(self, token: str | None, stream_id: str) -> str | None:
+        """Why stream ``stream_id`` ended, for its owner (or an admin) within ENDED_KEPT_S; else None."""
+        ended = self._ended.get(stream_id)
+        if ended is None or token is None or self._clock() - ended.at > ENDED_KEPT_S or self._is_live(stream_id):
+            return None
+        return ended.reason if self.is_admin(token) or hmac.compare_digest(token, ended.owner) else None
 
     @property
     def has_admin_token(self) -> bool:
@@ -364,6 +401,9 @@ class AccessControl:
 
     def refusal(self, token: str | None, stream_id: str, need: Access) -> tuple[int, str] | None:
         """None when ``token`` may do what needs ``need`` on the stream; else (status, reason)."""
+        reason = self.end_reason(token, stream_id)
+        if reason is not None:
+            return 410, f"stream {stream_id} has ended: {reason}"
         level = self.access(token, stream_id)
         if level >= need:
             return None

@@ -141,7 +141,7 @@ class Gateway:
         async def on_state() -> None:
             log.info("stream %s publisher: %s", session.id, pc.connectionState)
             if pc.connectionState in ("failed", "closed"):
-                await session.close()
+                await session.close(f"its publisher's connection {pc.connectionState}")
 
         try:
             if send_output:

@@ -127,7 +127,7 @@ def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig,
     @router.delete("/whip/{stream_id}", responses=errors("/whip/{stream_id}", 401, 404))
     async def whip_stop(stream_id: str, request: Request) -> Response:
         async def handle() -> Response:  # the owner token (checked at the edge): the id is public
-            if not await manager.close(stream_id):
+            if not await manager.close(stream_id, "stopped by its owner"):
                 return _error(404, f"no WHIP session {stream_id}")
             return Response(status_code=200)
 
@@ -138,7 +138,7 @@ def whip_router(manager: SessionManager, gateway: Gateway, config: ServerConfig,
         async def handle() -> Response:  # holding the session URL is the credential (RFC 9725 §4.2)
             if not has_session(stream_id, session_id, publisher=True):
                 return _error(404, NO_WHIP_SESSION)
-            await manager.close(stream_id)
+            await manager.close(stream_id, "its publisher ended the WHIP session")
             return Response(status_code=200)
 
         return await guarded(request, handle, session_url=True)

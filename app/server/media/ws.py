@@ -89,4 +89,4 @@ async def serve_websocket(
     except WebSocketDisconnect:
         pass
     finally:
-        await session.close()
+        await session.close("its WebSocket closed")

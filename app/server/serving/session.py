@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Why a stream ended when nothing said more (its recording's sidecar, its owner's 410).
+DEFAULT_END_REASON = "stream ended"
+
 STATS_INTERVAL_S = 1.0
 
 
@@ -84,7 +87,7 @@ class Session:
         self.record_error: str | None = None
         self._record_task: asyncio.Task[Any] | None = None
         # Why the stream ends, as its recording's sidecar says (its owner reads it after the end).
-        self.end_reason = "stream ended"
+        self.end_reason = DEFAULT_END_REASON
         # What the stream is called where a name is shown (its NDI source); the NDI names of the
         # server (None: no --ndi-out) and the stream's NDI output while it publishes one.
         self.label = DEFAULT_LABEL
@@ -194,7 +197,7 @@ class Session:
             self.fail(task.get_name(), exc)
         elif ends_session:
             log.info("stream %s: %s ended", self.id, task.get_name())
-            self._closing = asyncio.get_running_loop().create_task(self.close())  # keep a reference
+            self._closing = asyncio.get_running_loop().create_task(self.close(f"its {task.get_name()} ended"))
 
     def fail(self, what: str, exc: BaseException) -> None:
         """Something this stream depends on crashed (one of its tasks, or its chunk on the engine)."""
@@ -202,9 +205,11 @@ class Session:
             return
         if isinstance(exc, InputTimeout):  # the watchdog doing its job (a vanished client): no crash
             log.warning("stream %s closed: %s", self.id, exc)
+            reason = str(exc)
         else:
             log.error("stream %s: %s failed: %r", self.id, what, exc, exc_info=exc)
-        self._closing = asyncio.get_running_loop().create_task(self.close())  # keep a reference
+            reason = f"its {what} failed"
+        self._closing = asyncio.get_running_loop().create_task(self.close(reason))  # keep a reference
 
     async def apply(self, message: ControlMessage) -> None:
         if isinstance(message, UpdateMessage):
@@ -340,9 +345,13 @@ class Session:
             await send(json.dumps(self.stats()))
             await asyncio.sleep(STATS_INTERVAL_S)
 
-    async def close(self) -> None:
+    async def close(self, reason: str | None = None) -> None:
+        """End the stream; ``reason`` says why (its recording's sidecar and its owner's 410 say it),
+        unless a reason was already given (an NDI source vanishing, say)."""
         if self.closed.is_set():
             return
+        if reason is not None and self.end_reason == DEFAULT_END_REASON:
+            self.end_reason = reason
         self.closed.set()
         self._on_close(self.id)
         for task in list(self._tasks):
@@ -367,6 +376,9 @@ class SessionManager:
         self._opening = 0
         self.opened = 0
         self.closed_totals = {"dropped_frames": 0, "output_frames": 0}
+        # Told (stream id, why) as each stream ends: the edge answers its owner 410 with the reason
+        # for a while (AccessControl.ended).
+        self.on_ended: Callable[[str, str], None] | None = None
         # The serving loop (the engine core; app/server/serving/serving_loop.py builds it): admission, order, fidelity, batching,
         # eviction and preemption by the serving policy (--policy); set by create_app.
         self.serving: ServingLoop | None = None
@@ -463,6 +475,9 @@ class SessionManager:
         return dict(self._policy_ids)
 
     def _forget(self, stream_id: str) -> None:
+        session = self.sessions.get(stream_id)
+        if session is not None and self.on_ended is not None:
+            self.on_ended(stream_id, session.end_reason)
         policy_id = self._policy_ids.pop(stream_id, None)
         if self.serving is not None and policy_id is not None:
             self.serving.remove(policy_id)
@@ -480,15 +495,15 @@ class SessionManager:
             "output_frames": self.closed_totals["output_frames"] + sum(s.playout.frames_shown for s in live),
         }
 
-    async def close(self, stream_id: str) -> bool:
+    async def close(self, stream_id: str, reason: str | None = None) -> bool:
         session = self.sessions.get(stream_id)
         if session is None:
             return False
-        await session.close()
+        await session.close(reason)
         return True
 
     async def close_all(self) -> None:
-        await asyncio.gather(*(self.close(sid) for sid in list(self.sessions)))
+        await asyncio.gather(*(self.close(sid, "the server stopped") for sid in list(self.sessions)))
         if self._loop_task is not None:
             self._loop_task.cancel()
         self.engine_threads.shutdown(wait=False, cancel_futures=True)
