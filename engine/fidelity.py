@@ -17,13 +17,29 @@ from dataclasses import dataclass
 # fp8-linear: bf16 as above, and the DiT blocks' big linears (attention q/k/v/o, FFN) with float8 e4m3
 # weights (per output channel scales) and activations (per token scales), engine/models/fp8.py; runs
 # where torch's fp8 GEMM does (CUDA sm89+), emulated elsewhere for tests only.
-PRECISIONS = ("fp32", "bf16", "fp8", "fp8-linear")
+# fp8-kv: bf16 as above, and the DiT's self-attention KV cache stored as float8 e4m3 with one scale per
+# token and head (engine/models/wan_dit.py, KVCache), dequantised for attention: about half a bf16
+# cache's bytes and a quarter of an fp32 one's; plain torch, so it runs on a CPU and on CUDA alike.
+# fp8-linear-kv: fp8-linear and fp8-kv together.
+PRECISIONS = ("fp32", "bf16", "fp8", "fp8-linear", "fp8-kv", "fp8-linear-kv")
 FP8_LINEAR_PRECISION = "fp8-linear"
+FP8_KV_PRECISION = "fp8-kv"
+FP8_LINEAR_KV_PRECISION = "fp8-linear-kv"
 # The one default: the precision every device runs. Commands' ``auto`` (engine.devices.resolve_precision)
 # picks bf16 where the processor has bf16 units; profiles name each point's precision.
 DEFAULT_PRECISION = "fp32"
 # What a command's --precision takes: auto (engine.devices.resolve_precision) or a precision every device runs.
 PRECISION_CHOICES = ("auto", "fp32", "bf16")
+
+
+def fp8_linears_in(precision: str) -> bool:
+    """Whether a chunk at ``precision`` runs the DiT's linears in fp8 (fp8-linear, fp8-linear-kv)."""
+    return precision in (FP8_LINEAR_PRECISION, FP8_LINEAR_KV_PRECISION)
+
+
+def fp8_kv_in(precision: str) -> bool:
+    """Whether a stream at ``precision`` stores its KV cache in fp8 (fp8-kv, fp8-linear-kv)."""
+    return precision in (FP8_KV_PRECISION, FP8_LINEAR_KV_PRECISION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +51,8 @@ class FidelityConfig:
     for the VAE's encode and decode and the DiT; fp8 = SageAttention-style online quantisation of the
     attention, weights stay bf16 so switching needs no reload; fp8-linear = bf16 plus fp8 weights and
     activations in the DiT blocks' linears, the fp8 weights made once beside the others, so switching
-    needs no reload either); ``attention_sparsity`` is the fraction of
+    needs no reload either; fp8-kv = bf16 with the self-attention KV cache stored in fp8, converted at
+    the chunk boundary where a stream switches to or from it; fp8-linear-kv = both); ``attention_sparsity`` is the fraction of
     attention blocks skipped; ``stream_batch`` is how many streams share one forward; ``step_batch``
     runs the denoising steps of a stream's successive chunks in one forward (StreamDiffusionV2's
     "stream batch", engine/streaming/stream_batch.py): one forward per chunk instead of ``steps``, at
@@ -88,8 +105,10 @@ BF16 = "bf16"
 SPARSE_ATTENTION = "sparse-attention"
 FP8_ATTENTION = "fp8-attention"
 FP8_LINEAR = "fp8-linear"
+FP8_KV = "fp8-kv"
 
 _BF16_DEVICES = ("cpu", "cuda")
+_FP8_KV_DEVICES = ("cpu", "cuda")  # where torch has float8_e4m3fn tensors (quantise, copy, dequantise)
 _MISSING = {
     BF16: "bf16 is not available on {device}; use fp32",
     SPARSE_ATTENTION: "sparse attention is not available on {device}; use attention_sparsity 0",
@@ -102,6 +121,7 @@ _MISSING = {
         "units (compute capability 8.9+: Ada, Hopper); {device} has none here (the CPU only emulates it, "
         "for tests); use bf16"
     ),
+    FP8_KV: "an fp8 KV cache needs torch float8 tensors, which {device} does not have here; use bf16",
 }
 
 
@@ -114,11 +134,14 @@ def engine_capabilities(device_type: str, bf16_units: bool = True, fp8_units: bo
     attention everywhere (the DiT's pure-torch reference implementation); fp8 attention nowhere yet;
     fp8 linears on CUDA where the GPU runs torch's fp8 GEMM (``fp8_units``,
     ``engine.models.fp8.fp8_linear_supported``; default False, so a caller that does not know drops
-    those points). A CPU never reports them: its emulation is a test path, slower than bf16.
+    those points). A CPU never reports them: its emulation is a test path, slower than bf16. An fp8 KV
+    cache on cpu and cuda: it is plain torch (quantise on write, dequantise on read), no kernel.
     """
     caps = {device_type, SPARSE_ATTENTION}
     if device_type in _BF16_DEVICES and bf16_units:
         caps.add(BF16)
+    if device_type in _FP8_KV_DEVICES:
+        caps.add(FP8_KV)
     if device_type == "cuda" and fp8_units:
         caps.add(FP8_LINEAR)
     return frozenset(caps)
@@ -131,8 +154,12 @@ def required_capabilities(config: FidelityConfig) -> frozenset[str]:
         needs.add(BF16)
     elif config.precision == "fp8":
         needs.add(FP8_ATTENTION)
-    elif config.precision == FP8_LINEAR_PRECISION:
-        needs.update((FP8_LINEAR, BF16))  # the rest of the chunk computes in bf16
+    elif config.precision != "fp32":  # the fp8 knobs: the rest of the chunk computes in bf16
+        needs.add(BF16)
+    if fp8_linears_in(config.precision):
+        needs.add(FP8_LINEAR)
+    if fp8_kv_in(config.precision):
+        needs.add(FP8_KV)
     if config.attention_sparsity > 0.0:
         needs.add(SPARSE_ATTENTION)
     return frozenset(needs)

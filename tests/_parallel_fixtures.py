@@ -75,12 +75,16 @@ class Scenario:
     refresh_on_switch: bool = False
     rebalance_at: int | None = None
     rebalance_to: tuple[tuple[int, int], ...] = ()
+    precision: str = "fp32"
+
+    def fidelity(self) -> FidelityConfig:
+        return replace(fidelity(steps=self.steps), precision=self.precision)
 
     def reference(self, rt: StreamRuntime) -> tuple[dict[str, list[torch.Tensor]], dict[str, int]]:
         """The single-process engine: StreamRuntime.run_chunk chunk after chunk, each stream on its own."""
         out, refreshes = {}, {}
         for i in range(self.streams):
-            state = rt.open(f"s{i}", PROMPTS[i], (32, 32), fidelity(steps=self.steps), seed=3 + i)
+            state = rt.open(f"s{i}", PROMPTS[i], (32, 32), self.fidelity(), seed=3 + i)
             frames_out = []
             for c, frames in enumerate(clip(self.chunks, seed=i)):
                 if c == self.switch_at and i == 0:
@@ -90,7 +94,7 @@ class Scenario:
         return out, refreshes
 
     def __call__(self, ring: RingRuntime) -> dict[str, object]:
-        states = [ring.open(f"s{i}", PROMPTS[i], (32, 32), fidelity(steps=self.steps), seed=3 + i)
+        states = [ring.open(f"s{i}", PROMPTS[i], (32, 32), self.fidelity(), seed=3 + i)
                   for i in range(self.streams)]
         clips = [clip(self.chunks, seed=i) for i in range(self.streams)]
         out: dict[str, list[torch.Tensor]] = {s.stream_id: [] for s in states}

@@ -129,9 +129,9 @@ def test_filtered_profile_keeps_only_supported_configs() -> None:
 
 
 def test_engine_capabilities_say_what_runs_where() -> None:
-    assert engine_capabilities("cpu") == {"cpu", "bf16", "sparse-attention"}
-    assert engine_capabilities("cuda") == {"cuda", "bf16", "sparse-attention"}
-    assert "bf16" not in engine_capabilities("mps")  # sparse attention is plain torch: every device
+    assert engine_capabilities("cpu") == {"cpu", "bf16", "sparse-attention", "fp8-kv"}
+    assert engine_capabilities("cuda") == {"cuda", "bf16", "sparse-attention", "fp8-kv"}
+    assert engine_capabilities("mps") == {"mps", "sparse-attention"}  # sparse attention is plain torch: every device
     fp8 = FidelityConfig(precision="fp8", attention_sparsity=0.6)
     assert required_capabilities(fp8) == {"fp8-attention", "sparse-attention"}
     assert required_capabilities(FidelityConfig(precision="fp32")) == frozenset()

@@ -235,12 +235,15 @@ def test_sink_frame_access(model, prompt):
     _, cache = generate_cached(model, prompt, clean, clean, chunk=1, window=3, sink=1, steps=())
     k_means, v_means = cache.frame_means()
     assert k_means.shape == (CFG.num_layers, 1, 3, CFG.num_heads, CFG.head_dim)
-    k, v = cache.read_frame(2)  # newest frame (absolute frame 4)
-    torch.testing.assert_close(k_means[:, :, 2], torch.stack([t.mean(1) for t in k]))
-    cache.replace_frame(0, k, v)
+    t = FRAME_TOKENS
+    newest = [k[:, 2 * t : 3 * t].clone() for k in cache.k]  # buffer frame 2: absolute frame 4
+    torch.testing.assert_close(k_means[:, :, 2], torch.stack([k.mean(1) for k in newest]))
+    cache.copy_frame(2, 0)
     torch.testing.assert_close(cache.frame_means()[1][:, :, 0], v_means[:, :, 2])
+    for k, want in zip(cache.k, newest, strict=True):
+        assert torch.equal(k[:, :t], want)
     with pytest.raises(IndexError):
-        cache.read_frame(3)
+        cache.copy_frame(3, 0)
 
 
 def test_prompt_padding_matches_explicit_zero_rows(model):

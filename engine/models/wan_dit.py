@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.models.fp8 import Fp8Linear
+from engine.models.fp8 import FP8_DTYPE, Fp8Linear, quantize_rows
 
 try:  # flash-attn exists only on GPU machines; SDPA is the portable path.
     from flash_attn import flash_attn_func as _flash_attn_func
@@ -130,17 +130,22 @@ class _LayerKV:
     def num_layers(self) -> int:
         return len(self.k)
 
-    def _map(self: _C, fn: Callable[[Tensor], Tensor], **changes: Any) -> _C:
-        return dataclasses.replace(self, k=[fn(t) for t in self.k], v=[fn(t) for t in self.v], **changes)
+    def buffer_lists(self) -> dict[str, list[Tensor]]:
+        """Every per-layer tensor list by field name, each tensor ``[B, S, heads, *]`` in token order, so an
+        operation along the batch or token axis applies to all of them alike."""
+        return {"k": self.k, "v": self.v}
+
+    def map_buffers(self: _C, fn: Callable[[Tensor], Tensor], **changes: Any) -> _C:
+        """A copy with every tensor of :meth:`buffer_lists` through ``fn`` (and ``changes`` to other fields)."""
+        lists = {name: [fn(t) for t in tensors] for name, tensors in self.buffer_lists().items()}
+        return dataclasses.replace(self, **lists, **changes)
 
     def to(self: _C, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> _C:
         """A copy on ``device`` / in ``dtype`` (e.g. offload to host memory and back)."""
-        return self._map(lambda t: t.to(device=device, dtype=dtype, copy=True))
+        return self.map_buffers(lambda t: t.to(device=device, dtype=dtype, copy=True))
 
     def _tensor_items(self) -> dict[str, Tensor]:
-        out = {f"k.{i}": t for i, t in enumerate(self.k)}
-        out.update({f"v.{i}": t for i, t in enumerate(self.v)})
-        return out
+        return {f"{name}.{i}": t for name, tensors in self.buffer_lists().items() for i, t in enumerate(tensors)}
 
     @staticmethod
     def _layer_lists(state: dict[str, Tensor]) -> tuple[list[Tensor], list[Tensor]]:
@@ -164,7 +169,7 @@ class PromptCache(_LayerKV):
 
     def select_rows(self, rows: Sequence[int] | Tensor) -> PromptCache:
         idx = _row_index(rows, self.k[0].device)
-        return self._map(lambda t: t.index_select(0, idx))
+        return self.map_buffers(lambda t: t.index_select(0, idx))
 
     @classmethod
     def concat(cls, caches: Sequence[PromptCache]) -> PromptCache:
@@ -192,6 +197,14 @@ class KVCache(_LayerKV):
     ``[0, sink_frames)`` hold absolute frames ``[0, sink_frames)`` once written; positions
     ``[sink_frames, local_end)`` hold the most recent frames before ``global_end``, oldest first. Keys are
     stored after RoPE rotation, so they keep the position they were written with.
+
+    Stored in fp8 (precision fp8-kv), the buffers hold float8 e4m3 values and ``k_scale``/``v_scale`` one
+    float32 scale per token and head, ``[B, S, heads, 1]`` (value = fp8 * scale, scale = amax / 448 over
+    the head's channels, :func:`engine.models.fp8.quantize_rows`). The scales sit in the buffers' token
+    layout and are in :meth:`buffer_lists`, so every operation on tokens or rows (eviction, sink copies,
+    row selection and concatenation, window resizes, offloading, parking, shipping blocks between
+    pipeline ranks) carries a token's scale with its values. Otherwise the scale lists are empty.
+    :meth:`write` quantises, :meth:`attended` dequantises; ``to(dtype=...)`` converts between the two.
     """
 
     frame_tokens: int
@@ -199,6 +212,57 @@ class KVCache(_LayerKV):
     sink_frames: int
     global_end: list[int]
     local_end: int = 0
+    k_scale: list[Tensor] = dataclasses.field(default_factory=list)
+    v_scale: list[Tensor] = dataclasses.field(default_factory=list)
+
+    def buffer_lists(self) -> dict[str, list[Tensor]]:
+        return {"k": self.k, "v": self.v, "k_scale": self.k_scale, "v_scale": self.v_scale}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """How the keys and values are stored: ``float8_e4m3fn`` (with scales) or a float dtype."""
+        return self.k[0].dtype
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype == FP8_DTYPE
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        """A copy on ``device`` stored in ``dtype``: ``float8_e4m3fn`` quantises (a scale per token and
+        head), a float dtype from fp8 dequantises; between float dtypes a cast."""
+        moved = self.map_buffers(lambda t: t.to(device=device, copy=True))
+        if dtype is None or dtype == self.dtype:
+            return moved
+        if dtype == FP8_DTYPE:
+            pairs = [quantize_rows(t) for t in (*moved.k, *moved.v)]
+            n = self.num_layers
+            q, scales = [p[0] for p in pairs], [p[1] for p in pairs]
+            return dataclasses.replace(moved, k=q[:n], v=q[n:], k_scale=scales[:n], v_scale=scales[n:])
+        if self.fp8:
+            return dataclasses.replace(moved, k=_dequantized(moved.k, moved.k_scale, dtype),
+                                       v=_dequantized(moved.v, moved.v_scale, dtype), k_scale=[], v_scale=[])
+        return moved.map_buffers(lambda t: t.to(dtype))
+
+    # -- what a forward reads and writes ---------------------------------------------------------------
+
+    def write(self, layer: int, start: int, end: int, k: Tensor, v: Tensor) -> None:
+        """Store block ``layer``'s keys and values ``[B, end - start, heads, hd]`` at buffer tokens
+        ``[start, end)`` (quantised, with their scales, in fp8)."""
+        for buf, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            if self.fp8:
+                q, scale = quantize_rows(new)
+                buf[layer][:, start:end] = q
+                scales[layer][:, start:end] = scale
+            else:
+                buf[layer][:, start:end] = new.to(buf[layer].dtype)
+
+    def attended(self, layer: int, end: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Block ``layer``'s keys and values of buffer tokens ``[0, end)`` in ``dtype`` (dequantised in fp8)."""
+        if self.fp8:
+            k = _dequantized([self.k[layer][:, :end]], [self.k_scale[layer][:, :end]], dtype)[0]
+            v = _dequantized([self.v[layer][:, :end]], [self.v_scale[layer][:, :end]], dtype)[0]
+            return k, v
+        return self.k[layer][:, :end].to(dtype), self.v[layer][:, :end].to(dtype)
 
     # -- write planning --------------------------------------------------------------------------
 
@@ -251,34 +315,34 @@ class KVCache(_LayerKV):
         keep_from, keep_to = self.sink_frames + frames, self.local_end
         dst = self.sink_frames * t
         n = (keep_to - keep_from) * t
-        for buf in (*self.k, *self.v):
+        for buf in self._buffers():
             # clone: source and destination ranges overlap.
             buf[:, dst : dst + n] = buf[:, keep_from * t : keep_to * t].clone()
         self.local_end -= frames
 
+    def _buffers(self) -> Iterator[Tensor]:
+        return (t for tensors in self.buffer_lists().values() for t in tensors)
+
     # -- per-frame access (adaptive sinks) --------------------------------------------------------
 
-    def read_frame(self, position: int) -> tuple[list[Tensor], list[Tensor]]:
-        """Keys/values of buffer frame ``position`` for every block, each ``[B, frame_tokens, heads, hd]``."""
-        sl = self._frame_slice(position)
-        return [k[:, sl].clone() for k in self.k], [v[:, sl].clone() for v in self.v]
-
-    def replace_frame(self, position: int, k: Sequence[Tensor], v: Sequence[Tensor]) -> None:
-        """Overwrite buffer frame ``position`` (e.g. a sink frame) in every block; keys must be RoPE-rotated."""
-        if len(k) != self.num_layers or len(v) != self.num_layers:
-            raise ValueError(f"replace_frame needs {self.num_layers} key and value tensors, got {len(k)}/{len(v)}")
-        sl = self._frame_slice(position)
-        for buf, new in zip((*self.k, *self.v), (*k, *v), strict=True):
-            buf[:, sl] = new
+    def copy_frame(self, source: int, target: int) -> None:
+        """Copy buffer frame ``source`` over frame ``target`` (e.g. the newest frame over a sink) in every
+        block, bit for bit (in fp8 with its scales; keys keep the rotation they were written with)."""
+        src, dst = self._frame_slice(source), self._frame_slice(target)
+        for buf in self._buffers():
+            buf[:, dst] = buf[:, src].clone()
 
     def frame_means(self) -> tuple[Tensor, Tensor]:
         """Mean key and value of each filled buffer frame: two ``[layers, B, local_end, heads, hd]`` tensors."""
         n, t = self.local_end, self.frame_tokens
 
-        def means(bufs: list[Tensor]) -> Tensor:
-            return torch.stack([b[:, : n * t].unflatten(1, (n, t)).float().mean(2) for b in bufs])
+        def means(bufs: list[Tensor], scales: list[Tensor]) -> Tensor:
+            filled = [b[:, : n * t] for b in bufs]
+            if self.fp8:
+                filled = _dequantized(filled, [s[:, : n * t] for s in scales], torch.float32)
+            return torch.stack([b.unflatten(1, (n, t)).float().mean(2) for b in filled])
 
-        return means(self.k), means(self.v)
+        return means(self.k, self.k_scale), means(self.v, self.v_scale)
 
     def _frame_slice(self, position: int) -> slice:
         if not 0 <= position < self.local_end:
@@ -297,12 +361,15 @@ class KVCache(_LayerKV):
     def from_state_dict(cls, state: dict[str, Tensor]) -> KVCache:
         frame_tokens, window, sink, local_end = (int(x) for x in state["meta"].tolist())
         k, v = cls._layer_lists(state)
-        return cls(k, v, frame_tokens, window, sink, [int(g) for g in state["global_end"].tolist()], local_end)
+        scales = [[state[f"{name}.{i}"] for i in range(len(k)) if f"{name}.{i}" in state]
+                  for name in ("k_scale", "v_scale")]
+        return cls(k, v, frame_tokens, window, sink, [int(g) for g in state["global_end"].tolist()], local_end,
+                   *scales)
 
     def select_rows(self, rows: Sequence[int] | Tensor) -> KVCache:
         idx = _row_index(rows, self.k[0].device)
         ends = [self.global_end[i] for i in idx.tolist()]
-        return self._map(lambda t: t.index_select(0, idx), global_end=ends)
+        return self.map_buffers(lambda t: t.index_select(0, idx), global_end=ends)
 
     @classmethod
     def concat(cls, caches: Sequence[KVCache]) -> KVCache:
@@ -310,33 +377,33 @@ class KVCache(_LayerKV):
         if not caches:
             raise ValueError("KVCache.concat needs at least one cache")
         first = caches[0]
+
+        def shape(c: KVCache) -> tuple[int, int, int, int, torch.dtype]:
+            return c.frame_tokens, c.window_frames, c.sink_frames, c.local_end, c.dtype
+
         for c in caches[1:]:
-            if (c.frame_tokens, c.window_frames, c.sink_frames, c.local_end) != (
-                first.frame_tokens,
-                first.window_frames,
-                first.sink_frames,
-                first.local_end,
-            ):
+            if shape(c) != shape(first):
                 raise ValueError(
-                    "KVCache.concat needs equal frame_tokens/window/sink/fill level, got "
-                    f"{(first.frame_tokens, first.window_frames, first.sink_frames, first.local_end)} and "
-                    f"{(c.frame_tokens, c.window_frames, c.sink_frames, c.local_end)}"
+                    f"KVCache.concat needs equal frame_tokens/window/sink/fill level/storage, got {shape(first)} "
+                    f"and {shape(c)}"
                 )
-        n = first.num_layers
-        return cls(
-            [torch.cat([c.k[i] for c in caches]) for i in range(n)],
-            [torch.cat([c.v[i] for c in caches]) for i in range(n)],
-            first.frame_tokens,
-            first.window_frames,
-            first.sink_frames,
-            [g for c in caches for g in c.global_end],
-            first.local_end,
-        )
+
+        def cat(lists: Sequence[list[Tensor]]) -> list[Tensor]:  # one list per cache -> one per layer
+            return [torch.cat(layer) for layer in zip(*lists, strict=True)]
+
+        return dataclasses.replace(first, k=cat([c.k for c in caches]), v=cat([c.v for c in caches]),
+                                   k_scale=cat([c.k_scale for c in caches]), v_scale=cat([c.v_scale for c in caches]),
+                                   global_end=[g for c in caches for g in c.global_end])
 
     def split(self, sizes: Sequence[int] | None = None) -> list[KVCache]:
         """Split rows back into consecutive groups (default: one cache per row)."""
         bounds = _split_bounds(self.batch_size, sizes)
         return [self.select_rows(list(range(a, b))) for a, b in bounds]
+
+
+def _dequantized(values: Sequence[Tensor], scales: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """fp8 ``values`` times their ``scales`` in float32 (one rounding to ``dtype`` at the end)."""
+    return [(q.float() * s).to(dtype) for q, s in zip(values, scales, strict=True)]
 
 
 def _row_index(rows: Sequence[int] | Tensor, device: torch.device) -> Tensor:
@@ -585,10 +652,8 @@ class WanBlock(nn.Module):
             # Write first, then attend to the buffer up to our end: this is [visible cached frames ; own
             # frames], and it excludes slots a rewrite replaces and frames the window has just evicted.
             start, end = sa.write
-            kb, vb = sa.cache.k[layer], sa.cache.v[layer]
-            kb[:, start:end] = k.to(kb.dtype)
-            vb[:, start:end] = v.to(vb.dtype)
-            k, v = kb[:, :end].to(q.dtype), vb[:, :end].to(q.dtype)
+            sa.cache.write(layer, start, end, k, v)
+            k, v = sa.cache.attended(layer, end, q.dtype)
             if sa.sparse is not None:
                 return at.o(block_sparse_attention(q, k, v, sa.sparse).flatten(2))
         return at.o(attention(q, k, v, sa.mask).flatten(2))
@@ -758,17 +823,24 @@ class CausalWanDiT(nn.Module):
         return PromptCache(list(ks), list(vs))
 
     def new_kv_cache(self, batch: int, frame_tokens: int, window_frames: int, sink_frames: int = 0,
-                     device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> KVCache:
-        """An empty self-attention cache holding ``window_frames`` latent frames per row."""
+                     device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                     layers: int | None = None) -> KVCache:
+        """An empty self-attention cache holding ``window_frames`` latent frames per row, stored in ``dtype``
+        (default the weights'; ``float8_e4m3fn``: fp8 with scales), of ``layers`` blocks (default all)."""
         if not 0 <= sink_frames < window_frames:
             raise ValueError(f"need 0 <= sink_frames < window_frames, got {sink_frames} and {window_frames}")
         cfg = self.config
+        n = cfg.num_layers if layers is None else layers
         shape = (batch, window_frames * frame_tokens, cfg.num_heads, cfg.head_dim)
         device = self.device if device is None else device
         dtype = self.dtype if dtype is None else dtype
-        k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-        v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-        return KVCache(k, v, frame_tokens, window_frames, sink_frames, [0] * batch)
+        k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n)]
+        v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n)]
+        cache = KVCache(k, v, frame_tokens, window_frames, sink_frames, [0] * batch)
+        if dtype == FP8_DTYPE:
+            cache.k_scale = [torch.zeros((*shape[:3], 1), device=device) for _ in range(n)]
+            cache.v_scale = [torch.zeros((*shape[:3], 1), device=device) for _ in range(n)]
+        return cache
 
     # -- forward passes -----------------------------------------------------------------------------
 

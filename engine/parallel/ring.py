@@ -376,7 +376,7 @@ class RingRuntime:
     def _build(self, m: int, rows: list[_Slot]) -> Message:
         """Group the rows by cache fill level and geometry (token count, KV window, sinks), precision and
         attention sparsity (one batched forward each) and describe them."""
-        groups: dict[tuple[int, int, tuple[int, int, int], str, float], list[tuple[int, dict[str, Any]]]] = {}
+        groups: dict[tuple[int, int, tuple[int, int, int, str], str, float], list[tuple[int, dict[str, Any]]]] = {}
         tensors: dict[str, Tensor] = {}
         self._sent[m] = rows
         for key, slot in enumerate(rows):
@@ -384,7 +384,7 @@ class RingRuntime:
             w, h = self.rt.engine_size(st.size, st.fidelity)
             sc = self.rt.vae.spatial_compression
             geom = (self.rt.dit.config.frame_tokens(h // sc, w // sc), st.fidelity.kv_window_frames,
-                    self.rt.config.sink_frames)
+                    self.rt.config.sink_frames, st.fidelity.precision)
             last = s.step + 1 == len(s.timesteps)
             row = {"key": key, "sid": st.stream_id, "step": s.step, "last": last, "t": s.timesteps[s.step],
                    "t_next": None if last else s.timesteps[s.step + 1], "frame": s.frame, "rope": s.rope,

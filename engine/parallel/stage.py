@@ -81,17 +81,19 @@ class Stage:
     # -- per-stream state ---------------------------------------------------------------------------
 
     def cache_for(self, row: dict[str, Any]) -> KVCache:
-        """The (stream, step) cache of this rank's blocks, created or re-windowed to the row's geometry."""
+        """The (stream, step) cache of this rank's blocks, created, re-windowed or converted to the row's
+        geometry and storage (fp8 at precision fp8-kv), as ``StreamRuntime._fit_caches`` does."""
         key = (row["sid"], row["step"])
-        frame_tokens, window, sink = row["geom"]
+        frame_tokens, window, sink, precision = row["geom"]
+        dtype = self.rt.kv_dtype(precision)
         cache = self.kv.get(key)
         if cache is None:
-            shape = (1, window * frame_tokens, self.dit.config.num_heads, self.dit.config.head_dim)
-            n = len(self.blocks)
-            z = [torch.zeros(shape, device=self.device, dtype=self.dit.dtype) for _ in range(2 * n)]
-            cache = self.kv[key] = KVCache(z[:n], z[n:], frame_tokens, window, sink, [0])
-        elif cache.window_frames != window:
+            cache = self.kv[key] = self.dit.new_kv_cache(1, frame_tokens, window, sink, dtype=dtype,
+                                                         layers=len(self.blocks))
+        if cache.window_frames != window:
             cache = self.kv[key] = resize_window(cache, window)
+        if cache.dtype != dtype:
+            cache = self.kv[key] = cache.to(dtype=dtype)
         return cache
 
     def fit(self, meta: dict[str, Any]) -> None:
@@ -118,7 +120,7 @@ class Stage:
     def _apply_refresh(self, decisions: Sequence[tuple[str, int, int, int]]) -> None:
         for sid, step, worst, newest in decisions:
             cache = self.kv[(sid, step)]
-            cache.replace_frame(worst, *cache.read_frame(newest))
+            cache.copy_frame(newest, worst)
 
     def add_prompt(self, sid: str, version: int, text: Tensor, loras: dict[str, float]) -> None:
         self.text[(sid, version)] = text
@@ -254,16 +256,21 @@ class Stage:
             outgoing = [b for b in old[me] if b in new[q]] if q != me else []
             if outgoing:
                 channel.send(q, self._pack_blocks(outgoing))
-        received: dict[int, tuple[dict[tuple[str, int], tuple[Tensor, Tensor]], dict[str, Tensor]]] = {}
+        received: dict[int, tuple[dict[tuple[str, int], dict[str, Tensor]], dict[str, Tensor]]] = {}
         for q in range(self.world):
             if q != me and any(b in new[me] for b in old[q]):
                 received.update(self._unpack_blocks(channel.recv(q)))
         channel.flush()
         mine = {b: j for j, b in enumerate(old[me])}
+
+        def moved(key: tuple[str, int], name: str, layers: list[Tensor]) -> list[Tensor]:
+            return [layers[mine[b]] if b in mine else received[b][0][key][name] for b in new[me]] if layers else []
+
         for key, cache in list(self.kv.items()):
-            k = [cache.k[mine[b]] if b in mine else received[b][0][key][0] for b in new[me]]
-            v = [cache.v[mine[b]] if b in mine else received[b][0][key][1] for b in new[me]]
-            self.kv[key] = dataclasses.replace(cache, k=k, v=v)
+            # Keys, values and, in fp8, their scales: each block's tensors of every list travel together.
+            self.kv[key] = dataclasses.replace(cache, k=moved(key, "k", cache.k), v=moved(key, "v", cache.v),
+                                               k_scale=moved(key, "k_scale", cache.k_scale),
+                                               v_scale=moved(key, "v_scale", cache.v_scale))
         for b, (_, weights) in received.items():
             if not weights:  # weights="all": the rank has the block's weights already
                 continue
@@ -284,16 +291,16 @@ class Stage:
         keys = list(self.kv)
         for b in blocks:
             for n, key in enumerate(keys):
-                cache = self.kv[key]
-                tensors[f"k.{b}.{n}"] = cache.k[mine[b]]
-                tensors[f"v.{b}.{n}"] = cache.v[mine[b]]
+                for name, layers in self.kv[key].buffer_lists().items():
+                    if layers:
+                        tensors[f"{name}.{b}.{n}"] = layers[mine[b]]
             if self.weights == "own":
                 for name, w in self.dit.blocks[b].state_dict().items():
                     tensors[f"w.{b}.{name}"] = w
         fills = [(self.kv[k].local_end, self.kv[k].global_end) for k in keys]
         return Message({"op": "blocks", "blocks": blocks, "keys": keys, "fills": fills}, tensors)
 
-    def _unpack_blocks(self, msg: Message) -> dict[int, tuple[dict[tuple[str, int], tuple[Tensor, Tensor]], dict[str, Tensor]]]:
+    def _unpack_blocks(self, msg: Message) -> dict[int, tuple[dict[tuple[str, int], dict[str, Tensor]], dict[str, Tensor]]]:
         meta, ts = msg.meta, msg.tensors
         keys = [tuple(k) for k in meta["keys"]]
         if set(keys) != set(self.kv):
@@ -304,7 +311,8 @@ class Stage:
                 raise RuntimeError(f"rank {self.rank}: cache {key} fill level differs between ranks")
         out = {}
         for b in meta["blocks"]:
-            kv = {key: (ts[f"k.{b}.{n}"], ts[f"v.{b}.{n}"]) for n, key in enumerate(keys)}
+            kv = {key: {name: ts[f"{name}.{b}.{n}"] for name, layers in self.kv[key].buffer_lists().items() if layers}
+                  for n, key in enumerate(keys)}
             prefix = f"w.{b}."
             weights = {name[len(prefix):]: t for name, t in ts.items() if name.startswith(prefix)}
             out[b] = (kv, weights)

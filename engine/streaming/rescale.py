@@ -8,7 +8,8 @@ its context instead of restarting:
   rotated back along rows and columns (the frame part stays: positions along time do not change),
   keys and values are resampled on the token grid (area average when shrinking, bilinear when
   growing), and the keys are rotated again for their positions on the new grid. Sinks, window and
-  fill level (``local_end``, ``global_end``) stay as they are; only ``frame_tokens`` changes.
+  fill level (``local_end``, ``global_end``) stay as they are; only ``frame_tokens`` changes. An fp8
+  cache (precision fp8-kv) is dequantised first and quantised again after.
 * Stream VAE caches (encoder and decoder): every cached feature map is resampled; each one's spatial
   size is the frame size divided by its level's downsampling, so it scales with the frame size.
 * The noise controller's last input frame, which is kept at the engine size.
@@ -86,6 +87,8 @@ def rescale_kv_cache(cache: KVCache, dit_config: WanDiTConfig, old_grid: tuple[i
         raise ValueError(f"a {rows}x{cols} token grid does not match the cache's {cache.frame_tokens} tokens per frame")
     if new_grid == old_grid:
         return cache.to()
+    if cache.fp8:  # resampled in float32, stored in fp8 again with each new token's own scales
+        return rescale_kv_cache(cache.to(dtype=torch.float32), dit_config, old_grid, new_grid).to(dtype=cache.dtype)
     device = cache.k[0].device if cache.k else torch.device("cpu")
     old_rope = grid_rope_tables(dit_config, rows, cols, device)
     new_rope = grid_rope_tables(dit_config, *new_grid, device)

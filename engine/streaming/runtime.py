@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from engine.aspect import StreamSizes, crop_box, fit_size
-from engine.fidelity import FP8_LINEAR_PRECISION, FidelityConfig, unsupported_reason
+from engine.fidelity import FidelityConfig, fp8_kv_in, fp8_linears_in, unsupported_reason
 from engine.models.bf16_weights import keep_bf16_weights
-from engine.models.fp8 import fp8_linear_supported, fp8_linears
+from engine.models.fp8 import FP8_DTYPE, fp8_linear_supported, fp8_linears
 from engine.models.lora import LoRABank, check_strengths
 from engine.models.wan_dit import CausalWanDiT, KVCache, PromptCache
 from engine.sampling import NoiseSource, SamplerPreset, renoise, v2v_input, x0_from_velocity
@@ -182,10 +182,11 @@ class ChunkInFlight:
 
     def batch_key(self, per_step: bool = True) -> tuple[object, ...]:
         """Chunks with equal keys may share one forward: same precision and sparsity, and the cache
-        they use now at the same fill level and geometry."""
+        they use now at the same fill level, geometry and storage (a stream that switched to or from
+        fp8-kv converted its caches while an older chunk of it was still in flight)."""
         cache = self.state.kv[self.step if per_step else 0] if self.state.kv else None
-        fill = (cache.local_end, self.frame - cache.global_end[0], cache.frame_tokens, cache.window_frames) \
-            if cache is not None else None
+        fill = (cache.local_end, self.frame - cache.global_end[0], cache.frame_tokens, cache.window_frames,
+                cache.dtype) if cache is not None else None
         fid = self.fidelity
         return (fid.precision, fid.attention_sparsity, tuple(self.x.shape[1:]), fill)
 
@@ -762,19 +763,28 @@ class StreamRuntime:
         elif state.engine_size != size:
             rescale_state(state, self.dit.config, self.vae.spatial_compression, size)
 
+    def kv_dtype(self, precision: str) -> torch.dtype:
+        """How a stream at ``precision`` stores its KV cache: fp8 (fp8-kv) or the weights' dtype."""
+        return FP8_DTYPE if fp8_kv_in(precision) else self.dit.dtype
+
     def _fit_caches(self, state: StreamState) -> None:
-        """Make the caches match the stream's fidelity (engine size, count of step caches, window size)."""
+        """Make the caches match the stream's fidelity (engine size, count of step caches, window size,
+        storage: a switch to or from fp8-kv converts the cached keys and values, context kept)."""
         self.fit_engine_size(state)
         w, h = self.engine_size(state.size, state.fidelity)
         sc = self.vae.spatial_compression
         frame_tokens = self.dit.config.frame_tokens(h // sc, w // sc)
         window = state.fidelity.kv_window_frames
         wanted = state.fidelity.steps if self.config.cache_mode == "per-step" else 1
+        dtype = self.kv_dtype(state.fidelity.precision)
         if state.kv and state.kv[0].window_frames != window:
             state.kv = [resize_window(c, window) for c in state.kv]
+        if state.kv and state.kv[0].dtype != dtype:
+            state.kv = [c.to(dtype=dtype) for c in state.kv]
         if not state.kv:
             state.kv = [
-                self.dit.new_kv_cache(1, frame_tokens, window, self.config.sink_frames) for _ in range(wanted)
+                self.dit.new_kv_cache(1, frame_tokens, window, self.config.sink_frames, dtype=dtype)
+                for _ in range(wanted)
             ]
         # A step added mid-stream starts from the deepest step's context (StreamDiffusionV2 likewise
         # initialises every step cache from one warm-up pass).
@@ -823,11 +833,13 @@ class StreamRuntime:
         steps): bf16 autocast over fp32 weights (convolutions and matrix products in bf16, the
         reductions and the outputs' sums as autocast keeps them, in fp32); fp8-linear: the same, and the
         DiT blocks' linears in fp8 (engine/models/fp8.py; :meth:`check_fidelity` admits it only where
-        the fp8 GEMM runs, so here it is the kernel, or the emulation a test asks for)."""
+        the fp8 GEMM runs, so here it is the kernel, or the emulation a test asks for); fp8-kv: bf16, the
+        KV cache's fp8 storage being the cache's own (:meth:`kv_dtype`, fitted at the chunk boundary)."""
+        bf16 = precision == "bf16" or fp8_linears_in(precision) or fp8_kv_in(precision)
         with contextlib.ExitStack() as stack:
-            if precision in ("bf16", FP8_LINEAR_PRECISION) and self.dit.dtype == torch.float32:
+            if bf16 and self.dit.dtype == torch.float32:
                 stack.enter_context(torch.autocast(device_type=self.device.type, dtype=torch.bfloat16))
-            if precision == FP8_LINEAR_PRECISION:
+            if fp8_linears_in(precision):
                 stack.enter_context(fp8_linears())
             yield
 
@@ -866,8 +878,7 @@ def refresh_sinks(cache: KVCache, chunk_frames: int, tau: float) -> bool:
     worst = int(torch.argmin(sim))
     if float(sim[worst]) >= tau:
         return False
-    k, v = cache.read_frame(newest)
-    cache.replace_frame(worst, k, v)
+    cache.copy_frame(newest, worst)
     return True
 
 
@@ -877,18 +888,15 @@ def resize_window(cache: KVCache, window: int) -> KVCache:
     keep = min(cache.local_end, window)
     recent = keep - min(cache.sink_frames, keep)
     src_recent = slice((cache.local_end - recent) * t, cache.local_end * t)
-    k, v = [], []
-    for old_k, old_v in zip(cache.k, cache.v, strict=True):
-        new_k = old_k.new_zeros((old_k.shape[0], window * t, *old_k.shape[2:]))
-        new_v = old_v.new_zeros((old_v.shape[0], window * t, *old_v.shape[2:]))
-        sink_tokens = min(cache.sink_frames, keep) * t
-        new_k[:, :sink_tokens] = old_k[:, :sink_tokens]
-        new_v[:, :sink_tokens] = old_v[:, :sink_tokens]
-        new_k[:, sink_tokens : sink_tokens + recent * t] = old_k[:, src_recent]
-        new_v[:, sink_tokens : sink_tokens + recent * t] = old_v[:, src_recent]
-        k.append(new_k)
-        v.append(new_v)
-    return replace(cache, k=k, v=v, window_frames=window, local_end=keep)
+    sink_tokens = min(cache.sink_frames, keep) * t
+
+    def resized(old: torch.Tensor) -> torch.Tensor:  # keys, values, and in fp8 their scales alike
+        new = old.new_zeros((old.shape[0], window * t, *old.shape[2:]))
+        new[:, :sink_tokens] = old[:, :sink_tokens]
+        new[:, sink_tokens : sink_tokens + recent * t] = old[:, src_recent]
+        return new
+
+    return cache.map_buffers(resized, window_frames=window, local_end=keep)
 
 
 def fit_frames(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
