@@ -1,12 +1,20 @@
-"""fp8 linears' error against bf16: the DiT's output and the decoded frames of a whole stream.
+"""fp8 linears' and the fp8 KV cache's error against bf16: the DiT's output and the decoded frames of a stream.
 
-Two figures per model, both against the same computation in bf16 (precision bf16):
+For fp8 linears (precision fp8-linear), both against the same computation in bf16 (precision bf16):
 
 * ``dit_rel_error``: ||v_fp8 - v_bf16|| / ||v_bf16|| of one DiT forward (velocity of one random 3-frame
   latent chunk at t = 500, the model's own size), beside bf16's own error against fp32 for scale;
 * ``psnr_db``: PSNR of the decoded frames of a stream run at precision fp8-linear against the same
   stream (same seed, same synthetic clip, engine.profiler.synthetic_clip) at bf16, per chunk, and
   bf16 against fp32 for scale.
+
+For the fp8 KV cache (precision fp8-kv: bf16 with the cache in e4m3, a scale per token and head):
+
+* ``kv_dit_rel_error``: the same velocity, the chunk attending to 3 cached frames of context and to
+  itself through an fp8 cache, against a bf16 cache (both under bf16 autocast);
+* ``kv_psnr_db`` / ``kv_psnr_db_vs_fp32``: the stream at fp8-kv against bf16 and against fp32;
+* ``kv_mb``: the stream's KV caches' MiB at each precision (``StreamState.nbytes_by_part``, scales
+  included), what ``bench engine``'s ``state_parts_mb`` reports as ``kv``.
 
 On a GPU whose torch runs the fp8 GEMM the fp8 path is the kernel (``--emulate``: the CPU emulation
 there too); elsewhere it is the emulation (engine/models/fp8.py), admitted here although the engine
@@ -62,10 +70,20 @@ def dit_errors(pipe: Pipeline, emulate: bool, seed: int) -> dict[str, float]:
     out = {"dit_rel_error": _rel(fp8, bf16)}
     if fp32 is not None:
         out["dit_rel_error_bf16_vs_fp32"] = _rel(bf16, fp32)
+    context = torch.randn(x.shape, generator=g).to(dit.device)
+    cached = {}
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        cache = dit.new_kv_cache(1, cfg.frame_tokens(*x.shape[-2:]), 6, dtype=dtype)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dit.dtype == torch.float32):
+            dit(context, torch.zeros(1), prompt, cache, 0)  # the clean pass that caches the context
+            cached[dtype] = dit(x, t, prompt, cache, 3)
+    out["kv_dit_rel_error"] = _rel(cached[torch.float8_e4m3fn], cached[torch.bfloat16])
     return out
 
 
-def stream_frames(pipe: Pipeline, precision: str, chunks: int, seed: int, emulate: bool) -> list[np.ndarray]:
+def stream_frames(pipe: Pipeline, precision: str, chunks: int, seed: int, emulate: bool,
+                  kv_mb: dict[str, float]) -> list[np.ndarray]:
+    """The stream's decoded chunks at ``precision``; its KV caches' MiB go into ``kv_mb[precision]``."""
     size = pipe.default_size
     clip = synthetic_clip(size, pipe.first_chunk_frames + chunks * pipe.chunk_frames, seed)
     fidelity = replace(FidelityConfig(), kv_window_frames=pipe.runtime.config.kv_window_frames, precision=precision,
@@ -76,6 +94,7 @@ def stream_frames(pipe: Pipeline, precision: str, chunks: int, seed: int, emulat
         out = [stream.process(clip[: pipe.first_chunk_frames])]
         for k in range(chunks):
             out.append(stream.process(rest[k * pipe.chunk_frames : (k + 1) * pipe.chunk_frames]))
+    kv_mb[precision] = round(stream.state.nbytes_by_part()["kv"] / 2**20, 3)
     return out
 
 
@@ -93,13 +112,18 @@ def measure(model: str, device: str, dtype: str, chunks: int, seed: int, emulate
                               "fp8_path": "torch._scaled_mm" if kernel else "emulated", "chunks": chunks,
                               "steps": len(pipe.runtime.preset.steps)}
     result.update(dit_errors(pipe, emulate=not kernel, seed=seed))
-    precisions = ["bf16", "fp8-linear"] + (["fp32"] if dtype == "fp32" else [])
-    frames = {p: stream_frames(pipe, p, chunks, seed, emulate=not kernel) for p in precisions}
+    precisions = ["bf16", "fp8-linear", "fp8-kv"] + (["fp32"] if dtype == "fp32" else [])
+    kv_mb: dict[str, float] = {}
+    frames = {p: stream_frames(pipe, p, chunks, seed, not kernel, kv_mb) for p in precisions}
+    clips = {p: np.concatenate(f) for p, f in frames.items()}
     per_chunk = [psnr(a, b) for a, b in zip(frames["fp8-linear"], frames["bf16"], strict=True)]
     result["psnr_db_per_chunk"] = [round(v, 2) for v in per_chunk]
-    result["psnr_db"] = round(psnr(np.concatenate(frames["fp8-linear"]), np.concatenate(frames["bf16"])), 2)
+    result["psnr_db"] = round(psnr(clips["fp8-linear"], clips["bf16"]), 2)
+    result["kv_psnr_db"] = round(psnr(clips["fp8-kv"], clips["bf16"]), 2)
     if "fp32" in frames:
-        result["psnr_db_bf16_vs_fp32"] = round(psnr(np.concatenate(frames["bf16"]), np.concatenate(frames["fp32"])), 2)
+        result["psnr_db_bf16_vs_fp32"] = round(psnr(clips["bf16"], clips["fp32"]), 2)
+        result["kv_psnr_db_vs_fp32"] = round(psnr(clips["fp8-kv"], clips["fp32"]), 2)
+    result["kv_mb"] = kv_mb
     return result
 
 

@@ -25,6 +25,10 @@ cut short keeps what it measured; a phase that fails records its error and the n
   fp8_linear precision fp8-linear (engine/models/fp8.py): whether the fp8 GEMM runs here, one DiT forward
              of a 1-latent-frame chunk at 832x480 in fp8 against bf16 (relative error, the kernel's and
              the emulation's) and both forwards' median ms
+  fp8_kv     precision fp8-kv (the KV cache in float8 e4m3 with a scale per token and head) beside bf16,
+             and fp8-linear-kv beside fp8-linear where the fp8 GEMM runs: one stream each at 832x480,
+             1 step, interleaved chunk by chunk after a full KV window of warm-up: median chunk and DiT
+             ms, the KV caches' MiB (scales included), PSNR of the decoded frames against bf16's
   fast_path  tests/test_gpu_fast_path.py under pytest (last: it passed on the first H100 run)
 
 ``--quick`` runs the same phases on the CPU with the tiny random model at its tiny size (CI runs it).
@@ -300,6 +304,51 @@ def fp8_linear(pipe: Pipeline, plan: Plan) -> dict[str, Any]:
     return result
 
 
+def fp8_kv(pipe: Pipeline, plan: Plan) -> dict[str, Any]:
+    from app.commands.bench import warmup_chunks
+    from engine.frames import frames_to_tensor, tensor_to_frames
+    from engine.models.fp8 import fp8_linear_supported
+    from engine.pipeline import StreamParams
+    from engine.profiler import psnr, synthetic_clip
+
+    rt = pipe.runtime
+    size = plan.sizes[0]
+    base = pipe.fidelity_for(StreamParams(prompt="oil painting", steps=1, size=size))
+    precisions = ["bf16", "fp8-kv"] + (["fp8-linear", "fp8-linear-kv"] if fp8_linear_supported(rt.device) else [])
+    states = {p: rt.open(f"kv-{p}", "oil painting", size, replace(base, precision=p), seed=0) for p in precisions}
+    clip = synthetic_clip(size, 64, seed=1)
+    warm = warmup_chunks(base.kv_window_frames, rt.config.chunk_latent_frames)
+    out: dict[str, list[np.ndarray]] = {p: [] for p in precisions}
+    chunk_s: dict[str, list[float]] = {p: [] for p in precisions}
+    dit_s: dict[str, list[float]] = {p: [] for p in precisions}
+    frame = 0
+    for k in range(warm + plan.batched_chunks):
+        n = pipe.first_chunk_frames if k == 0 else pipe.chunk_frames
+        chunk = frames_to_tensor(clip[np.arange(frame, frame + n) % len(clip)])
+        frame += n
+        for p in precisions:  # interleaved: drift hits every precision alike
+            t0 = rt.clock()
+            result = rt.run_chunks([states[p]], [chunk])[0]
+            seconds = rt.clock() - t0
+            out[p].append(tensor_to_frames(result.frames))
+            if k >= warm:
+                chunk_s[p].append(seconds)
+                dit_s[p].append(rt.last_timings.dit_s)
+    rows = []
+    for p in precisions:
+        parts = states[p].nbytes_by_part()
+        reference = "fp8-linear" if p == "fp8-linear-kv" else "bf16"
+        row = {"precision": p, "chunk_ms": round(1000 * float(np.median(chunk_s[p])), 2),
+               "dit_ms": round(1000 * float(np.median(dit_s[p])), 2),
+               "kv_mb": round(parts["kv"] / 2**20, 2), "state_mb": round(states[p].nbytes() / 2**20, 2)}
+        if p.endswith("-kv"):
+            row[f"psnr_db_vs_{reference}"] = round(psnr(np.concatenate(out[p]), np.concatenate(out[reference])), 2)
+        rows.append(row)
+    del states
+    release(rt.device)
+    return {"size": list(size), "steps": 1, "kv_window": base.kv_window_frames, "warmup_chunks": warm, "rows": rows}
+
+
 def reduced_profile(pipe: Pipeline, plan: Plan, path: Path) -> Any:
     precision = dtype_name(pipe.runtime.dit.dtype) if pipe.runtime.device.type == "cuda" else "fp32"
     run = ProfileRun(size=plan.sizes[0], chunks=plan.profile_chunks, first_repeats=1,
@@ -373,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     check.phase("dit_blocks", 15, lambda: dit_blocks(pipe, plan))
     check.phase("vae_layout", 20, lambda: vae_layouts(pipe, plan))
     check.phase("fp8_linear", 15, lambda: fp8_linear(pipe, plan))
+    check.phase("fp8_kv", 20, lambda: fp8_kv(pipe, plan))
     check.phase("fast_path", 20, lambda: fast_path_tests(max(10.0, min(90.0, check.left_s() - 5))))
     check.phase("done", 0, lambda: {"ok": not any("error" in v for v in check.doc.values() if isinstance(v, dict))})
     print(f"wrote {args.out}")

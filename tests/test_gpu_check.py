@@ -25,8 +25,8 @@ def test_quick_gpu_check_runs_every_phase_without_the_media_stack(tmp_path: Path
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    phases = ("env", "fast_path", "bench", "batched", "vae_layout", "dit_blocks", "fp8_linear", "profile", "serving",
-              "done")
+    phases = ("env", "fast_path", "bench", "batched", "vae_layout", "dit_blocks", "fp8_linear", "fp8_kv", "profile",
+              "serving", "done")
     assert {p: "result" in doc[p] for p in phases} == dict.fromkeys(phases, True), {p: doc[p] for p in phases}
     assert doc["done"]["result"]["ok"] and doc["media_stack_imported"] == []
     bench = doc["bench"]["result"]
@@ -37,6 +37,9 @@ def test_quick_gpu_check_runs_every_phase_without_the_media_stack(tmp_path: Path
     fp8 = doc["fp8_linear"]["result"]  # a CPU: no fp8 GEMM, the emulation's error only
     assert fp8["supported"] is False and set(fp8["forward_ms"]) == {"bf16", "emulated"}
     assert 1e-3 < fp8["rel_error_vs_bf16"]["emulated"] < 0.05
+    kv = {row["precision"]: row for row in doc["fp8_kv"]["result"]["rows"]}  # no fp8 GEMM: no fp8-linear-kv
+    assert set(kv) == {"bf16", "fp8-kv"} and 20 < kv["fp8-kv"]["psnr_db_vs_bf16"] < 100
+    assert kv["fp8-kv"]["kv_mb"] < 0.6 * kv["bf16"]["kv_mb"]  # fp32 weights here: a bf16 stream's cache is fp32
     profile = load_profile(out.with_name("check_profile.json"))
     assert {p.config.steps for p in profile.points} == {1, 2} and all(p.state_bytes > 0 for p in profile.points)
     runs = doc["serving"]["result"]
