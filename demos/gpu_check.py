@@ -29,9 +29,16 @@ cut short keeps what it measured; a phase that fails records its error and the n
              and fp8-linear-kv beside fp8-linear where the fp8 GEMM runs: one stream each at 832x480,
              1 step, interleaved chunk by chunk after a full KV window of warm-up: median chunk and DiT
              ms, the KV caches' MiB (scales included), PSNR of the decoded frames against bf16's
+  stage_timer the stage timer (engine/streaming/stage_timer.py): device-wide syncs per chunk and chunk ms
+             with CUDA events at the stage boundaries against a sync at each (the runtime before it),
+             alternated, one stream at 832x480, 1 step
+  compile    torch.compile (engine/compiled.py) at 832x480, 1 step, one stream: chunk and stage ms eager
+             against compiled, and the cold start (the warm-up with its compiles, an empty compile cache)
   fast_path  tests/test_gpu_fast_path.py under pytest (last: it passed on the first H100 run)
 
-``--quick`` runs the same phases on the CPU with the tiny random model at its tiny size (CI runs it).
+``--quick`` runs the same phases on the CPU with the tiny random model at its tiny size (CI runs it; its
+compile phase traces with the ``eager`` backend, which generates no code). ``--phases a,b`` runs only
+those phases (env always), e.g. ``--phases stage_timer,compile`` on a loan for those two.
 
     python demos/gpu_check.py --out docs/gpu/h100-check.json     # on one GPU
     python demos/gpu_check.py --quick --out /tmp/check.json      # anywhere, seconds
@@ -46,6 +53,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -91,13 +99,16 @@ class Plan:
         self.serving = [1, 2] if quick else [1, 2, 4, 8]
         self.serving_s = 3.0 if quick else 12.0
         self.fps = 6.0 if quick else 16.0
+        self.timer_chunks = 3 if quick else 20
+        self.compile_backend = "eager" if quick else "inductor"
 
 
 class Check:
     """The JSON being built: every phase's result or error, written after each phase."""
 
-    def __init__(self, out: Path, budget_s: float) -> None:
+    def __init__(self, out: Path, budget_s: float, phases: set[str] | None = None) -> None:
         self.out = out
+        self.phases = phases  # None: every phase
         self.start = time.monotonic()
         self.deadline = self.start + budget_s
         self.doc: dict[str, Any] = {"format": "diffcast-gpu-check/1", "started": time.strftime("%Y-%m-%d %H:%M UTC",
@@ -107,6 +118,8 @@ class Check:
         return self.deadline - time.monotonic()
 
     def phase(self, name: str, need_s: float, run: Callable[[], Any]) -> None:
+        if self.phases is not None and name not in self.phases | {"env", "done"}:
+            return
         if self.left_s() < need_s:
             self.doc[name] = {"skipped": f"{self.left_s():.0f} s of the budget left, the phase needs ~{need_s:.0f} s"}
         else:
@@ -349,6 +362,96 @@ def fp8_kv(pipe: Pipeline, plan: Plan) -> dict[str, Any]:
     return {"size": list(size), "steps": 1, "kv_window": base.kv_window_frames, "warmup_chunks": warm, "rows": rows}
 
 
+def stage_timer(pipe: Pipeline, plan: Plan) -> dict[str, Any]:
+    """Stage times from CUDA events (the runtime's timer) against a device-wide sync at each boundary, as
+    the runtime did before: the device-wide syncs inside each chunk (``torch.cuda.synchronize`` calls,
+    counted) and the chunk's wall time (one sync at its end), alternated chunk by chunk."""
+    from app.commands.bench import warmup_chunks
+    from engine.frames import frames_to_tensor
+    from engine.pipeline import StreamParams
+    from engine.profiler import synthetic_clip
+    from engine.streaming.stage_timer import StageTimer, WallMark
+
+    rt = pipe.runtime
+    size = plan.sizes[0]
+    fidelity = pipe.fidelity_for(StreamParams(prompt="oil painting", steps=1, size=size))
+    state = rt.open("timer", "oil painting", size, fidelity, seed=0)
+    clip = synthetic_clip(size, 64, seed=1)
+    real_sync = torch.cuda.synchronize
+    syncs = [0]
+
+    def counted_sync(*args: Any, **kwargs: Any) -> None:
+        syncs[0] += 1
+        if rt.device.type == "cuda":
+            real_sync(*args, **kwargs)
+
+    def synced_now() -> float:  # the clock the runtime used: a device-wide sync, then perf_counter
+        torch.cuda.synchronize(rt.device)
+        return time.perf_counter()
+
+    timers = {"events": StageTimer(rt.device), "synced": StageTimer(rt.device, lambda: WallMark(synced_now))}
+    own = rt.timer
+    runs: dict[str, dict[str, list[float]]] = {m: {"chunk": [], "stages": [], "syncs": [], "read": []} for m in timers}
+    warm = warmup_chunks(fidelity.kv_window_frames, rt.config.chunk_latent_frames)
+    frame = 0
+    torch.cuda.synchronize = counted_sync  # type: ignore[assignment]
+    try:
+        for k in range(warm + 2 * plan.timer_chunks):
+            mode = "events" if k % 2 else "synced"
+            rt.timer = timers[mode]
+            n = pipe.first_chunk_frames if k == 0 else pipe.chunk_frames
+            frames = frames_to_tensor(clip[np.arange(frame, frame + n) % len(clip)])
+            frame += n
+            t0 = rt.clock()
+            syncs[0] = 0
+            rt.run_chunks([state], [frames])
+            inside = syncs[0]
+            t1 = rt.clock()
+            timings = rt.last_timings
+            t2 = time.perf_counter()
+            if k >= warm:
+                run = runs[mode]
+                run["chunk"].append(t1 - t0)
+                run["stages"].append(timings.total_s)
+                run["syncs"].append(inside)
+                run["read"].append(t2 - t1)
+    finally:
+        torch.cuda.synchronize = real_sync  # type: ignore[assignment]
+        rt.timer = own
+
+    def median_ms(values: list[float]) -> float:
+        return round(1000 * float(np.median(values)), 3)
+
+    return {"size": list(size), "steps": 1, "chunks_each": plan.timer_chunks,
+            **{mode: {"syncs_per_chunk": float(np.mean(r["syncs"])), "chunk_ms": median_ms(r["chunk"]),
+                      "stages_ms": median_ms(r["stages"]), "read_ms": median_ms(r["read"])}
+               for mode, r in runs.items()}}
+
+
+def compile_speedup(pipe: Pipeline, plan: Plan) -> dict[str, Any]:
+    """One stream at the first size, 1 step: ``measure_row`` eager, then compiled at that shape
+    (engine/compiled.py, an empty cache: the cold start is the full compile), then the same row again."""
+    from engine.compiled import CompileShape, compile_pipeline
+    from engine.fidelity import FidelityConfig
+
+    size = plan.sizes[0]
+    keys = ("chunk_ms", "encode_ms", "dit_ms", "decode_ms", "first_chunk_ms")
+    eager = measure_row(pipe, size, 1, 1, plan.batched_chunks, stream_batch=False)
+    rt = pipe.runtime
+    shape = CompileShape(rt.engine_size(size, FidelityConfig()), 1, 1, FidelityConfig().precision)
+    # An empty compile cache (not under $OUT: the compiled code would travel back with the JSON).
+    with tempfile.TemporaryDirectory() as cache_dir:
+        compiled, report = compile_pipeline(pipe, [shape], backend=plan.compile_backend, cache_dir=Path(cache_dir))
+    try:
+        row = measure_row(pipe, size, 1, 1, plan.batched_chunks, stream_batch=False)
+        calls = compiled.stats()
+    finally:
+        compiled.remove()
+    return {"size": list(size), "steps": 1, "eager": {k: eager[k] for k in keys},
+            "compiled": {k: row[k] for k in keys}, "speedup": round(eager["chunk_ms"] / row["chunk_ms"], 3),
+            "compile": report.to_json(), "calls": calls}
+
+
 def reduced_profile(pipe: Pipeline, plan: Plan, path: Path) -> Any:
     precision = dtype_name(pipe.runtime.dit.dtype) if pipe.runtime.device.type == "cuda" else "fp32"
     run = ProfileRun(size=plan.sizes[0], chunks=plan.profile_chunks, first_repeats=1,
@@ -387,19 +490,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="the JSON file (default $OUT/gpu_check.json, else ./gpu_check.json)")
     parser.add_argument("--budget-s", type=float, default=290.0,
                         help="phases that would not finish inside this many seconds are skipped (default 290)")
+    parser.add_argument("--phases", default=None,
+                        help="comma-separated phases to run (default: all; env always runs)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     plan = Plan(args.quick)
     if plan.quick:
         torch.set_num_threads(min(2, torch.get_num_threads()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    check = Check(args.out, args.budget_s)
+    check = Check(args.out, args.budget_s, set(args.phases.split(",")) if args.phases else None)
     device = resolve_device(plan.device)
     check.phase("env", 0, lambda: env(device))
     t0 = time.monotonic()
     pipe = Pipeline.load(plan.model, device=str(device), dtype=resolve_dtype("auto", device))
     check.doc["model"] = {"name": plan.model, "dtype": dtype_name(pipe.runtime.dit.dtype),
                           "load_s": round(time.monotonic() - t0, 1)}
+    check.phase("stage_timer", 15, lambda: stage_timer(pipe, plan))
     check.phase("bench", 30, lambda: bench_rows(pipe, plan))
     check.phase("batched", 30, lambda: batched_rows(pipe, plan))
     profile_path = args.out.with_name(args.out.stem + "_profile.json")
@@ -415,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     check.phase("profile", 30, profile_phase)
     if "profile" in made:
         check.phase("serving", plan.serving_s + 10, lambda: serving(pipe, plan, made["profile"], check))
-    else:
+    elif check.phases is None or "serving" in check.phases:
         check.doc["serving"] = {"skipped": "no profile was measured"}
     # The smaller measurements and the correctness tests (they passed on the first H100 run) come last:
     # a run cut short by its budget keeps the figures the issues ask for first.
@@ -423,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     check.phase("vae_layout", 20, lambda: vae_layouts(pipe, plan))
     check.phase("fp8_linear", 15, lambda: fp8_linear(pipe, plan))
     check.phase("fp8_kv", 20, lambda: fp8_kv(pipe, plan))
+    # The compile comes after every eager measurement: its graphs stay in the process's caches.
+    check.phase("compile", 60, lambda: compile_speedup(pipe, plan))
     check.phase("fast_path", 20, lambda: fast_path_tests(max(10.0, min(90.0, check.left_s() - 5))))
     check.phase("done", 0, lambda: {"ok": not any("error" in v for v in check.doc.values() if isinstance(v, dict))})
     print(f"wrote {args.out}")

@@ -319,11 +319,16 @@ class ProfileResult:
     profile: FidelityProfile
     ssim: dict[FidelityConfig, float]  # mean SSIM against the reference, per config
     warp_ratio: dict[FidelityConfig, float] = field(default_factory=dict)  # against the teachers, where measured
+    # How the engine was compiled for the run (engine/compiled.py ``CompileReport.to_json``: the cold start
+    # and each shape's warm-up); None: it ran eager.
+    compile: dict[str, Any] | None = None
 
     def save(self, path: str | Path) -> None:
-        """The profile file, with each point's SSIM (and warp error ratio) beside its quality
-        (loaders ignore the extra keys)."""
+        """The profile file, with each point's SSIM (and warp error ratio) beside its quality and the
+        compile's report where the run was compiled (loaders ignore the extra keys)."""
         doc: dict[str, Any] = self.profile.to_json()
+        if self.compile is not None:
+            doc["compile"] = self.compile
         for raw, point in zip(doc["points"], self.profile.points, strict=True):
             raw["ssim"] = round(self.ssim[point.config], 5)
             if point.config in self.warp_ratio:

@@ -25,8 +25,8 @@ def test_quick_gpu_check_runs_every_phase_without_the_media_stack(tmp_path: Path
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    phases = ("env", "fast_path", "bench", "batched", "vae_layout", "dit_blocks", "fp8_linear", "fp8_kv", "profile",
-              "serving", "done")
+    phases = ("env", "fast_path", "stage_timer", "bench", "batched", "vae_layout", "dit_blocks", "fp8_linear", "fp8_kv",
+              "profile", "serving", "compile", "done")
     assert {p: "result" in doc[p] for p in phases} == dict.fromkeys(phases, True), {p: doc[p] for p in phases}
     assert doc["done"]["result"]["ok"] and doc["media_stack_imported"] == []
     bench = doc["bench"]["result"]
@@ -34,6 +34,12 @@ def test_quick_gpu_check_runs_every_phase_without_the_media_stack(tmp_path: Path
     for row in bench:
         assert row["warmup_chunks"] >= row["kv_window"] and row["park_gbps"] > 0 and row["restore_gbps"] > 0
     assert [r["streams"] for r in doc["batched"]["result"]] == [1, 2]
+    timer = doc["stage_timer"]["result"]  # the runtime's marks against a sync at each of its 5 boundaries
+    assert timer["events"]["syncs_per_chunk"] == 0 and timer["synced"]["syncs_per_chunk"] == 5
+    assert timer["events"]["stages_ms"] > 0
+    compiled = doc["compile"]["result"]  # traced with the eager backend on a CPU
+    assert compiled["compile"]["graphs"] >= 3 and compiled["calls"]["dit"]["compiled_calls"] > 0
+    assert compiled["eager"]["chunk_ms"] > 0 and compiled["compiled"]["chunk_ms"] > 0
     fp8 = doc["fp8_linear"]["result"]  # a CPU: no fp8 GEMM, the emulation's error only
     assert fp8["supported"] is False and set(fp8["forward_ms"]) == {"bf16", "emulated"}
     assert 1e-3 < fp8["rel_error_vs_bf16"]["emulated"] < 0.05

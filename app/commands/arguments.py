@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -24,3 +25,17 @@ def add_vae_argument(parser: argparse.ArgumentParser) -> None:
              ".pth/.safetensors file (Wan's encoder, the TAEHV tiny decoder), 'tiny:FILE' (the tiny VAE both ways); "
              "FILE may be 'tiny-random' (random weights); default: the manifest's choice, else 'wan' (docs/vae.md)",
     )
+
+
+def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--compile``, ``--compile-cache DIR``, ``--compile-backend NAME``: torch.compile for the DiT and the
+    VAE at the shapes the command runs (engine/compiled.py); the warm-up is reported as the cold start."""
+    parser.add_argument("--compile", action="store_true",
+                        help="run the DiT and the VAE compiled (torch.compile) at the shapes this command measures, "
+                             "other shapes eager; the compile warm-up is reported as cold_start_s")
+    parser.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
+                        help="with --compile: where compiled code is kept between runs "
+                             "(default $XDG_CACHE_HOME/diffcast/torch-compile, else ~/.cache/diffcast/torch-compile)")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="with --compile: torch.compile's backend (default inductor; 'eager' or 'aot_eager' "
+                             "trace without generating code, to tell tracing problems from compiler ones)")

@@ -21,7 +21,7 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from app.busy_neighbours import BusyNeighbours
-from app.commands.arguments import add_vae_argument, parse_size
+from app.commands.arguments import add_compile_arguments, add_vae_argument, parse_size
 
 NAME = "bench"
 HELP = "Benchmark the engine (per-chunk latency, FPS, stage times) or work out its memory per stream."
@@ -85,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory: GPU memory the streams share (default 141, an H200)")
     parser.add_argument("--workspace-gib", type=float, default=None,
                         help="memory: kept free for activations, CUDA context and allocator slack (default 10%% of the GPU)")
+    add_compile_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -92,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is None:
         args.steps = DEFAULT_STEPS[args.target]
     if args.target == "memory":
+        if args.compile:
+            log.error("--compile is for `bench engine`: the memory arithmetic runs no model")
+            return 2
         if args.vae is not None:
             log.error("--vae is for `bench engine`: the memory arithmetic counts the Wan 2.1 VAE")
             return 2
@@ -302,6 +306,9 @@ def _run_engine(args: argparse.Namespace) -> int:
                             log.debug("%s", rows[-1])
         return rows
 
+    compiled = None
+    if args.compile:
+        compiled, compile_report = _compile(pipe, args, sizes)
     prompt_switch = _prompt_switch(pipe)
     rows = measure_rows(0)
     loaded_switch = None
@@ -325,6 +332,10 @@ def _run_engine(args: argparse.Namespace) -> int:
     }
     if loaded_switch is not None:
         report["prompt_switch_busy"] = loaded_switch
+    if compiled is not None:
+        # The calls each call site ran compiled and eager over the whole run: the timed rows' steady chunks
+        # should all be compiled (a row's warm-up and first chunks run eager).
+        report["compile"] = {**compile_report.to_json(), "calls": compiled.stats()}
     if args.json:
         print(json.dumps(report))
         return 0
@@ -344,12 +355,28 @@ def _run_engine(args: argparse.Namespace) -> int:
                       f"{r.get('park_gbps', '-')}/{r.get('restore_gbps', '-')}")
     console = Console()
     console.print(table)
+    if compiled is not None:
+        console.print(f"compiled ({compile_report.backend}): cold start {compile_report.cold_start_s:.1f} s, "
+                      f"{compile_report.graphs} graphs, cache {compile_report.cache_dir}")
     for label, ps in (("", prompt_switch), (f" beside {args.busy} busy", loaded_switch)):
         if ps is not None:
             console.print(f"prompt switch{label} (once per prompt, not per chunk): {ps['total_ms']} ms = text encoder "
                           f"{ps['text_encode_ms']} ms + prompt K/V {ps['prompt_kv_ms']} ms; "
                           f"a cached prompt's text: {ps['cached_text_ms']} ms")
     return 0
+
+
+def _compile(pipe: Any, args: argparse.Namespace, sizes: list[tuple[int, int]]) -> tuple[Any, Any]:
+    """The DiT and VAE compiled at the rows' shapes (every size x streams x sparsity at the model's precision
+    and --kv-window; steps share a shape), warmed up before any row is timed."""
+    from engine.compiled import CompileShape, compile_pipeline
+    from engine.fidelity import FidelityConfig
+
+    rt = pipe.runtime
+    shapes = [CompileShape(rt.engine_size(size, FidelityConfig()), 1, streams, FidelityConfig().precision,
+                           args.kv_window, sparsity)
+              for size in sizes for streams in args.streams for sparsity in args.sparsity]
+    return compile_pipeline(pipe, shapes, backend=args.compile_backend, cache_dir=args.compile_cache)
 
 
 # -- memory ---------------------------------------------------------------------------------------------

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-from app.commands.arguments import parse_size
+from app.commands.arguments import add_compile_arguments, parse_size
 
 NAME = "profile"
 HELP = "measure latency and quality of every fidelity configuration and write a profile for the serving policy"
@@ -72,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a reduced grid: the runtime's default KV window only (not also the smallest), so a "
                              "full-size model's profile fits a few minutes on one GPU")
     parser.add_argument("--seed", type=int, default=0)
+    add_compile_arguments(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
 
 
@@ -95,6 +98,16 @@ def teacher_prompts(model: str, quality: str) -> dict[str, str] | None:
             raise ValueError(f"--quality teachers needs an embedded model (it has teachers); {model!r} is not one")
         return None
     return style_prompts(config)
+
+
+def _compile(pipe: Any, spec: Any, args: argparse.Namespace) -> Any:
+    """The DiT and VAE compiled at every shape the profile's configs run (engine/compiled.py); the report."""
+    from engine.compiled import compile_pipeline, config_shapes
+    from engine.profiler import candidate_configs
+
+    size = spec.size or pipe.default_size
+    shapes = config_shapes(pipe.runtime, size, candidate_configs(pipe, size, spec))
+    return compile_pipeline(pipe, shapes, backend=args.compile_backend, cache_dir=args.compile_cache)[1]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,7 +135,11 @@ def run(args: argparse.Namespace) -> int:
                           precisions=tuple(p.strip() for p in precisions.split(",") if p.strip()),
                           sparsities=args.sparsity, step_batch=args.step_batch)
         teachers = teacher_prompts(model, args.quality)
+        compiled = _compile(pipe, spec, args) if args.compile else None
         result = profile_pipeline(pipe, spec, model_name=model, teachers=teachers, teacher_clips=args.teacher_clips)
+        if compiled is not None:
+            result = replace(result, compile=compiled.to_json())
+            print(f"compiled ({compiled.backend}): cold start {compiled.cold_start_s:.1f} s, {compiled.graphs} graphs")
         if args.anchor_ms is not None:
             result = result.anchored(args.anchor_ms)
     except ModelNotAvailableError as exc:

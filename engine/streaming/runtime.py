@@ -47,6 +47,7 @@ from engine.streaming.noise import MotionAwareNoiseController, NoiseControllerCo
 from engine.streaming.prompts import BlendMode, LookAnchors, PromptTransition, blend, mix_weights, prompt_cuts
 from engine.streaming.rescale import rescale_state
 from engine.streaming.stabilizer import StabilizerConfig, TemporalStabilizer
+from engine.streaming.stage_timer import StageTimer, StageTimings
 from engine.streaming.state import StreamState
 from engine.vae import CacheMismatchError, StreamVAE, decode_batch, encode_batch
 
@@ -118,21 +119,6 @@ class PromptEncoder:
         if len(rows) == 1:
             return rows[0]
         return blend(rows, list(weights) if weights is not None else [1.0] * len(rows), mode)
-
-
-@dataclass(frozen=True)
-class StageTimings:
-    """Wall time of the last chunk's stages (for the whole batch of streams)."""
-
-    encode_s: float = 0.0
-    dit_s: float = 0.0
-    decode_s: float = 0.0
-    stabilize_s: float = 0.0  # stage 4: the stabilizer at the engine size and the fit to the stream's size
-    deblock_s: float = 0.0  # part of decoding, timed apart (not in decode_s)
-
-    @property
-    def total_s(self) -> float:
-        return self.encode_s + self.dit_s + self.decode_s + self.deblock_s + self.stabilize_s
 
 
 @dataclass(frozen=True)
@@ -212,8 +198,7 @@ class StreamRuntime:
         self.config = config
         self.device = dit.device
         self.stabilizer = TemporalStabilizer(config.stabilizer) if config.stabilizer is not None else None
-        self.last_timings = StageTimings()
-        self._deblock_s = 0.0  # deblocking time of the chunks decoded since step_batch last reset it
+        self.timer = StageTimer(self.device)  # stage boundaries of run_chunks, read through last_timings
         # Stream id -> (non-finite chunks, the latest one's reason) since :meth:`take_fault` took them.
         self._faults: dict[str, tuple[int, str]] = {}
 
@@ -622,11 +607,10 @@ class StreamRuntime:
         """Decoded frames [3, T, H, W] as float32 in [-1, 1], deblocked at the stream's strength."""
         frames = frames.float().clamp(-1, 1)
         if self.config.deblock is not None and deblock_strength > 0:
-            t = self.clock()
-            # At the engine size, where the blocks sit on the grid (a resize would move them off it).
-            frames = deblock(frames, self.vae.spatial_compression, deblock_strength, self.config.deblock.reach)
-            frames = frames.clamp(-1, 1)
-            self._deblock_s += self.clock() - t
+            with self.timer.span():
+                # At the engine size, where the blocks sit on the grid (a resize would move them off it).
+                frames = deblock(frames, self.vae.spatial_compression, deblock_strength, self.config.deblock.reach)
+                frames = frames.clamp(-1, 1)
         return frames
 
     def deblock_strength(self, state: StreamState) -> float:
@@ -669,23 +653,28 @@ class StreamRuntime:
         """
         if len(states) != len(frames) or not states:
             raise ValueError("run_chunks needs one frame chunk per stream")
-        t0 = self.clock()
+        timer = self.timer
+        timer.start()
         chunks = self.enter_chunks(states, frames)
-        t1 = self.clock()
+        timer.boundary("entered")
         self.run_to_end(chunks)
-        t2 = self.clock()
-        self._deblock_s = 0.0
+        timer.boundary("denoised")
         results = self.decode_chunks(chunks)
-        t3 = self.clock()
+        timer.boundary("decoded")
         results = [self.finish_frames(c.state, c.inputs, r, c.restart) for c, r in zip(chunks, results, strict=True)]
-        self.last_timings = StageTimings(encode_s=t1 - t0, dit_s=t2 - t1, decode_s=t3 - t2 - self._deblock_s,
-                                         deblock_s=self._deblock_s, stabilize_s=self.clock() - t3)
+        timer.boundary("end")
         return results
 
+    @property
+    def last_timings(self) -> StageTimings:
+        """The stage times of the last :meth:`run_chunks` call, resolved from its marks on this read
+        (engine/streaming/stage_timer.py: CUDA events, no device-wide sync while the chunk ran)."""
+        return self.timer.last()
+
     def clock(self) -> float:
-        """``time.perf_counter()`` once the device has finished the work queued so far: CUDA kernels run
-        asynchronously, so a stage's wall time needs a sync at its end (a no-op on the CPU). Untested on
-        CUDA in this repository's CI."""
+        """``time.perf_counter()`` once the device has finished the work queued so far, for a harness that
+        times whole chunks (a benchmark's chunk latency); the runtime's own stage boundaries never sync
+        (:attr:`last_timings`). A no-op sync on the CPU."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
