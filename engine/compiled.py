@@ -24,6 +24,7 @@ figures are the GPU check's (demos/gpu_check.py, phase ``compile``).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import math
 import os
@@ -40,12 +41,30 @@ from engine.fidelity import FidelityConfig
 from engine.models.fp8 import fp8_linears_active
 from engine.models.lora import LoRABank
 from engine.models.tiny_vae import TinyVAE
+from engine.models.wan_dit import attention_kernel
 from engine.models.wan_vae import WanVAE
 from engine.profiler import release
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BACKEND = "inductor"
+
+
+# The models read a few context variables in their forwards (the attention backend, fp8 linears, a LoRA
+# forward's rows), and dynamo cannot trace ``ContextVar.get``: a read inside the DiT's block loop made it
+# skip the whole block stack and compile each linear apart (25 graphs for the embedded model). Traced
+# here, a read is the value at trace time, a constant with no guard: sound because a gate's key holds
+# every such value a compiled call depends on (the attention kernel), or sends the call eager (fp8
+# linears, LoRAs). Only dynamo's tracing sees this; every eager read is the context variable's own.
+@torch.compiler.assume_constant_result
+def _context_value(var: contextvars.ContextVar[Any]) -> Any:
+    return var.get()
+
+
+@torch._dynamo.decorators.substitute_in_graph(contextvars.ContextVar.get, skip_signature_check=True)
+def _traced_get(self: contextvars.ContextVar[Any], *default: Any) -> Any:
+    return _context_value(self)
+
 WARMUP_PROMPT = "oil painting"
 
 
@@ -230,7 +249,8 @@ def _dit_key(dit: Any) -> KeyFn:
         autocast = _autocast_dtype(tokens.device)
         cache = sa.cache
         k = (signature(tokens), signature(e), signature(e0), grid, signature(prompt.k[0]),
-             None if cache is None else signature(cache.k[0]), sa.write, sa.sparse, sa.mask is None, autocast)
+             None if cache is None else signature(cache.k[0]), sa.write, sa.sparse, sa.mask is None, autocast,
+             attention_kernel(tokens, sa.mask))
         return k, _dit_reason(dit, bank, autocast)
 
     return key
