@@ -190,12 +190,14 @@ class CompileReport:
 
     backend: str
     cache_dir: str
+    sites: list[str] = field(default_factory=list)
     cold_start_s: float = 0.0
     shapes: list[dict[str, Any]] = field(default_factory=list)
     graphs: int = 0  # graphs the backend compiled (a graph break makes two of one call)
 
     def to_json(self) -> dict[str, Any]:
-        return {"backend": self.backend, "cache_dir": self.cache_dir, "cold_start_s": round(self.cold_start_s, 2),
+        return {"backend": self.backend, "cache_dir": self.cache_dir, "sites": self.sites,
+                "cold_start_s": round(self.cold_start_s, 2),
                 "graphs": self.graphs, "shapes": self.shapes}
 
 
@@ -279,21 +281,30 @@ def _vae_key(weights_dtype: torch.dtype) -> KeyFn:
     return key
 
 
-def install(runtime: Any, backend: str = DEFAULT_BACKEND) -> CompiledRuntime:
-    """Gates on ``runtime``'s DiT and VAE, nothing admitted yet (every call eager until a warm-up)."""
+SITES = ("dit", "vae.encode", "vae.decode")
+
+
+def install(runtime: Any, backend: str = DEFAULT_BACKEND, sites: Sequence[str] = SITES) -> CompiledRuntime:
+    """Gates on ``runtime``'s call sites named in ``sites`` (of :data:`SITES`: the DiT's block stack, the
+    VAE's encoder, its decoder), nothing admitted yet (every call eager until a warm-up)."""
+    unknown = set(sites) - set(SITES)
+    if unknown:
+        raise ValueError(f"no compiled call site {sorted(unknown)}; the sites are {', '.join(SITES)}")
     compiled = CompiledRuntime(backend)
     dit, vae = runtime.dit, runtime.vae
-    compiled.gate(dit, "_run", "dit", _dit_key(dit))
+    targets: dict[str, tuple[Any, str, KeyFn]] = {"dit": (dit, "_run", _dit_key(dit))}
     if isinstance(vae, TinyVAE):
         key = _vae_key(next(vae.parameters()).dtype)
-        compiled.gate(vae, "encode_groups", "vae.encode", key)
-        compiled.gate(vae, "decode_groups", "vae.decode", key)
+        targets.update({"vae.encode": (vae, "encode_groups", key), "vae.decode": (vae, "decode_groups", key)})
     elif isinstance(vae, WanVAE):
         key = _vae_key(next(vae.parameters()).dtype)
-        compiled.gate(vae.encoder, "forward", "vae.encode", key)
-        compiled.gate(vae.decoder, "forward", "vae.decode", key)
+        targets.update({"vae.encode": (vae.encoder, "forward", key), "vae.decode": (vae.decoder, "forward", key)})
     else:
         log.info("compile: the %s VAE runs eager (no compiled call site for it)", type(vae).__name__)
+    for name in sites:
+        if name in targets:
+            owner, attribute, site_key = targets[name]
+            compiled.gate(owner, attribute, name, site_key)
     return compiled
 
 
@@ -314,22 +325,26 @@ def _inductor_cache(cache_dir: Path) -> Iterator[None]:
 
 
 def compile_pipeline(pipe: Any, shapes: Sequence[CompileShape], backend: str = DEFAULT_BACKEND,
-                     cache_dir: Path | None = None) -> tuple[CompiledRuntime, CompileReport]:
-    """Compile ``pipe``'s runtime at ``shapes``: install the gates, warm each shape up (its steady-state
-    keys admitted and compiled), then serve. The report's ``cold_start_s`` is the whole warm-up."""
+                     cache_dir: Path | None = None, sites: Sequence[str] = SITES,
+                     step: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+                     ) -> tuple[CompiledRuntime, CompileReport]:
+    """Compile ``pipe``'s runtime at ``shapes`` (the call sites in ``sites``): install the gates, warm each
+    shape up (its steady-state keys admitted and compiled), then serve. The report's ``cold_start_s`` is
+    the whole warm-up. ``step``: the context each warm-up chunk runs in (a CPU engine lane's step, on the
+    threads its budget allows, as the chunks after it will run)."""
     runtime = pipe.runtime
     cache_dir = cache_dir or default_cache_dir()
     # One graph per admitted key and call site; dynamo's default of 8 would send a server with more named
     # shapes back to eager for the rest.
     unique = list(dict.fromkeys(s.warmed_by() for s in shapes))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(unique) + 1)
-    compiled = install(runtime, backend)
-    report = CompileReport(backend, str(cache_dir))
+    compiled = install(runtime, backend, sites)
+    report = CompileReport(backend, str(cache_dir), sites=list(sites))
     start = time.perf_counter()
     try:
         with _inductor_cache(cache_dir):
             for shape in unique:
-                report.shapes.append({"shape": shape.label(), **_warm_up(pipe, compiled, shape)})
+                report.shapes.append({"shape": shape.label(), **_warm_up(pipe, compiled, shape, step)})
                 log.info("compile: %s warmed up in %.1f s", shape.label(), report.shapes[-1]["warmup_s"])
     except BaseException:
         compiled.remove()
@@ -342,7 +357,8 @@ def compile_pipeline(pipe: Any, shapes: Sequence[CompileShape], backend: str = D
     return compiled, report
 
 
-def _warm_up(pipe: Any, compiled: CompiledRuntime, shape: CompileShape) -> dict[str, float]:
+def _warm_up(pipe: Any, compiled: CompiledRuntime, shape: CompileShape,
+             step: Callable[[], contextlib.AbstractContextManager[Any]]) -> dict[str, float]:
     """Chunks at ``shape`` until the KV window has filled and rolled (quiet), then two more with the gates
     admitting: the first compiles, the second runs what it compiled."""
     runtime = pipe.runtime
@@ -360,7 +376,8 @@ def _warm_up(pipe: Any, compiled: CompiledRuntime, shape: CompileShape) -> dict[
         clips = [torch.rand(3, frames, height, width, generator=generator) * 2 - 1 for _ in states]
         compiled.set_mode("admit" if k >= steady else "quiet")
         t0 = runtime.clock()
-        runtime.run_chunks(states, clips)
+        with step():
+            runtime.run_chunks(states, clips)
         times.append(runtime.clock() - t0)
     compiled.set_mode("quiet")
     del states

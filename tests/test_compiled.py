@@ -176,3 +176,14 @@ def test_inductor_compiles_the_tiny_runtime_into_its_cache_dir(request: pytest.F
                                    rtol=0, atol=1e-4)
     assert compiled.stats()["dit"]["compiled_calls"] > 2
     compiled.remove()
+
+
+def test_only_the_sites_named_are_compiled(tmp_path: Path) -> None:
+    rt = tiny_runtime()
+    compiled, report = compile_pipeline(_pipe(rt), [CompileShape((32, 32), 1, 1, "fp32", 4)], backend="eager",
+                                        cache_dir=tmp_path, sites=["dit"])
+    assert [g.name for g in compiled.gates] == ["dit"] and report.graphs == 1 and report.sites == ["dit"]
+    assert "forward" not in rt.vae.encoder.__dict__  # type: ignore[union-attr]
+    compiled.remove()
+    with pytest.raises(ValueError, match="no compiled call site"):
+        compile_pipeline(_pipe(rt), [], sites=["vae.middle"])

@@ -36,6 +36,8 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
                         help="with --compile: where compiled code is kept between runs "
                              "(default $XDG_CACHE_HOME/diffcast/torch-compile, else ~/.cache/diffcast/torch-compile)")
+    parser.add_argument("--compile-sites", default="dit,vae.encode,vae.decode", metavar="SITE,...",
+                        help="with --compile: the call sites compiled (default all: dit, vae.encode, vae.decode)")
     parser.add_argument("--compile-backend", default="inductor",
                         help="with --compile: torch.compile's backend (default inductor; 'eager' or 'aot_eager' "
                              "trace without generating code, to tell tracing problems from compiler ones)")

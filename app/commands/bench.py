@@ -308,10 +308,11 @@ def _run_engine(args: argparse.Namespace) -> int:
 
     compiled = None
     if args.compile:
-        # The warm-up on the threads the budget allows, as the rows run: two spinning threads on a busy CPU
-        # took 4-9 s per chunk.
-        with lanes.step():
-            compiled, compile_report = _compile(pipe, args, sizes)
+        try:
+            compiled, compile_report = _compile(pipe, args, sizes, lanes)
+        except ValueError as exc:  # a call site that does not exist
+            log.error("%s", exc)
+            return 2
     prompt_switch = _prompt_switch(pipe)
     rows = measure_rows(0)
     loaded_switch = None
@@ -369,9 +370,10 @@ def _run_engine(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compile(pipe: Any, args: argparse.Namespace, sizes: list[tuple[int, int]]) -> tuple[Any, Any]:
+def _compile(pipe: Any, args: argparse.Namespace, sizes: list[tuple[int, int]], lanes: EngineLanes) -> tuple[Any, Any]:
     """The DiT and VAE compiled at the rows' shapes (every size x streams x sparsity at the model's precision
-    and --kv-window; steps share a shape), warmed up before any row is timed."""
+    and --kv-window; steps share a shape), warmed up before any row is timed, each warm-up chunk a lane's
+    step as the rows' chunks are (two spinning threads on a busy CPU took 4-9 s per chunk)."""
     from engine.compiled import CompileShape, compile_pipeline
     from engine.fidelity import FidelityConfig
 
@@ -379,7 +381,8 @@ def _compile(pipe: Any, args: argparse.Namespace, sizes: list[tuple[int, int]]) 
     shapes = [CompileShape(rt.engine_size(size, FidelityConfig()), 1, streams, FidelityConfig().precision,
                            args.kv_window, sparsity)
               for size in sizes for streams in args.streams for sparsity in args.sparsity]
-    return compile_pipeline(pipe, shapes, backend=args.compile_backend, cache_dir=args.compile_cache)
+    return compile_pipeline(pipe, shapes, backend=args.compile_backend, cache_dir=args.compile_cache,
+                            sites=args.compile_sites.split(","), step=lanes.step)
 
 
 # -- memory ---------------------------------------------------------------------------------------------
