@@ -191,12 +191,13 @@ class CompileReport:
     backend: str
     cache_dir: str
     sites: list[str] = field(default_factory=list)
+    threads: list[int] = field(default_factory=list)  # the torch thread counts compiled for
     cold_start_s: float = 0.0
     shapes: list[dict[str, Any]] = field(default_factory=list)
     graphs: int = 0  # graphs the backend compiled (a graph break makes two of one call)
 
     def to_json(self) -> dict[str, Any]:
-        return {"backend": self.backend, "cache_dir": self.cache_dir, "sites": self.sites,
+        return {"backend": self.backend, "cache_dir": self.cache_dir, "sites": self.sites, "threads": self.threads,
                 "cold_start_s": round(self.cold_start_s, 2),
                 "graphs": self.graphs, "shapes": self.shapes}
 
@@ -242,8 +243,10 @@ class CompiledRuntime:
 
 def _dit_key(dit: Any) -> KeyFn:
     """``CausalWanDiT._run``'s key: what its graph reads (tokens, the token grid, the prompt's K/V, the
-    KV cache's buffers and the slice this forward writes, the sparse layout, a mask) and the autocast
-    state; not the cache's frame bookkeeping, which changes every chunk outside the graph."""
+    KV cache's buffers and the slice this forward writes, the sparse layout, a mask, the attention kernel)
+    and the global state dynamo guards a graph on that changes here (autocast, the torch thread count,
+    which a CPU lane's thread budget moves: unkeyed, a move recompiled every graph mid-run, a 66 s chunk on
+    the 2-core box); not the cache's frame bookkeeping, which changes every chunk outside the graph."""
     bank = LoRABank.of(dit)
 
     def key(tokens: torch.Tensor, e: torch.Tensor, e0: torch.Tensor, grid: tuple[int, int, int], prompt: Any,
@@ -252,7 +255,7 @@ def _dit_key(dit: Any) -> KeyFn:
         cache = sa.cache
         k = (signature(tokens), signature(e), signature(e0), grid, signature(prompt.k[0]),
              None if cache is None else signature(cache.k[0]), sa.write, sa.sparse, sa.mask is None, autocast,
-             attention_kernel(tokens, sa.mask))
+             attention_kernel(tokens, sa.mask), torch.get_num_threads())
         return k, _dit_reason(dit, bank, autocast)
 
     return key
@@ -269,12 +272,12 @@ def _dit_reason(dit: Any, bank: LoRABank, autocast: torch.dtype | None) -> str |
 
 
 def _vae_key(weights_dtype: torch.dtype) -> KeyFn:
-    """A VAE call's key: every argument's :func:`signature` and the autocast state."""
+    """A VAE call's key: every argument's :func:`signature`, the autocast state and the thread count."""
 
     def key(*args: Any, **kwargs: Any) -> tuple[Hashable, str | None]:
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         autocast = _autocast_dtype(device)
-        k = (signature(args), signature(kwargs), autocast)
+        k = (signature(args), signature(kwargs), autocast, torch.get_num_threads())
         reason = f"{autocast} autocast over {weights_dtype} weights" if autocast not in (None, weights_dtype) else None
         return k, reason
 
@@ -310,8 +313,8 @@ def install(runtime: Any, backend: str = DEFAULT_BACKEND, sites: Sequence[str] =
 
 @contextlib.contextmanager
 def _inductor_cache(cache_dir: Path) -> Iterator[None]:
-    """Inductor's on-disk caches under ``cache_dir`` for the compiles inside (it reads the variable at
-    every lookup); the previous setting back afterwards."""
+    """Inductor's on-disk caches under ``cache_dir`` for the compiles inside (it reads the variable at every
+    lookup); the previous setting back afterwards."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
@@ -326,41 +329,45 @@ def _inductor_cache(cache_dir: Path) -> Iterator[None]:
 
 def compile_pipeline(pipe: Any, shapes: Sequence[CompileShape], backend: str = DEFAULT_BACKEND,
                      cache_dir: Path | None = None, sites: Sequence[str] = SITES,
-                     step: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
-                     ) -> tuple[CompiledRuntime, CompileReport]:
+                     threads: Sequence[int] | None = None) -> tuple[CompiledRuntime, CompileReport]:
     """Compile ``pipe``'s runtime at ``shapes`` (the call sites in ``sites``): install the gates, warm each
     shape up (its steady-state keys admitted and compiled), then serve. The report's ``cold_start_s`` is
-    the whole warm-up. ``step``: the context each warm-up chunk runs in (a CPU engine lane's step, on the
-    threads its budget allows, as the chunks after it will run)."""
+    the whole warm-up. ``threads``: every torch thread count the engine's steps may run on (a CPU lane's
+    thread budget moves between 1 and its threads), each compiled apart, since a compiled graph is
+    guarded on the count (dynamo's global state); default the count now."""
     runtime = pipe.runtime
     cache_dir = cache_dir or default_cache_dir()
+    counts = list(dict.fromkeys(threads or [torch.get_num_threads()]))
     # One graph per admitted key and call site; dynamo's default of 8 would send a server with more named
     # shapes back to eager for the rest.
     unique = list(dict.fromkeys(s.warmed_by() for s in shapes))
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(unique) + 1)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(unique) * len(counts) + 1)
     compiled = install(runtime, backend, sites)
-    report = CompileReport(backend, str(cache_dir), sites=list(sites))
+    report = CompileReport(backend, str(cache_dir), sites=list(sites), threads=counts)
     start = time.perf_counter()
+    before = torch.get_num_threads()
     try:
         with _inductor_cache(cache_dir):
             for shape in unique:
-                report.shapes.append({"shape": shape.label(), **_warm_up(pipe, compiled, shape, step)})
+                report.shapes.append({"shape": shape.label(), **_warm_up(pipe, compiled, shape, counts)})
                 log.info("compile: %s warmed up in %.1f s", shape.label(), report.shapes[-1]["warmup_s"])
     except BaseException:
         compiled.remove()
         raise
+    finally:
+        torch.set_num_threads(before)
     compiled.set_mode("serve")
     report.cold_start_s = time.perf_counter() - start
     report.graphs = compiled.graphs
-    log.info("compile: %d shapes, %d graphs, cold start %.1f s (%s backend, cache %s)", len(unique),
-             compiled.graphs, report.cold_start_s, backend, cache_dir)
+    log.info("compile: %d shapes x %d thread counts, %d graphs, cold start %.1f s (%s backend, cache %s)",
+             len(unique), len(counts), compiled.graphs, report.cold_start_s, backend, cache_dir)
     return compiled, report
 
 
-def _warm_up(pipe: Any, compiled: CompiledRuntime, shape: CompileShape,
-             step: Callable[[], contextlib.AbstractContextManager[Any]]) -> dict[str, float]:
-    """Chunks at ``shape`` until the KV window has filled and rolled (quiet), then two more with the gates
-    admitting: the first compiles, the second runs what it compiled."""
+def _warm_up(pipe: Any, compiled: CompiledRuntime, shape: CompileShape, threads: Sequence[int]) -> dict[str, Any]:
+    """Chunks at ``shape`` until the KV window has filled and rolled (quiet, on the fewest threads: they
+    are never slow beside other programs), then at each thread count two more with the gates admitting:
+    the first compiles, the second runs what it compiled."""
     runtime = pipe.runtime
     window = shape.window or runtime.config.kv_window_frames
     fidelity = FidelityConfig(steps=shape.steps, kv_window_frames=window, precision=shape.precision,
@@ -370,17 +377,26 @@ def _warm_up(pipe: Any, compiled: CompiledRuntime, shape: CompileShape,
     # The first chunk, then enough to fill the window, then the window rolls: the steady state's shapes.
     steady = 1 + math.ceil(window / runtime.config.chunk_latent_frames)
     width, height = shape.size
-    times = []
-    for k in range(steady + 2):
+
+    def chunk(k: int) -> float:
         frames = pipe.first_chunk_frames if k == 0 else pipe.chunk_frames
         clips = [torch.rand(3, frames, height, width, generator=generator) * 2 - 1 for _ in states]
-        compiled.set_mode("admit" if k >= steady else "quiet")
         t0 = runtime.clock()
-        with step():
-            runtime.run_chunks(states, clips)
-        times.append(runtime.clock() - t0)
+        runtime.run_chunks(states, clips)
+        return runtime.clock() - t0
+
     compiled.set_mode("quiet")
-    del states
+    torch.set_num_threads(min(threads))
+    start = time.perf_counter()
+    eager = [chunk(k) for k in range(steady)]
+    compiled.set_mode("admit")
+    per_count = {}
+    for n in threads:
+        torch.set_num_threads(n)
+        first, second = chunk(steady), chunk(steady)
+        per_count[str(n)] = {"compile_chunk_s": round(first, 2), "compiled_chunk_ms": round(1000 * second, 1)}
+    compiled.set_mode("quiet")
+    states.clear()  # the warm-up's streams go before the next shape's
     release(runtime.device)
-    return {"warmup_s": round(sum(times), 2), "eager_chunk_ms": round(1000 * times[steady - 1], 1),
-            "compile_chunk_s": round(times[steady], 2), "compiled_chunk_ms": round(1000 * times[steady + 1], 1)}
+    return {"warmup_s": round(time.perf_counter() - start, 2), "eager_chunk_ms": round(1000 * eager[-1], 1),
+            "threads": per_count}

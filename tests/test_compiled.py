@@ -166,15 +166,38 @@ def test_inductor_compiles_the_tiny_runtime_into_its_cache_dir(request: pytest.F
     cache dir kept under pytest's cache and takes a fraction of that."""
     cache = Path(request.config.cache.mkdir("inductor")) if request.config.cache is not None else tmp_path
     eager_rt, rt = tiny_runtime(guided_vae=True), tiny_runtime(guided_vae=True)
-    compiled, report = compile_pipeline(_pipe(rt), [CompileShape((32, 32), 1, 1, "fp32", 4)], cache_dir=cache)
-    assert report.backend == "inductor" and report.graphs == 3
+    compiled, report = compile_pipeline(_pipe(rt), [CompileShape((32, 32), 1, 1, "fp32", 4)], cache_dir=cache,
+                                        threads=(1, 2))
+    assert report.backend == "inductor" and report.graphs == 6  # three call sites at two thread counts
     assert any(Path(report.cache_dir).rglob("*.py")), "inductor kept no code in the cache dir"
     ref = eager_rt.open("s", "oil painting", (32, 32), fidelity(steps=1, window=4), seed=3)
     state = rt.open("s", "oil painting", (32, 32), fidelity(steps=1, window=4), seed=3)
-    for frames in clip(6):
+    for k, frames in enumerate(clip(6)):
+        # The engine's thread budget moves a lane between thread counts: each was compiled, none recompiles.
+        torch.set_num_threads(1 + k % 2)
         torch.testing.assert_close(rt.run_chunk(state, frames).frames, eager_rt.run_chunk(ref, frames).frames,
                                    rtol=0, atol=1e-4)
+    assert compiled.graphs == report.graphs
     assert compiled.stats()["dit"]["compiled_calls"] > 2
+    compiled.remove()
+
+
+def test_a_thread_count_not_compiled_for_runs_eager(tmp_path: Path) -> None:
+    """A compiled graph is guarded on the torch thread count: one the warm-up did not compile runs eager
+    (through the gate), never a recompile."""
+    rt = tiny_runtime()
+    compiled, report = compile_pipeline(_pipe(rt), [CompileShape((32, 32), 1, 1, "fp32", 4)], backend="eager",
+                                        cache_dir=tmp_path, threads=(1, 2))
+    assert report.graphs == 6 and report.threads == [1, 2] and torch.get_num_threads() == 1  # put back
+    state = rt.open("s", "oil painting", (32, 32), fidelity(steps=1, window=4))
+    calls = []
+    for k, frames in enumerate(clip(8)):
+        torch.set_num_threads(3 if k >= 6 else 1 + k % 2)
+        rt.run_chunk(state, frames)
+        calls.append(compiled.stats()["dit"]["compiled_calls"])
+    assert calls[5] > calls[4] > calls[3]  # steady at 1 and at 2 threads: compiled
+    assert calls[7] == calls[6] == calls[5]  # 3 threads: eager
+    assert compiled.graphs == report.graphs
     compiled.remove()
 
 

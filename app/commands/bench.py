@@ -309,7 +309,9 @@ def _run_engine(args: argparse.Namespace) -> int:
     compiled = None
     if args.compile:
         try:
-            compiled, compile_report = _compile(pipe, args, sizes, lanes)
+            # Every thread count a step may run on: the budget moves a lane between one thread and all.
+            counts = list(range(1, threads + 1)) if budget is not None else [threads]
+            compiled, compile_report = _compile(pipe, args, sizes, counts)
         except ValueError as exc:  # a call site that does not exist
             log.error("%s", exc)
             return 2
@@ -370,10 +372,10 @@ def _run_engine(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compile(pipe: Any, args: argparse.Namespace, sizes: list[tuple[int, int]], lanes: EngineLanes) -> tuple[Any, Any]:
+def _compile(pipe: Any, args: argparse.Namespace, sizes: list[tuple[int, int]], threads: list[int]) -> tuple[Any, Any]:
     """The DiT and VAE compiled at the rows' shapes (every size x streams x sparsity at the model's precision
-    and --kv-window; steps share a shape), warmed up before any row is timed, each warm-up chunk a lane's
-    step as the rows' chunks are (two spinning threads on a busy CPU took 4-9 s per chunk)."""
+    and --kv-window; steps share a shape) and every thread count the rows' steps may take, warmed up
+    before any row is timed."""
     from engine.compiled import CompileShape, compile_pipeline
     from engine.fidelity import FidelityConfig
 
@@ -382,7 +384,7 @@ def _compile(pipe: Any, args: argparse.Namespace, sizes: list[tuple[int, int]], 
                            args.kv_window, sparsity)
               for size in sizes for streams in args.streams for sparsity in args.sparsity]
     return compile_pipeline(pipe, shapes, backend=args.compile_backend, cache_dir=args.compile_cache,
-                            sites=args.compile_sites.split(","), step=lanes.step)
+                            sites=args.compile_sites.split(","), threads=threads)
 
 
 # -- memory ---------------------------------------------------------------------------------------------
