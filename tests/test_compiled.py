@@ -210,3 +210,28 @@ def test_only_the_sites_named_are_compiled(tmp_path: Path) -> None:
     compiled.remove()
     with pytest.raises(ValueError, match="no compiled call site"):
         compile_pipeline(_pipe(rt), [], sites=["vae.middle"])
+
+
+def test_serve_compiles_the_in_process_engine_at_its_profiles_points(tmp_path: Path) -> None:
+    """`diffcast serve --compile`: the serving loop's build compiles the in-process engine at the shapes of
+    the profile's points that run at the weights' precision (fp32 here; its bf16 points autocast, eager),
+    for streams at the profile's size and from 4:3 and 16:9 cameras, before any stream comes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.server.config import ServerConfig
+    from app.server.serving.engine_bridge import InProcessFactory
+    from app.server.serving.serving_loop import build_serving_loop
+
+    factory = InProcessFactory.load("tiny-random", lanes=1)
+    config = ServerConfig(model="tiny-random", max_batch=1, compile=True, compile_backend="eager",
+                          compile_cache=str(tmp_path), compile_sites=("dit",))
+    with ThreadPoolExecutor(1) as pool:
+        build_serving_loop(config, factory, pool)
+    assert factory.compiled is not None
+    stats = factory.compiled.stats()
+    assert set(stats) == {"dit"}
+    pipe = factory.pipeline
+    sizes = {(128, 128), pipe.stream_size((640, 480)), pipe.stream_size((1280, 720))}
+    assert len(sizes) == 3
+    # One admitted key per engine size the fp32 points run at (three scales of three stream sizes), at least.
+    assert stats["dit"]["admitted"] >= 3 * len(sizes), stats

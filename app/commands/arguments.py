@@ -31,8 +31,9 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     """``--compile``, ``--compile-cache DIR``, ``--compile-backend NAME``: torch.compile for the DiT and the
     VAE at the shapes the command runs (engine/compiled.py); the warm-up is reported as the cold start."""
     parser.add_argument("--compile", action="store_true",
-                        help="run the DiT and the VAE compiled (torch.compile) at the shapes this command measures, "
-                             "other shapes eager; the compile warm-up is reported as cold_start_s")
+                        help="run the DiT and the VAE compiled (torch.compile) at the shapes this command runs (bench: "
+                             "its rows; profile: its points; serve: the serving profile's points, in-process engine), "
+                             "other shapes eager; the compile warm-up is reported as the cold start")
     parser.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
                         help="with --compile: where compiled code is kept between runs "
                              "(default $XDG_CACHE_HOME/diffcast/torch-compile, else ~/.cache/diffcast/torch-compile)")

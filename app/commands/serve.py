@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from app.commands.arguments import add_vae_argument
+from app.commands.arguments import add_compile_arguments, add_vae_argument
 from app.server.config import ServerConfig, add_lora_arguments
 
 NAME = "serve"
@@ -21,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ServerConfig.add_arguments(parser)
     add_vae_argument(parser)
     add_lora_arguments(parser)
+    add_compile_arguments(parser)
     parser.add_argument("--threads", type=int, default=0, help="torch threads for the engine (0 = torch default)")
     parser.add_argument(
         "--ray", action="store_true",
@@ -65,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     ray = bool(args.ray or args.ray_address)
     if ray and args.workers < 1:
         raise SystemExit(f"--workers must be at least 1, got {args.workers}")
+    if config.compile and (ray or args.gpus != 1):
+        raise SystemExit("--compile runs the in-process engine compiled; Ray workers (--ray) and pipeline ranks "
+                         "(--gpus) run eager: leave it out")
     if config.lanes and (ray or args.gpus != 1):
         raise SystemExit("--lanes is for the in-process engine: Ray workers (--ray) and pipeline ranks (--gpus) "
                          "each run their own steps; leave it out")

@@ -121,6 +121,13 @@ class ServerConfig:
     # A Wan model's stream VAE (--vae, shared with the other commands: app/commands/arguments.py,
     # engine/vae_choice.py); None: the model's own.
     vae: str | None = None
+    # torch.compile of the in-process engine's DiT and VAE at the serving profile's shapes (--compile,
+    # --compile-cache, --compile-sites, --compile-backend, shared with bench and profile:
+    # app/commands/arguments.py, engine/compiled.py); the warm-up before serving is the cold start.
+    compile: bool = False
+    compile_cache: str | None = None
+    compile_sites: tuple[str, ...] = ("dit", "vae.encode", "vae.decode")
+    compile_backend: str = "inductor"
     # Engine lanes of the in-process engine: steps of different streams side by side, each lane a
     # worker of the serving policy (engine/streaming/lanes.py). 0 = auto: one per thread on a CPU, up
     # to 2; one on an accelerator.
@@ -330,7 +337,10 @@ class ServerConfig:
                 value = tuple(value)
             values[item.name] = value
         values["https"] = values["https"] or values["ssl_certfile"] is not None
-        return cls(**values, loras=lora_specs(args.lora, args.lora_strength), vae=args.vae)
+        return cls(**values, loras=lora_specs(args.lora, args.lora_strength), vae=args.vae, compile=args.compile,
+                   compile_cache=None if args.compile_cache is None else str(args.compile_cache),
+                   compile_sites=tuple(s.strip() for s in args.compile_sites.split(",") if s.strip()),
+                   compile_backend=args.compile_backend)
 
     def stream_defaults(self) -> tuple[float, int]:
         """(noise scale, steps) for a stream whose client gives none: the configured (or, after

@@ -34,6 +34,7 @@ from engine.streaming.thread_budget import thread_budget
 
 if TYPE_CHECKING:
     from app.server.config import LoRASpec
+    from engine.compiled import CompiledRuntime
     from engine.parallel.ring import RingRuntime
     from engine.pipeline import Pipeline, StreamControls, StreamParams
     from engine.streaming.state import StreamState
@@ -139,6 +140,7 @@ class InProcessFactory:
     def __init__(self, pipeline: Any, lanes: EngineLanes | None = None) -> None:
         self._pipe = pipeline
         self.lanes = lanes if lanes is not None else EngineLanes()
+        self.compiled: CompiledRuntime | None = None  # the engine's compiled call sites (serve --compile)
 
     @property
     def parallel_chunks(self) -> int:
@@ -166,6 +168,33 @@ class InProcessFactory:
         # On a CPU the lanes' threads follow the cores other programs leave the process.
         budget = thread_budget(threads) if device.split(":")[0] == "cpu" else None
         return cls(pipe, EngineLanes(count, threads, budget))
+
+    def compile(self, configs: Sequence[FidelityConfig], resolution: tuple[int, int], batches: Sequence[int],
+                sites: Sequence[str], cache_dir: str | None, backend: str) -> None:
+        """torch.compile the DiT and the VAE (engine/compiled.py) at the shapes ``configs`` run for streams
+        at ``resolution`` (the serving profile's) and from 4:3 and 16:9 cameras, ``batches`` streams to a
+        forward, at every thread count a lane may step on; other shapes run eager with a log line. Only
+        configs at the weights' own precision compile (bf16 autocast over fp32 weights and fp8 run eager
+        whatever their shape), so on a CPU with fp32 weights and a bf16 ladder nothing is left to compile."""
+        from pathlib import Path
+
+        from engine.compiled import compile_pipeline, config_shapes
+        from engine.devices import dtype_name
+
+        pipe = self._pipe
+        native = [c for c in configs if c.precision == dtype_name(pipe.runtime.dit.dtype)]
+        if not native:
+            log.warning("--compile: no serving profile point runs at the weights' precision (%s); every chunk "
+                        "runs eager", pipe.runtime.dit.dtype)
+            return
+        sizes = dict.fromkeys([resolution, pipe.stream_size((640, 480)), pipe.stream_size((1280, 720))])
+        shapes = list(dict.fromkeys(s for size in sizes for s in config_shapes(pipe.runtime, size, native, batches)))
+        most = self.lanes.threads or 1
+        threads = list(range(1, most + 1)) if self.lanes.budget is not None or self.lanes.lanes > 1 else [most]
+        self.compiled, report = compile_pipeline(pipe, shapes, backend=backend, sites=sites, threads=threads,
+                                                 cache_dir=None if cache_dir is None else Path(cache_dir))
+        log.info("compiled (%s) %d shapes at %d thread count(s): cold start %.1f s, %d graphs, cache %s", backend,
+                 len(shapes), len(threads), report.cold_start_s, report.graphs, report.cache_dir)
 
     @property
     def loras(self) -> list[dict[str, Any]]:

@@ -104,6 +104,12 @@ def build_serving_loop(config: ServerConfig, factory: ProcessorFactory, threads:
             max_batch = max(1, min(max_batch, slots))
     policy = SlackPolicy(profile, live_policy_config(config.policy, max_batch, step_wise, batches is not None,
                                                      workers=most))
+    if config.compile and isinstance(factory, InProcessFactory):
+        # Before the first stream: the warm-up is the server's cold start, and no shape the profile names
+        # compiles in the serving loop.
+        width, height = profile.resolution
+        factory.compile([p.config for p in profile.points], (int(width), int(height)), range(1, max_batch + 1),
+                        config.compile_sites, config.compile_cache, config.compile_backend)
     delays = (config.engine_delay_ms / 1000.0, config.engine_step_delay_ms / 1000.0)
     executor: _LiveExecutor
     scaler: Scaler | None = None
