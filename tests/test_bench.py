@@ -54,6 +54,23 @@ def test_engine_report_has_rows_and_a_separate_prompt_switch(capsys: pytest.Capt
     assert one["park_gbps"] > 0 and one["warmup_chunks"] >= one["kv_window"]
 
 
+def test_precisions_side_by_side_show_the_fp8_cache_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--precisions fp32,fp8-kv`: a row per precision, the fp8 cache's KV bytes about a quarter of the
+    fp32 cache's (one byte per value and a four-byte scale per token and head); a name that is no precision
+    is a usage error."""
+    rc, report = run_bench(["engine", "--model", "random:tiny", "--steps", "1", "--chunks", "2", "--threads", "1",
+                            "--precisions", "fp32,fp8-kv", "--json"], capsys)
+    assert rc == 0
+    fp32, fp8 = report["results"]
+    assert (fp32["precision"], fp8["precision"]) == ("fp32", "fp8-kv")
+    head_dim = 32  # random:tiny: dim 64 over 2 heads (engine/models/wan_dit.py CONFIGS["tiny"])
+    assert fp8["state_parts_mb"]["kv"] == pytest.approx(fp32["state_parts_mb"]["kv"] * (head_dim + 4) / (4 * head_dim),
+                                                        abs=0.011)
+    assert fp8["state_mb"] < fp32["state_mb"] - 0.5 * fp32["state_parts_mb"]["kv"]
+    with pytest.raises(SystemExit):
+        run_bench(["engine", "--precisions", "fp16"], capsys)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_cuda_without_cuda_is_a_clear_error(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
     rc, _ = run_bench(["engine", "--model", "random:tiny", "--device", "cuda"], capsys)

@@ -52,6 +52,16 @@ def _sparsity_list(text: str) -> list[float]:
     return values
 
 
+def _precision_list(text: str) -> list[str]:
+    from engine.fidelity import PRECISIONS
+
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in PRECISIONS for v in values):
+        raise argparse.ArgumentTypeError(f"precisions are comma-separated names among {', '.join(PRECISIONS)}, "
+                                         f"got {text!r}")
+    return values
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", choices=["engine", "memory"],
                         help="engine: measure chunks; memory: weight/state bytes and streams per GPU (arithmetic)")
@@ -66,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=_int_list, default=[1], help="concurrent streams batched together, e.g. 1,2,4")
     parser.add_argument("--sparsity", type=_sparsity_list, default=[0.0],
                         help="block-sparse attention levels to compare, e.g. 0,0.5,0.75 (default 0 = dense)")
+    parser.add_argument("--precisions", type=_precision_list, default=None, metavar="P,...",
+                        help="chunk precisions to compare side by side, e.g. fp32,bf16,fp8-kv (default: the model's "
+                             "own); each row gives its precision and its state's parts (state_parts_mb: the KV "
+                             "cache's bytes, scales included)")
     parser.add_argument("--kv-window", type=int, default=None,
                         help="KV window in latent frames (default: the model's); sparsity skips blocks of it")
     parser.add_argument("--stream-batch", action="store_true", help="also measure the pipelined stream batch")
@@ -120,7 +134,8 @@ def _ms(seconds: float) -> float:
 
 
 def measure_row(pipe: Any, size: tuple[int, int], steps: int, streams: int, chunks: int, stream_batch: bool,
-                sparsity: float = 0.0, kv_window: int | None = None, lanes: EngineLanes | None = None) -> dict[str, Any]:
+                sparsity: float = 0.0, kv_window: int | None = None, lanes: EngineLanes | None = None,
+                precision: str | None = None) -> dict[str, Any]:
     """One row of `diffcast bench engine`: ``streams`` streams batched at ``size`` and ``steps``, a full KV
     window of warm-up chunks, then ``chunks`` timed ones (the median is the row's chunk time); stage
     times, the first chunk of fresh streams, park/restore of one state, its bytes and the CUDA peak."""
@@ -139,7 +154,8 @@ def measure_row(pipe: Any, size: tuple[int, int], steps: int, streams: int, chun
         torch.cuda.reset_peak_memory_stats(rt.device)
     params = StreamParams(prompt="oil painting", steps=steps, size=size)
     fidelity = pipe.fidelity_for(params, attention_sparsity=sparsity,
-                                 **({} if kv_window is None else {"kv_window_frames": kv_window}))
+                                 **({} if kv_window is None else {"kv_window_frames": kv_window}),
+                                 **({} if precision is None else {"precision": precision}))
 
     states = [rt.open(f"bench{i}", "oil painting", size, fidelity, seed=i) for i in range(streams)]
     unstarted = park(states)  # fresh copies for the first-chunk timing, without encoding the prompt again
@@ -178,6 +194,7 @@ def measure_row(pipe: Any, size: tuple[int, int], steps: int, streams: int, chun
         "streams": streams,
         "sparsity": sparsity,
         "kv_window": fidelity.kv_window_frames,
+        "precision": fidelity.precision,
         "mode": "stream-batch" if stream_batch else "sequential",
         "warmup_chunks": warm,
         "chunk_ms": _ms(chunk_s),
@@ -298,11 +315,12 @@ def _run_engine(args: argparse.Namespace) -> int:
                     for stream_batch in modes:
                         if stream_batch and pipe.runtime.config.cache_mode != "per-step":
                             continue
-                        # Sparsity innermost: dense and sparse rows of one setting run back to back.
+                        # Sparsity and precision innermost: rows of one setting run back to back.
                         for sparsity in args.sparsity:
-                            row = measure_row(pipe, size, steps, streams, args.chunks, stream_batch, sparsity,
-                                              args.kv_window, lanes)
-                            rows.append({**row, "busy": busy})
+                            for precision in args.precisions or [None]:
+                                row = measure_row(pipe, size, steps, streams, args.chunks, stream_batch, sparsity,
+                                                  args.kv_window, lanes, precision)
+                                rows.append({**row, "busy": busy})
                             log.debug("%s", rows[-1])
         return rows
 
@@ -347,17 +365,19 @@ def _run_engine(args: argparse.Namespace) -> int:
         return 0
     table = Table(title=f"diffcast engine bench: {pipe.name} ({report['dtype']}, {report['attention']}) on "
                         f"{report['device_name']} ({report['threads']} threads)")
-    for col in ("busy", "size", "steps", "streams", "window", "sparsity", "mode", "threads", "chunk ms", "p90 ms",
-                "first ms", "FPS/stream", "FPS total", "enc/DiT/dec/deblock/stab ms", "state MB", "park/restore GB/s"):
+    for col in ("busy", "size", "steps", "streams", "window", "sparsity", "precision", "mode", "threads", "chunk ms",
+                "p90 ms", "first ms", "FPS/stream", "FPS total", "enc/DiT/dec/deblock/stab ms", "state MB (KV)",
+                "park/restore GB/s"):
         table.add_column(col)
     for r in rows:
         stage = "/".join(str(r.get(k, "-")) for k in ("encode_ms", "dit_ms", "decode_ms", "deblock_ms", "stabilize_ms"))
         # The timed chunks at each thread count, e.g. "2x3 1x9".
         step_threads = " ".join(f"{n}x{c}" for n, c in sorted(r.get("step_threads", {}).items(), reverse=True))
         table.add_row(str(r["busy"]), f"{r['size'][0]}x{r['size'][1]}", str(r["steps"]), str(r["streams"]),
-                      str(r["kv_window"]), f"{r['sparsity']:g}", r["mode"], step_threads or "-", str(r["chunk_ms"]),
-                      str(r["chunk_ms_p90"]), str(r.get("first_chunk_ms", "-")), str(r["fps_per_stream"]),
-                      str(r["fps_total"]), stage, str(r["state_mb"]),
+                      str(r["kv_window"]), f"{r['sparsity']:g}", r["precision"], r["mode"], step_threads or "-",
+                      str(r["chunk_ms"]), str(r["chunk_ms_p90"]), str(r.get("first_chunk_ms", "-")),
+                      str(r["fps_per_stream"]), str(r["fps_total"]), stage,
+                      f"{r['state_mb']} ({r.get('state_parts_mb', {}).get('kv', '-')})",
                       f"{r.get('park_gbps', '-')}/{r.get('restore_gbps', '-')}")
     console = Console()
     console.print(table)
