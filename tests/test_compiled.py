@@ -164,7 +164,8 @@ def test_bf16_autocast_over_fp32_weights_runs_eager(tmp_path: Path) -> None:
 def test_inductor_compiles_the_tiny_runtime_into_its_cache_dir(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """~2.5 min on 2 busy cores with an empty cache (C++ code generation); a rerun finds the code in the
     cache dir kept under pytest's cache and takes a fraction of that."""
-    cache = Path(request.config.cache.mkdir("inductor")) if request.config.cache is not None else tmp_path
+    pytest_cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
+    cache = Path(pytest_cache.mkdir("inductor")) if pytest_cache is not None else tmp_path
     eager_rt, rt = tiny_runtime(guided_vae=True), tiny_runtime(guided_vae=True)
     compiled, report = compile_pipeline(_pipe(rt), [CompileShape((32, 32), 1, 1, "fp32", 4)], cache_dir=cache,
                                         threads=(1, 2))
