@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+from typing import Protocol, runtime_checkable
 
 import av
 from aiortc import RTCPeerConnection
+from aiortc.codecs.base import Encoder
 from aiortc.codecs.vpx import Vp8Encoder, number_of_threads
 from av.frame import Frame
 
@@ -75,9 +77,17 @@ class OutputVp8Encoder(Vp8Encoder):
         return codec
 
 
+@runtime_checkable
+class SharedOutput(Protocol):
+    """A track whose frames its stream encodes once for all its viewers (app/server/media/shared_vp8.py)."""
+
+    def viewer_encoder(self) -> Encoder: ...
+
+
 def encode_output_frames(pc: RTCPeerConnection) -> None:
     """Give every video sender of ``pc`` (the server sends only the stylized output) whose negotiated
-    codec is VP8 an :class:`OutputVp8Encoder` (call after setRemoteDescription, before media flows).
+    codec is VP8 the encoder its track shares with the stream's other viewers, or an
+    :class:`OutputVp8Encoder` of its own (call after setRemoteDescription, before media flows).
     H264 keeps aiortc's encoder, as does an aiortc that keeps it elsewhere."""
     for transceiver in pc.getTransceivers():
         sender = transceiver.sender
@@ -91,4 +101,6 @@ def encode_output_frames(pc: RTCPeerConnection) -> None:
                         SENDER_ATTRIBUTE)
             continue
         if getattr(sender, SENDER_ATTRIBUTE) is None:
-            setattr(sender, SENDER_ATTRIBUTE, OutputVp8Encoder())
+            track = sender.track
+            setattr(sender, SENDER_ATTRIBUTE,
+                    track.viewer_encoder() if isinstance(track, SharedOutput) else OutputVp8Encoder())

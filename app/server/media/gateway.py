@@ -8,6 +8,7 @@ from fractions import Fraction
 
 import av
 from aiortc import MediaStreamTrack, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
+from aiortc.codecs.base import Encoder
 from aiortc.contrib.media import MediaRelay
 from aiortc.exceptions import OperationError
 from aiortc.mediastreams import MediaStreamError
@@ -16,10 +17,11 @@ from app.server.config import ServerConfig
 from app.server.edge.logs import mint_secret
 from app.server.media.audio import AudioPlayout, DelayedAudioTrack, offers_audio, wants_audio
 from app.server.media.encoder import encode_output_frames
-from app.server.media.frame_path import ChunkAssembler, Playout, video_frames
+from app.server.media.frame_path import ChunkAssembler, OutputFrame, Playout, video_frames
 from app.server.media.ice import rtc_configuration, strip_candidates
 from app.server.media.jitter import complete_video_frames_on_marker
 from app.server.media.sdp import OfferError, check_offer
+from app.server.media.shared_vp8 import SharedVp8Encoder
 from app.server.serving.engine_bridge import StreamSettings
 from app.server.serving.session import CapacityError, Session, SessionManager
 
@@ -30,23 +32,42 @@ VIDEO_TIME_BASE = Fraction(1, VIDEO_CLOCK)
 
 
 class PlayoutTrack(MediaStreamTrack):
-    """Outgoing video: one frame per playout tick, stamped with the playout clock."""
+    """Outgoing video: one frame per playout tick, stamped with the playout clock; its sender's encoder
+    is told the tick, which the stream's shared VP8 encoder keys its frames by (app/server/media/shared_vp8.py)."""
 
     kind = "video"
 
-    def __init__(self, playout: Playout) -> None:
+    def __init__(self, playout: Playout, encoder: SharedVp8Encoder) -> None:
         super().__init__()
         self._playout = playout
+        self._viewer = encoder.viewer()
         self._tick = 0
+        self._last: tuple[OutputFrame, float] | None = None
+
+    def viewer_encoder(self) -> Encoder:
+        return self._viewer
 
     async def recv(self) -> av.VideoFrame:
-        self._tick, out, seconds = await self._playout.next_frame(self._tick)
+        owed = self._viewer.owed()
+        if owed is not None and self._last is not None:
+            # Frames the stream's encoder made while this sender was away come first: its encoder
+            # sends those (the frame returned is not encoded), without waiting for the next tick.
+            self._tick = owed
+            out, seconds = self._last
+        else:
+            self._tick, out, seconds = await self._playout.next_frame(self._tick)
+            self._last = out, seconds
         # The frame's planes are converted once for every track and recording of the stream; a tick
         # that repeats the last frame converts nothing (below the camera's rate, most ticks do).
         frame = out.video_frame()
         frame.pts = int(seconds * VIDEO_CLOCK)
         frame.time_base = VIDEO_TIME_BASE
+        self._viewer.tick = self._tick
         return frame
+
+    def stop(self) -> None:
+        super().stop()
+        self._viewer.leave()  # its bitrate no longer holds the stream's encoder down
 
 
 async def read_input(track: MediaStreamTrack, assembler: ChunkAssembler) -> None:
@@ -145,7 +166,7 @@ class Gateway:
 
         try:
             if send_output:
-                pc.addTrack(PlayoutTrack(session.playout))
+                pc.addTrack(PlayoutTrack(session.playout, session.video_encoder))
                 if session.audio is not None:
                     pc.addTrack(DelayedAudioTrack(session.audio))
             answer = await self._answer(pc, offer_sdp)
@@ -182,7 +203,7 @@ class Gateway:
         # The slot is taken before the answer is awaited (ICE gathering): offers arriving meanwhile
         # count it, so --max-viewers holds under concurrency. A failed answer gives it back.
         session.peers[viewer_id] = pc
-        pc.addTrack(PlayoutTrack(session.playout))
+        pc.addTrack(PlayoutTrack(session.playout, session.video_encoder))
         if session.audio is not None and wants_audio(offer_sdp):
             pc.addTrack(DelayedAudioTrack(session.audio))
 

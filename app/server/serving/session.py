@@ -33,6 +33,7 @@ from app.server.media.audio import SPREAD_WINDOW_S, SYNC_WINDOW_S, AudioPlayout
 from app.server.media.frame_path import ChunkAssembler, Playout, StreamRunner
 from app.server.media.ndi import DEFAULT_LABEL, NDI_OUT_OFF, SourceNames
 from app.server.media.ndi_out import NdiOutput
+from app.server.media.shared_vp8 import SharedVp8Encoder
 from app.server.serving.engine_bridge import ProcessorFactory, StreamSettings
 from engine.streaming.prompts import seconds_to_chunks
 
@@ -62,6 +63,8 @@ class Session:
         self.runner = runner
         self.assembler = assembler
         self.playout = playout
+        # Its output's VP8 encoder, shared by every WebRTC viewer (the publisher's return track, WHEP).
+        self.video_encoder = SharedVp8Encoder()
         self.created = time.monotonic()
         # WebRTC peers by session id: the last part of each one's session URL (/whip/<id>/<session>,
         # /whep/<id>/<viewer>), 128 random bits each: holding one is the right to end that session.
@@ -328,6 +331,8 @@ class Session:
             "dropped_output_frames": self.playout.dropped,  # engine output never played (overflow, prompt switch)
             "repeated_frames": self.playout.repeats,
             "viewers": self.viewers,
+            "encoded_frames": self.video_encoder.encodes,  # VP8 encodes, shared by the WebRTC viewers
+            "keyframes": self.video_encoder.keyframes,
             "recording": self.recorder is not None,
             "record_error": self.record_error,
             "audio": self.audio is not None,
