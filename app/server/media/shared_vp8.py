@@ -83,7 +83,9 @@ class SharedVp8Encoder:
         with self._lock:
             if viewer.left:  # a sender stopping while its last encode was on its way
                 return [], 0
-            self._viewers.add(viewer)
+            if viewer not in self._viewers:  # its first frame: it starts at a keyframe of this tick or later
+                self._viewers.add(viewer)
+                viewer.sent = max((e.index for e in self._history if e.tick < tick), default=-1)
             if force_keyframe:
                 viewer.in_step = False
             encoded = self._next_for(viewer)
@@ -148,7 +150,7 @@ class ViewerEncoder(Encoder):
         self._shared = shared
         self._target_bitrate = DEFAULT_BITRATE
         self.tick = 0
-        self.sent = -1  # index of the last encoded frame this viewer sent
+        self.sent = -1  # index of the last encoded frame this viewer sent (or the last before the tick it joined at)
         self.in_step = False
         self.left = False
 
