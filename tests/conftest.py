@@ -115,3 +115,21 @@ def chromium_path() -> Path:
     if not CHROMIUM.exists():
         pytest.skip(f"browser tests need Debian's chromium at {CHROMIUM} (CI installs it: apt-get install chromium)")
     return CHROMIUM
+
+
+@pytest.fixture
+def libvpx_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every libvpx encode the server's VP8 encoder runs (a spy around the real one): frame widths."""
+    import av
+
+    from app.server.media.encoder import OutputVp8Encoder
+
+    calls: list[int] = []
+    encode = OutputVp8Encoder.encode
+
+    def counting(self: OutputVp8Encoder, frame: av.VideoFrame, force_keyframe: bool = False) -> tuple[list[bytes], int]:
+        calls.append(frame.width)
+        return encode(self, frame, force_keyframe)
+
+    monkeypatch.setattr(OutputVp8Encoder, "encode", counting)
+    return calls

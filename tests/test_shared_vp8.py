@@ -7,11 +7,9 @@ from fractions import Fraction
 
 import av
 import numpy as np
-import pytest
 from aiortc.codecs.vpx import MAX_BITRATE, MIN_BITRATE, Vp8Decoder, vp8_depayload
 from aiortc.jitterbuffer import JitterFrame
 
-import app.server.media.encoder as encoder_module
 from app.client import pattern_frame
 from app.server.media.shared_vp8 import HISTORY, SharedVp8Encoder, ViewerEncoder, is_keyframe
 
@@ -53,21 +51,6 @@ class Receiver:
             assert self.send(owed)
             sent += 1
         return sent
-
-
-@pytest.fixture
-def libvpx_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every libvpx encode the server's VP8 encoder runs (a spy around the real one): frame widths."""
-    calls: list[int] = []
-    encode = encoder_module.OutputVp8Encoder.encode
-
-    def counting(self: encoder_module.OutputVp8Encoder, frame: av.VideoFrame,
-                 force_keyframe: bool = False) -> tuple[list[bytes], int]:
-        calls.append(frame.width)
-        return encode(self, frame, force_keyframe)
-
-    monkeypatch.setattr(encoder_module.OutputVp8Encoder, "encode", counting)
-    return calls
 
 
 def test_viewers_get_one_encode_per_frame_and_decode_the_same_pictures(libvpx_calls: list[int]) -> None:
