@@ -65,6 +65,18 @@ def fit_size(source: Size, budget_px: int, granularity: int) -> Size:
     return best[2]
 
 
+def scaled_size(size: Size, scale: float, granularity: int) -> Size:
+    """The engine size of a ``size`` stream at resolution ``scale``: the grid size within ``size`` scaled
+    by ``scale`` (its pixel budget) that keeps the most of ``size``'s picture (``size`` itself when it is
+    on the grid at scale 1; a square stays square). The engine's rule (StreamRuntime.engine_size), pure
+    arithmetic so that a server whose streams run elsewhere (Ray workers) sizes their chunks as they will."""
+    budget = int(size[0] * scale) * int(size[1] * scale)
+    if budget < granularity * granularity:
+        raise ValueError(f"frame size {size} at scale {scale} is too small: the model needs "
+                         f"{granularity}x{granularity} pixels at least")
+    return fit_size(size, budget, granularity)
+
+
 def crop_box(source: Size, target: Size) -> tuple[int, int, int, int]:
     """(x, y, width, height) of the centred part of a ``source`` frame with ``target``'s aspect."""
     w, h = source

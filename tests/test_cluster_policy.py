@@ -24,6 +24,8 @@ import signal
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,10 +38,12 @@ from app.server.media.frame_path import ChunkAssembler, Playout, StreamRunner
 from app.server.serving.engine_bridge import InProcessFactory, RayFactory, StreamSettings
 from app.server.serving.executors import ServingLoop
 from app.server.serving.serving_loop import build_serving_loop
+from engine.aspect import fit_frame, fit_size, scaled_size
 from engine.cluster.controller import ClusterConfig, ClusterController
 from engine.cluster.worker import ChunkOrder, StepCall, StepOutcome
 from engine.fidelity import FidelityConfig
 from engine.pipeline import StreamParams
+from engine.serving.live import bundled_live_profile
 from engine.serving.snapshot import Rehome, TickPlan
 
 FPS = 8.0
@@ -64,7 +68,8 @@ class Recorder:
     """Wraps ``ClusterController.run_step``: every chunk each Ray stream ran, in order."""
 
     def __init__(self, controller: ClusterController) -> None:
-        self.chunks: dict[int, list[tuple[FidelityConfig, np.ndarray]]] = {}
+        # (fidelity, frames, the camera's size) of every chunk that entered, by stream.
+        self.chunks: dict[int, list[tuple[FidelityConfig, np.ndarray, tuple[int, int] | None]]] = {}
         self.outputs: dict[int, list[np.ndarray]] = {}
         self.workers: dict[int, list[int]] = {}  # the worker of each chunk that entered
         run_step = controller.run_step
@@ -74,7 +79,7 @@ class Recorder:
             for order in call.orders:
                 if order.frames is not None:
                     assert order.config is not None
-                    self.chunks.setdefault(order.stream_id, []).append((order.config, order.frames))
+                    self.chunks.setdefault(order.stream_id, []).append((order.config, order.frames, order.camera))
                     self.workers.setdefault(order.stream_id, []).append(worker_id)
             for sid, finished in outcome.finished.items():
                 self.outputs.setdefault(sid, []).extend(finished)
@@ -86,7 +91,8 @@ class Recorder:
 class Camera:
     """One stream on the loop, fed random frames at ``FPS`` by an in-process source."""
 
-    def __init__(self, loop: ServingLoop, factory: RayFactory, pool: ThreadPoolExecutor, seed: int) -> None:
+    def __init__(self, loop: ServingLoop, factory: RayFactory, pool: ThreadPoolExecutor, seed: int,
+                 camera: tuple[int, int] | None = None) -> None:
         self.settings = StreamSettings(steps=2, seed=seed)
         self.sid = loop.admit(self.settings.steps)
         self.processor = factory.open(self.settings)
@@ -96,7 +102,7 @@ class Camera:
         self.runner = StreamRunner(self.processor, self.assembler, self.playout, pool, factory.size)
         self.failures: list[BaseException] = []
         self.rng = np.random.default_rng(seed)
-        self.size = factory.size
+        self.size = camera or factory.size  # of its frames
         loop.attach(self.sid, self.runner, self.playout, on_failure=self.failures.append)
         self.tasks = [asyncio.create_task(self._feed()), asyncio.create_task(self.playout.run())]
 
@@ -120,15 +126,59 @@ async def wait_for(condition: Any, what: str, timeout_s: float = WAIT_S, streams
         await asyncio.sleep(0.05)
 
 
-def twin_outputs(local: InProcessFactory, settings: StreamSettings, chunks: list[tuple[FidelityConfig, np.ndarray]],
-                 ) -> list[np.ndarray]:
-    """The same chunks at the same fidelity through a fresh local stream that never moved or parked."""
+def twin_outputs(local: InProcessFactory, settings: StreamSettings,
+                 chunks: list[tuple[FidelityConfig, np.ndarray, tuple[int, int] | None]]) -> list[np.ndarray]:
+    """The same chunks at the same fidelity through a fresh local stream that never moved or parked, sized
+    from the same camera."""
     twin = local.open(settings)
     outs = []
-    for config, frames in chunks:
+    for config, frames, camera in chunks:
         twin.set_fidelity(config)  # type: ignore[attr-defined]
+        if camera is not None:
+            twin.sizes(camera, config)
         outs.append(twin.process(frames))
     return outs
+
+
+async def test_a_ray_stream_is_resized_once_each_way_at_a_lower_rung(cluster: ClusterController,
+                                                                    tmp_path: Path) -> None:
+    """Every rung at x0.5: the server resizes each camera frame straight to the rung's engine size, the
+    worker's stream takes its size from the camera's (which goes with the chunk), and the frames come
+    back at that size after one resize there, stylized: the frames of an in-process stream fed the
+    same chunks, neither black nor the input."""
+    torch.set_num_threads(1)  # the actors run one thread each: same reduction order for the twin here
+    recorder = Recorder(cluster)
+    factory = RayFactory(cluster)
+    profile = bundled_live_profile("tiny-random", factory.size)
+    half = replace(profile, points=tuple(p for p in profile.points if p.config.resolution_scale == 0.5))
+    half.save(tmp_path / "half.json")
+    config = ServerConfig(model="tiny-random", max_fps=FPS, policy="slack", profile=str(tmp_path / "half.json"))
+    pool = ThreadPoolExecutor(max_workers=2)
+    loop = build_serving_loop(config, factory, pool)
+    runner = asyncio.create_task(loop.run())
+    camera = (300, 200)  # 3:2 -> a 144x96 stream, whose x0.5 rung is 64x48 (4:3: a stream of 144x112)
+    granularity = int(cluster.info.size_granularity)
+    stream = fit_size(camera, factory.size[0] * factory.size[1], granularity)
+    engine = scaled_size(stream, 0.5, granularity)
+    a = Camera(loop, factory, pool, seed=4, camera=camera)
+    try:
+        await wait_for(lambda: len(recorder.outputs.get(a.ray_id, [])) >= 3 and a.playout.frames_shown > 4,
+                       "three chunks", streams=(a,))
+    finally:
+        a.stop()
+        cluster.close(a.ray_id)
+        runner.cancel()
+        pool.shutdown(wait=False)
+    chunks, outs = recorder.chunks[a.ray_id], recorder.outputs[a.ray_id]
+    assert stream == (144, 96) and engine == (64, 48) and a.runner.size == stream
+    assert all(c.resolution_scale == 0.5 and f.shape[1:] == (engine[1], engine[0], 3) and cam == camera
+               for c, f, cam in chunks)
+    assert all(out.shape[1:] == (stream[1], stream[0], 3) for out in outs)
+    local = InProcessFactory.load("tiny-random")
+    for (_, frames, _), got, want in zip(chunks, outs, twin_outputs(local, a.settings, chunks[: len(outs)]),
+                                         strict=False):
+        np.testing.assert_array_equal(got, want)
+        assert got.std() > 10 and np.abs(got[-1].astype(float) - fit_frame(frames[-1], stream)).mean() > 10
 
 
 async def test_policy_rehomes_off_a_slow_worker_parks_states_and_survives_a_killed_worker(

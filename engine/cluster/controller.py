@@ -271,9 +271,10 @@ class ClusterController:
                 pass  # _call re-admitted the stream elsewhere
             return self._call(entry.home, getattr(self.actor(entry.home), method).remote(stream_id, *args))
 
-    def process(self, stream_id: int, frames: np.ndarray) -> np.ndarray:
-        """One chunk on the stream's home worker (uint8 [T, H, W, 3] in and out)."""
-        return np.asarray(self._on_home(stream_id, "process", frames))
+    def process(self, stream_id: int, frames: np.ndarray, camera: tuple[int, int] | None = None) -> np.ndarray:
+        """One chunk on the stream's home worker (uint8 [T, H, W, 3] in and out; ``camera``: as in
+        `ChunkOrder`)."""
+        return np.asarray(self._on_home(stream_id, "process", frames, camera))
 
     def update(self, stream_id: int, **changes: Any) -> StreamParams:
         params: StreamParams = self._on_home(stream_id, "update", changes)

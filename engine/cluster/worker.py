@@ -72,11 +72,15 @@ class MoveReport:
 @dataclass(frozen=True)
 class ChunkOrder:
     """One stream's part of a step: ``frames`` and ``config`` for a chunk that enters now (uint8
-    [T, H, W, 3] at the engine size), both None for the next step of the chunk in flight."""
+    [T, H, W, 3] at the engine size), both None for the next step of the chunk in flight. ``camera``:
+    the (width, height) of the camera the frames were resized from, which the stream takes its size from
+    at its first chunk (the engine's rule, StreamRuntime.sizes); None: the frames are at the stream's
+    size, and it takes its size from them."""
 
     stream_id: int
     config: FidelityConfig | None = None
     frames: np.ndarray | None = None
+    camera: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -176,12 +180,15 @@ class StreamWorker:
             raise RuntimeError(f"stream {stream_id} is suspended to host memory; resume it first")
         return stream
 
-    def process(self, stream_id: int, frames: np.ndarray) -> np.ndarray:
-        """One chunk. A stream that has not run yet (just opened, or re-admitted after its worker died)
-        takes its first chunk from the newest frame of a full chunk and holds that output for the
-        chunk's length, so a caller mid-stream needs no special case after a recovery."""
+    def process(self, stream_id: int, frames: np.ndarray, camera: tuple[int, int] | None = None) -> np.ndarray:
+        """One chunk (``camera``: as in `ChunkOrder`). A stream that has not run yet (just opened, or
+        re-admitted after its worker died) takes its first chunk from the newest frame of a full chunk
+        and holds that output for the chunk's length, so a caller mid-stream needs no special case after
+        a recovery."""
         self._runnable(stream_id)
         stepper = self._steppers[stream_id]
+        if camera is not None:
+            stepper.sizes(camera)
         first = stepper.stream.expected_frames
         if stepper.stream.state.chunks == 0 and len(frames) > first:
             out = stepper.process(frames[-first:])
@@ -211,6 +218,9 @@ class StreamWorker:
             self._runnable(order.stream_id)
             stepper = self._steppers[order.stream_id]
             frames = order.frames
+            if frames is not None and order.camera is not None:
+                # Its size from the camera's, as the server's was: not from frames at a smaller rung's size.
+                stepper.sizes(order.camera, order.config)
             if frames is not None:
                 # A stream that has not run yet (just opened, or re-admitted after its worker died) takes
                 # its first chunk from the newest frames; its output is held for the chunk's length.

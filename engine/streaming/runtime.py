@@ -34,7 +34,7 @@ import cv2
 import numpy as np
 import torch
 
-from engine.aspect import StreamSizes, crop_box, fit_size
+from engine.aspect import StreamSizes, crop_box, fit_size, scaled_size
 from engine.fidelity import FidelityConfig, fp8_kv_in, fp8_linears_in, unsupported_reason
 from engine.models.bf16_weights import keep_bf16_weights
 from engine.models.fp8 import FP8_DTYPE, fp8_linear_supported, fp8_linears
@@ -348,13 +348,8 @@ class StreamRuntime:
     def engine_size(self, size: tuple[int, int], fidelity: FidelityConfig) -> tuple[int, int]:
         """Pixel size the model runs at: the size on the model's grid within ``size`` scaled by the
         fidelity's ``resolution_scale`` (its pixel budget) that keeps the most of ``size``'s picture
-        (engine/aspect.py: ``size`` itself when it is on the grid at scale 1; a square stays square)."""
-        scale = fidelity.resolution_scale
-        budget = int(size[0] * scale) * int(size[1] * scale)
-        g = self.size_granularity
-        if budget < g * g:
-            raise ValueError(f"frame size {size} at scale {scale} is too small: the model needs {g}x{g} pixels at least")
-        return fit_size(size, budget, g)
+        (engine/aspect.py, :func:`scaled_size`: ``size`` itself when it is on the grid at scale 1)."""
+        return scaled_size(size, fidelity.resolution_scale, self.size_granularity)
 
     def sizes(self, state: StreamState, frame_size: tuple[int, int], fidelity: FidelityConfig) -> StreamSizes:
         """The stream's size and the engine size of its next chunk at ``fidelity``, for frames of

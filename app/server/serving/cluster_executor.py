@@ -83,8 +83,8 @@ class RayExecutor(StepExecutor):
                      drop: Sequence[LiveStream]) -> list[list[np.ndarray]]:
         for stream in (*(s for s, _, _ in active), *evict, *restore):
             self._place(_ray_id(stream), worker_id)
-        orders = tuple(ChunkOrder(_ray_id(stream), order.point.config if inputs is not None else None, inputs)
-                       for stream, order, inputs in active)
+        orders = tuple(ChunkOrder(_ray_id(stream), order.point.config, inputs, _processor(stream).camera)
+                       if inputs is not None else ChunkOrder(_ray_id(stream)) for stream, order, inputs in active)
         call = StepCall(orders, tuple(_ray_id(s) for s in evict), tuple(_ray_id(s) for s in restore),
                         self.delay_s + self.worker_delays_s.get(worker_id, 0.0), self.step_delay_s,
                         tuple(_ray_id(s) for s in drop))
@@ -272,7 +272,11 @@ class RayExecutor(StepExecutor):
         self.wakeup.set()
 
 
-def _ray_id(stream: LiveStream) -> int:
+def _processor(stream: LiveStream) -> RayProcessor:
     processor = stream.runner.processor
     assert isinstance(processor, RayProcessor)
-    return processor.stream_id
+    return processor
+
+
+def _ray_id(stream: LiveStream) -> int:
+    return _processor(stream).stream_id

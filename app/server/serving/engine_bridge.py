@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from engine.aspect import StreamSizes
+from engine.aspect import StreamSizes, fit_size, scaled_size
 from engine.fidelity import FidelityConfig
 from engine.streaming.lanes import EngineLanes, auto_lanes
 
@@ -421,6 +421,10 @@ class RayProcessor:
     def __init__(self, controller: Any, stream_id: int) -> None:
         self._controller = controller
         self.stream_id = stream_id
+        self._size: tuple[int, int] | None = None  # the stream's, from its first chunk's camera until a reset
+        self._scale = 1.0  # the resolution scale of its last chunk: the stream's own fidelity on its worker
+        # The camera size of the chunk last sized, which goes to the worker with that chunk (ChunkOrder).
+        self.camera: tuple[int, int] | None = None
 
     @property
     def first_chunk_frames(self) -> int:
@@ -431,24 +435,30 @@ class RayProcessor:
         return int(self._controller.info.chunk_frames)
 
     def process(self, frames: np.ndarray) -> np.ndarray:
-        return np.asarray(self._controller.process(self.stream_id, frames), dtype=np.uint8)
+        return np.asarray(self._controller.process(self.stream_id, frames, self.camera), dtype=np.uint8)
 
     def sizes(self, camera: tuple[int, int], config: FidelityConfig | None = None) -> StreamSizes:
-        """The stream's size by the engine's rule on the cluster's model (engine/aspect.py), for the
-        engine size too: the stream lives on a worker, whose chunk takes the frames at the stream's size
-        (its stream adopts that size from them) and resizes them to its engine size there."""
-        from engine.aspect import fit_size
-
+        """The engine's sizes (engine/aspect.py: `fit_size` at the model's budget, `scaled_size` at the
+        chunk's resolution scale) by the cluster's model, worked out here: the stream lives on a worker, and
+        asking it would cost a round trip per chunk. The worker's stream sizes itself from the same camera
+        size, which goes with the chunk (``camera``), so the frames are resized once on the way in (here,
+        camera -> engine size) and once on the way out (on the worker, engine -> stream size)."""
         info = self._controller.info
-        width, height = info.default_size
-        size = fit_size(camera, int(width) * int(height), int(info.size_granularity))
-        return StreamSizes(size, size)
+        granularity = int(info.size_granularity)
+        if self._size is None:
+            width, height = info.default_size
+            self._size = fit_size(camera, int(width) * int(height), granularity)
+        if config is not None:
+            self._scale = config.resolution_scale
+        self.camera = camera
+        return StreamSizes(self._size, scaled_size(self._size, self._scale, granularity))
 
     def update(self, **changes: Any) -> None:
         self._controller.update(self.stream_id, **changes)
 
     def reset(self) -> None:
         self._controller.reset(self.stream_id)
+        self._size = None  # the worker's stream sizes itself again from its next chunk's camera
 
 
 class RayFactory:
