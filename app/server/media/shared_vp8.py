@@ -58,7 +58,11 @@ class SharedVp8Encoder:
 
     def __init__(self) -> None:
         self._codec = OutputVp8Encoder()
+        # Two locks: the sequence and its viewers (held briefly, also by a track's recv on the event
+        # loop), and libvpx (held for an encode, on executor threads only), so that the event loop
+        # never waits for an encode.
         self._lock = threading.Lock()
+        self._encoding = threading.Lock()
         self._history: deque[EncodedFrame] = deque(maxlen=HISTORY)
         self._viewers: set[ViewerEncoder] = set()
         self._keyframe_wanted = False
@@ -80,21 +84,28 @@ class SharedVp8Encoder:
         """The payloads ``viewer`` sends next, given the playout tick its track read: a frame it is owed,
         else ``frame`` encoded now, else nothing (a tick another viewer's encode passed, or a viewer out
         of step whose keyframe is not encoded yet: aiortc's sender sends nothing for an empty list)."""
-        with self._lock:
-            if viewer.left:  # a sender stopping while its last encode was on its way
-                return [], 0
-            if viewer not in self._viewers:  # its first frame: it starts at a keyframe of this tick or later
-                self._viewers.add(viewer)
-                viewer.sent = max((e.index for e in self._history if e.tick < tick), default=-1)
-            if force_keyframe:
-                viewer.in_step = False
-            encoded = self._next_for(viewer)
-            if encoded is None:
-                newest = self._history[-1] if self._history else None
-                if newest is not None and tick <= newest.tick:
+        with self._encoding:  # the viewers of one tick wait here for its encode, then find it done
+            with self._lock:
+                if viewer.left:  # a sender stopping while its last encode was on its way
                     return [], 0
-                encoded = self._encode(frame, tick, keyframe=self._keyframe_wanted or not viewer.in_step)
-            viewer.sent, viewer.in_step = encoded.index, True
+                if viewer not in self._viewers:  # its first frame: it starts at a keyframe of this tick or later
+                    self._viewers.add(viewer)
+                    viewer.sent = max((e.index for e in self._history if e.tick < tick), default=-1)
+                if force_keyframe:
+                    viewer.in_step = False
+                encoded = self._next_for(viewer)
+                if encoded is None:
+                    newest = self._history[-1] if self._history else None
+                    if newest is not None and tick <= newest.tick:
+                        return [], 0
+                    keyframe = self._keyframe_wanted or not viewer.in_step
+                    self._codec.target_bitrate = min(v.target_bitrate for v in self._viewers)
+            if encoded is None:
+                payloads, timestamp = self._codec.encode(frame, keyframe)
+                with self._lock:
+                    encoded = self._append(tick, payloads, timestamp)
+            with self._lock:
+                viewer.sent, viewer.in_step = encoded.index, True
             return encoded.payloads, encoded.timestamp
 
     def leave(self, viewer: ViewerEncoder) -> None:
@@ -124,9 +135,8 @@ class SharedVp8Encoder:
         self._keyframe_wanted = True
         return None
 
-    def _encode(self, frame: av.VideoFrame, tick: int, keyframe: bool) -> EncodedFrame:
-        self._codec.target_bitrate = min(v.target_bitrate for v in self._viewers)
-        payloads, timestamp = self._codec.encode(frame, keyframe)
+    def _append(self, tick: int, payloads: list[bytes], timestamp: int) -> EncodedFrame:
+        """A frame just encoded joins the sequence."""
         newest = self._history[-1] if self._history else None
         if newest is not None:
             # Viewers read the playout clock at different moments: keep the sequence's times ascending.
