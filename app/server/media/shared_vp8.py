@@ -18,7 +18,8 @@ SSRC, sequence numbers and timestamp origin). Rules that keep every viewer's dec
   the price of one encode). A change of more than 10 % reopens the codec (aiortc's rule), whose first
   frame is a keyframe for everyone.
 - Viewers that leave (their track stopped) no longer count. A slow viewer holds no one up: encoding
-  happens on whichever sender's executor thread asks first, under a lock held for one encode.
+  happens on whichever sender's executor thread asks first, and a track asking on the event loop
+  what its sender is owed never waits for an encode.
 """
 
 from __future__ import annotations
@@ -112,11 +113,6 @@ class SharedVp8Encoder:
         with self._lock:
             viewer.left = True
             self._viewers.discard(viewer)
-
-    @property
-    def viewers(self) -> int:
-        with self._lock:
-            return len(self._viewers)
 
     def _next_for(self, viewer: ViewerEncoder) -> EncodedFrame | None:
         """In step: the frame after the last it sent, while kept. Out of step: a keyframe newer than the
