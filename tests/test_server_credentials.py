@@ -188,13 +188,14 @@ async def test_every_credential_check_counts_and_waits(asgi_api: ApiFactory, tmp
 
 async def test_tokens_the_server_minted_never_hold_anyone_up(asgi_api: ApiFactory) -> None:  # noqa: F811
     """Another stream's owner token, or the token of a stream that ended (a page polling its stats
-    after the end), grants nothing but is no guess: no wait, and the admin token still works."""
+    after the end: told it ended, 410), grants nothing but is no guess: no wait, and the admin token
+    still works."""
     async with asgi_api(max_streams=4, max_streams_per_client=4, api_token=ADMIN, private_viewing=True) as api:
         mine, other = await api.create(headers=bearer(ADMIN)), await api.create(headers=bearer(ADMIN))
         assert (await api.client.delete(f"/api/streams/{mine.stream_id}", headers=bearer(mine.owner))).status_code == 204
         for _ in range(3 * FREE_FAILURES):
             response = await api.client.get(f"/api/streams/{mine.stream_id}", headers=bearer(mine.owner))
-            assert response.status_code == 404
+            assert response.status_code == 410 and "stopped by its owner" in response.json()["detail"]
             response = await api.client.delete(f"/api/streams/{other.stream_id}", headers=bearer(mine.viewer))
             assert response.status_code == 404
         assert (await api.client.get("/api/streams", headers=bearer(ADMIN))).status_code == 200

@@ -61,8 +61,9 @@ async def test_owner_controls_viewer_only_watches(asgi_api: ApiFactory) -> None:
         assert (await api.client.delete(f"/api/streams/{stream.stream_id}", headers=bearer(stream.viewer))).status_code == 403
         assert (await api.client.delete(f"/api/streams/{stream.stream_id}")).status_code == 401
         assert (await api.client.delete(f"/api/streams/{stream.stream_id}", headers=bearer(stream.owner))).status_code == 204
-        # The capability died with its stream.
-        assert (await api.client.post(control, content=UPDATE, headers=bearer(stream.owner))).status_code == 404
+        # The capability died with its stream: its owner is only told that it ended (410), and why.
+        gone = await api.client.post(control, content=UPDATE, headers=bearer(stream.owner))
+        assert gone.status_code == 410 and gone.json()["detail"].endswith("has ended: stopped by its owner")
         assert api.app.state.access.grants == 0
 
 
