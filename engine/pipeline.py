@@ -40,7 +40,7 @@ from engine.capabilities import ModelCapabilities, look_name
 from engine.capabilities import UnsupportedModeError as UnsupportedModeError  # part of this API
 from engine.embedded.block_texture import GRID_LOOKS
 from engine.fidelity import FidelityConfig
-from engine.frames import frames_to_tensor, tensor_to_frames
+from engine.frames import frames_as_uint8, tensor_to_frames
 from engine.models.lora import LoRA, LoRABank, check_strengths
 from engine.models.wan_dit import CONFIGS, CausalWanDiT, WanDiTConfig
 from engine.sampling import SELF_FORCING, STREAMDIFFUSION_V2, SamplerPreset
@@ -495,7 +495,7 @@ class Stream(StreamControls):
         """V2V: uint8 RGB frames [T, H, W, 3] -> stylised uint8 RGB frames [T, h, w, 3]."""
         if self.params.mode != "v2v":
             raise ValueError("this is a text-to-video stream; call generate(), not process()")
-        chunk = frames_to_tensor(frames, self.expected_frames)
+        chunk = frames_as_uint8(frames, self.expected_frames)
         self.last = self.runtime.run_chunk(self.state, chunk)
         return tensor_to_frames(self.last.frames)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import pickle
 
+import numpy as np
 import pytest
 import torch
 from _runtime_fixtures import clip, fidelity, tiny_runtime
@@ -366,3 +367,36 @@ def test_fit_frames_on_the_cpu_is_an_area_average_down_and_torchs_bilinear_up() 
     up = fit_frames(small, (64, 48))  # 40x24 is wider than 4:3: the centre 32x24 is kept
     expected = torch.nn.functional.interpolate(small[..., 4:36].permute(1, 0, 2, 3), size=(48, 64), mode="bilinear")
     assert up.shape == (3, 4, 48, 64) and torch.allclose(up, expected.permute(1, 0, 2, 3), atol=1e-5)
+
+
+def test_fit_frames_resizes_a_cameras_bytes_as_it_resizes_floats() -> None:
+    """uint8 frames (a camera's) are fitted as bytes: against the float path on the same pixels, each
+    output within half a level of rounding plus OpenCV's weight rounding, down and up, cropped alike."""
+    from engine.frames import frames_as_uint8, frames_to_tensor, unit_range
+    from engine.streaming.runtime import fit_frames
+
+    frames = np.random.default_rng(3).integers(0, 256, (4, 64, 96, 3), dtype=np.uint8)
+    for size in ((32, 32), (40, 30), (160, 120)):
+        as_bytes = fit_frames(frames_as_uint8(frames), size)
+        assert as_bytes.dtype == torch.uint8 and as_bytes.shape == (3, 4, size[1], size[0])
+        as_floats = fit_frames(frames_to_tensor(frames), size)
+        assert (unit_range(as_bytes) - as_floats).abs().max() <= 1.5 / 127.5
+
+
+def test_a_chunk_of_camera_bytes_runs_as_the_same_chunk_in_floats() -> None:
+    """The runtime takes uint8 frames and fits them to the engine size before converting: below
+    resolution scale 1 the stylised chunks match those from float frames to rounding, and differ from
+    the input (not a pass-through)."""
+    from engine.frames import frames_as_uint8, frames_to_tensor
+
+    half = FidelityConfig(steps=2, kv_window_frames=6, precision="fp32", resolution_scale=0.5)
+    rng = np.random.default_rng(4)
+    chunks = [rng.integers(0, 256, (n, 64, 64, 3), dtype=np.uint8) for n in (1, 4, 4)]
+    runtimes = [tiny_runtime(), tiny_runtime()]
+    states = [rt.open("s", "thermal", (64, 64), half, seed=3) for rt in runtimes]
+    for frames in chunks:
+        as_bytes = runtimes[0].run_chunk(states[0], frames_as_uint8(frames)).frames
+        as_floats = runtimes[1].run_chunk(states[1], frames_to_tensor(frames)).frames
+        assert as_bytes.shape == as_floats.shape == (3, len(frames), 64, 64)
+        assert (as_bytes - as_floats).abs().max() < 1e-3
+        assert (as_bytes - frames_to_tensor(frames)).abs().mean() > 0.05

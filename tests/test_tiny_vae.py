@@ -216,3 +216,14 @@ def test_separable_bilinear_equals_torchs_interpolation(src: tuple[int, int], si
     x = torch.randn(2, 5, *src, generator=torch.Generator().manual_seed(0))
     expected = torch.nn.functional.interpolate(x, size=size, mode="bilinear", align_corners=False)
     assert torch.allclose(_bilinear(x, size), expected, atol=1e-5)
+
+
+def test_the_fast_pixel_shuffles_equal_torchs() -> None:
+    from engine.models.tiny_vae import _shuffle8, _unshuffle8
+
+    x = torch.randn(5, 3, 24, 40)
+    patches = _unshuffle8(x)
+    assert torch.equal(patches, torch.nn.functional.pixel_unshuffle(x, 8))
+    assert torch.equal(_shuffle8(patches), x)
+    y = torch.randn(2, 128, 3, 5)
+    assert torch.equal(_shuffle8(y), torch.nn.functional.pixel_shuffle(y, 8))

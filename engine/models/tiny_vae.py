@@ -127,6 +127,19 @@ def _bilinear(x: Tensor, size: tuple[int, int]) -> Tensor:
     return rows @ x @ cols.T
 
 
+def _unshuffle8(x: Tensor) -> Tensor:
+    """``F.pixel_unshuffle(x, 8)`` as a view, a permute and one copy: 3x faster on a CPU (the kernel
+    walks the frame element by element), equal exactly."""
+    n, c, h, w = x.shape
+    return x.view(n, c, h // 8, 8, w // 8, 8).permute(0, 1, 3, 5, 2, 4).reshape(n, c * 64, h // 8, w // 8)
+
+
+def _shuffle8(x: Tensor) -> Tensor:
+    """``F.pixel_shuffle(x, 8)`` the same way (2-3x faster on a CPU, equal exactly)."""
+    n, c, h, w = x.shape
+    return x.view(n, c // 64, 8, 8, h, w).permute(0, 1, 4, 2, 5, 3).reshape(n, c // 64, h * 8, w * 8)
+
+
 def _previous_frames(feats: Tensor, prev: Tensor | None) -> Tensor:
     """[B, T, C, h, w] -> the same frames shifted one step later in time, ``prev`` (or zeros) first."""
     first = torch.zeros_like(feats[:, :1]) if prev is None else prev[:, None]
@@ -245,9 +258,12 @@ class TinyVAE(nn.Module):
         if h % 8 or w % 8:
             raise ValueError(f"frame size {h}x{w} must be divisible by 8")
         flat = frames.transpose(1, 2).reshape(b * t, 3, h, w)
-        feats = self.enc_in(flat).unflatten(0, (b, t))
+        # The patches feed both paths: unshuffled once (enc_in's first module is that unshuffle, kept
+        # so that the convolutions' names, and checkpoints, stay as they were).
+        patches = _unshuffle8(flat)
+        feats = self.enc_in[1:](patches).unflatten(0, (b, t))
         mem = self.enc_memory(feats.flatten(0, 1), _previous_frames(feats, prev).flatten(0, 1))
-        lin = self.enc_lin(F.pixel_unshuffle(flat, 8))
+        lin = self.enc_lin(patches)
         return (lin + self.enc_out(F.relu(mem))).unflatten(0, (b, t)), feats[:, -1]
 
     @property
@@ -270,11 +286,11 @@ class TinyVAE(nn.Module):
             if guide.shape != (b, 3, t, *(8 * n for n in latents.shape[-2:])):
                 raise ValueError(f"guide frames {tuple(guide.shape)} do not match latents {tuple(latents.shape)}")
             g = guide.transpose(1, 2).flatten(0, 1).to(flat.dtype)
-            feats = feats + self.dec_guide_in(F.pixel_unshuffle(g, 8))
+            feats = feats + self.dec_guide_in(_unshuffle8(g))
         feats = feats.unflatten(0, (b, t))
         mem = self.dec_memory(feats.flatten(0, 1), _previous_frames(feats, prev).flatten(0, 1))
         # In the latents' dtype: under bf16 autocast the convolutions compute in bf16, the pixels add up in fp32.
-        pixels = F.pixel_shuffle(self.dec_lin(flat) + self.dec_body(mem), 8).to(flat.dtype)
+        pixels = _shuffle8(self.dec_lin(flat) + self.dec_body(mem)).to(flat.dtype)
         if g is not None:
             pixels = pixels + self._guided_map(mem, g)
         return pixels.unflatten(0, (b, t)).transpose(1, 2), feats[:, -1]

@@ -36,6 +36,7 @@ import torch
 
 from engine.aspect import StreamSizes, crop_box, fit_size, scaled_size
 from engine.fidelity import FidelityConfig, fp8_kv_in, fp8_linears_in, unsupported_reason
+from engine.frames import unit_range
 from engine.models.bf16_weights import keep_bf16_weights
 from engine.models.fp8 import FP8_DTYPE, fp8_linear_supported, fp8_linears
 from engine.models.lora import LoRABank, check_strengths
@@ -387,8 +388,10 @@ class StreamRuntime:
     # executor that stops between denoising steps to let a more urgent stream run (preemption).
 
     def enter_chunk(self, state: StreamState, frames: torch.Tensor, local_caches: bool = True) -> ChunkInFlight:
-        """Stage 1: a V2V chunk of input frames [3, T, H, W] in [-1, 1] enters: motion-aware noise
-        level, VAE encode, every noise draw of the chunk, positions. See :meth:`enter_latents`."""
+        """Stage 1: a V2V chunk of input frames [3, T, H, W] (float in [-1, 1], or a camera's uint8,
+        `engine.frames.frames_as_uint8`, fitted to the engine size before it is converted) enters:
+        motion-aware noise level, VAE encode, every noise draw of the chunk, positions. See
+        :meth:`enter_latents`."""
         return self.enter_chunks([state], [frames], local_caches)[0]
 
     def enter_chunks(self, states: Sequence[StreamState], frames: Sequence[torch.Tensor],
@@ -401,7 +404,7 @@ class StreamRuntime:
             self.adopt_input_size(state, (clip.shape[-1], clip.shape[-2]))
             if local_caches:
                 self.fit_engine_size(state)  # before the encode: the VAE cache must be at the chunk's size
-            engine_frames = fit_frames(clip, self.engine_size(state.size, state.fidelity))
+            engine_frames = unit_range(fit_frames(clip, self.engine_size(state.size, state.fidelity)))
             rate = MotionAwareNoiseController(self._noise_config(state)).step(engine_frames, state.noise_controller)
             pixels = engine_frames.unsqueeze(0).to(self.device, self.dit.dtype)
             entries.append((state, engine_frames, rate, pixels, restart))
@@ -637,7 +640,8 @@ class StreamRuntime:
     # -- the stages grouped: sequential chunks and cross-user batches -------------------------------
 
     def run_chunk(self, state: StreamState, frames: torch.Tensor) -> ChunkResult:
-        """V2V: one chunk of input frames [3, T, H, W] in [-1, 1] -> the stylised chunk."""
+        """V2V: one chunk of input frames [3, T, H, W] (float in [-1, 1] or uint8, :meth:`enter_chunk`)
+        -> the stylised chunk."""
         return self.run_chunks([state], [frames])[0]
 
     def run_chunks(self, states: Sequence[StreamState], frames: Sequence[torch.Tensor]) -> list[ChunkResult]:
@@ -884,8 +888,9 @@ def resize_window(cache: KVCache, window: int) -> KVCache:
 
 
 def fit_frames(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """[3, T, H, W] -> [3, T, size[1], size[0]]: centre-cropped to ``size``'s aspect (engine/aspect.py,
-    never stretched), then area-averaged down or bilinear up."""
+    """[3, T, H, W] -> [3, T, size[1], size[0]] in the same dtype (float in [-1, 1] or uint8):
+    centre-cropped to ``size``'s aspect (engine/aspect.py, never stretched), then area-averaged down or
+    bilinear up."""
     w, h = size
     if frames.shape[-1] == w and frames.shape[-2] == h:
         return frames
@@ -893,10 +898,12 @@ def fit_frames(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     frames = frames[..., y : y + ch, x : x + cw]
     if cw == w and ch == h:
         return frames
-    if frames.device.type == "cpu" and frames.dtype == torch.float32:
+    if frames.device.type == "cpu" and frames.dtype in (torch.float32, torch.uint8):
         return _fit_frames_cv2(frames, size, down=cw > w)
     mode = "area" if cw > w else "bilinear"
     out = torch.nn.functional.interpolate(frames.permute(1, 0, 2, 3).float(), size=(h, w), mode=mode)
+    if frames.dtype == torch.uint8:
+        out = out.round_().clamp_(0, 255).to(torch.uint8)
     return out.permute(1, 0, 2, 3)
 
 
@@ -905,9 +912,10 @@ def _fit_frames_cv2(frames: torch.Tensor, size: tuple[int, int], down: bool) -> 
     than torch's interpolate, whose area mode is an adaptive average pool (runs twice per chunk of a
     rung below x1 on the engine thread). Bilinear up is torch's to float rounding; area down weighs
     each source pixel by the share of it an output pixel covers, where torch's pool averages
-    overlapping whole-pixel windows."""
+    overlapping whole-pixel windows. uint8 frames (a camera's, `engine.frames.frames_as_uint8`) are
+    resized as bytes, a view of their [T, H, W, 3] buffer: no transpose, a quarter of the memory."""
     hwc = frames.permute(1, 2, 3, 0).contiguous().numpy()  # [T, H, W, 3]
-    out = np.empty((hwc.shape[0], size[1], size[0], 3), dtype=np.float32)
+    out = np.empty((hwc.shape[0], size[1], size[0], 3), dtype=hwc.dtype)
     interpolation = cv2.INTER_AREA if down else cv2.INTER_LINEAR
     for i, frame in enumerate(hwc):
         cv2.resize(frame, size, dst=out[i], interpolation=interpolation)

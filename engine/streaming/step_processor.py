@@ -161,7 +161,7 @@ class InProcessProcessor:
 
     def _prepare(self, frames: np.ndarray) -> Any:
         """Before a new chunk enters: the state resident, chunks it cannot join finished; its input tensor."""
-        from engine.frames import frames_to_tensor
+        from engine.frames import frames_as_uint8
 
         self._resident()
         stream = self._stream
@@ -170,7 +170,7 @@ class InProcessProcessor:
             # The new chunk cannot join the chunks in flight (another step count, size or knob, or no
             # step batch): they finish first, without new input (StreamBatch.drain's rule).
             self._drain()
-        return frames_to_tensor(frames, stream.expected_frames)
+        return frames_as_uint8(frames, stream.expected_frames)
 
     def step_rows(self) -> list[tuple[Hashable, Any]]:
         runtime = self._stream.runtime
