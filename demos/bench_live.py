@@ -6,7 +6,8 @@ refuses are counted, the rest measured) (app.client: moving frames with
 frame IDs drawn into the pixels), lets them run, and reports per stream, averaged over streams:
 output FPS (new frames per second at the client), TTFF (offer sent -> first stylized frame
 decoded), glass-to-glass latency p50/p95 (client capture -> client decode, via the server's trace
-stamp) and the dropped-frame ratio (frames the server skipped or discarded / frames it received).
+stamp) beside the server's part of it (server p50: input frame arrival -> its output frame played,
+from the stream's stats) and the dropped-frame ratio (frames the server skipped or discarded / frames it received).
 
 Throughput against the engine alone, in the same run: the aggregate delivered FPS (every stream's
 new frames per second at the clients) beside the engine-only FPS: the same engine code the live
@@ -95,6 +96,9 @@ class Result:
     busy: int = 0  # busy processes (CPU spinners) beside the server and clients
     viewers: int = 0  # WHEP viewers per stream besides its publisher
     viewer_fps: float = float("nan")  # new frames per second at each viewer, averaged over viewers
+    # The server's part of glass-to-glass: input frame arrival -> its output frame played (the stream's
+    # stats, latency_p50_ms), averaged over streams; the rest is codecs, network and the client.
+    server_latency_p50_ms: float = float("nan")
 
     @property
     def camera_ratio(self) -> float:
@@ -254,6 +258,8 @@ async def run_streams(url: str, count: int, seconds: float, fps: float, policy: 
         camera_fps=len(sessions) * fps,
         viewers=viewers,
         viewer_fps=float(np.mean(seen)) if seen else float("nan"),
+        server_latency_p50_ms=float(np.mean([s["latency_p50_ms"] for s in stats if s.get("latency_p50_ms") is not None]
+                                            or [float("nan")])),
     )
 
 
@@ -358,10 +364,10 @@ def with_engine_only(results: list[Result], model: str, profile: str | None, thr
 def table(results: list[Result], model: str) -> str:
     lines = [
         f"model: {model}",
-        "policy | busy | streams | viewers | admitted | fps/stream | viewer fps | TTFF s | g2g p50 ms | g2g p95 ms | dropped | chunk ms | "
+        "policy | busy | streams | viewers | admitted | fps/stream | viewer fps | TTFF s | g2g p50 ms | g2g p95 ms | server p50 ms | dropped | chunk ms | "
         "aggregate fps | of cameras | engine-only fps | ratio | ceiling | server CPU ms/frame | client CPU ms/frame | "
         "engine-only CPU ms/frame | server cores",
-        "------ | ---- | ------- | ------- | -------- | ---------- | ---------- | ------ | ---------- | ---------- | ------- | -------- | "
+        "------ | ---- | ------- | ------- | -------- | ---------- | ---------- | ------ | ---------- | ---------- | ------------- | ------- | -------- | "
         "------------- | ---------- | --------------- | ----- | ------- | ------------------- | ------------------- | "
         "------------------------ | ------------",
     ]
@@ -369,7 +375,7 @@ def table(results: list[Result], model: str) -> str:
         lines.append(
             f"{r.policy:6s} | {r.busy:4d} | {r.streams:7d} | {r.viewers:7d} | {r.admitted:8d} | {r.fps:10.1f} | "
             f"{r.viewer_fps:10.1f} | {r.ttff_s:6.2f} | "
-            f"{r.latency_p50_ms:10.0f} | {r.latency_p95_ms:10.0f} | {r.dropped_ratio:7.1%} | {r.server_chunk_ms:8.0f} | "
+            f"{r.latency_p50_ms:10.0f} | {r.latency_p95_ms:10.0f} | {r.server_latency_p50_ms:13.0f} | {r.dropped_ratio:7.1%} | {r.server_chunk_ms:8.0f} | "
             f"{r.aggregate_fps:13.1f} | {r.camera_ratio:10.0%} | {r.engine_fps:15.1f} | {r.engine_ratio:5.0%} | {r.ratio_ceiling:7.0%} | "
             f"{r.server_cpu_ms_per_frame:19.1f} | {r.client_cpu_ms_per_frame:19.1f} | {r.engine_cpu_ms_per_frame:24.1f} | "
             f"{r.server_cores:12.2f}"

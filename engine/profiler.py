@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from engine.embedded.evaluate import SHIPPING_PSNR_DB, teacher_scores
 from engine.fidelity import FidelityConfig, required_capabilities
-from engine.frames import frames_to_tensor, tensor_to_frames
+from engine.frames import frames_as_uint8, tensor_to_frames
 from engine.pipeline import Pipeline, StreamParams
 from engine.serving.profile import FidelityProfile, ProfilePoint, pareto_frontier
 from engine.streaming.stream_batch import StreamBatch
@@ -177,7 +177,7 @@ class _Measured:
         if self.batch is None:
             out = [self.stream.process(frames)]
         else:
-            done = self.batch.push([frames_to_tensor(frames, self.stream.expected_frames)])[0]
+            done = self.batch.push([frames_as_uint8(frames, self.stream.expected_frames)])[0]
             out = [] if done is None else [tensor_to_frames(done.frames)]
         return time.perf_counter() - t0, out
 

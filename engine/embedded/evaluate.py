@@ -43,7 +43,7 @@ from engine.embedded.clips import HELDOUT_IMAGES, ClipSpec, heldout_specs, rende
 from engine.embedded.model import DEFAULT_CONFIG, EmbeddedSpec
 from engine.embedded.teachers import stylize_clip
 from engine.fidelity import FidelityConfig
-from engine.frames import frames_to_tensor, tensor_to_frames
+from engine.frames import frames_as_uint8, frames_to_tensor, tensor_to_frames
 from engine.pipeline import Pipeline, StreamParams
 from engine.streaming.runtime import fit_frames
 
@@ -100,7 +100,7 @@ def stylize_stream(pipe: Pipeline, frames: np.ndarray, prompt: str, seed: int = 
     runtime, state = stream.runtime, stream.state
     shipped, raw, timings, rates = [], [], [], []
     for a, b in spans:
-        pixels = frames_to_tensor(frames[a:b], stream.expected_frames)
+        pixels = frames_as_uint8(frames[a:b], stream.expected_frames)  # as Stream.process hands them over
         t0 = time.perf_counter()
         chunk = runtime.enter_chunk(state, pixels)
         t1 = time.perf_counter()
@@ -108,7 +108,7 @@ def stylize_stream(pipe: Pipeline, frames: np.ndarray, prompt: str, seed: int = 
         t2 = time.perf_counter()
         decoded = runtime.decode_chunk(chunk)
         t3 = time.perf_counter()
-        out = runtime.finish_frames(state, pixels, decoded, chunk.restart)
+        out = runtime.finish_frames(state, chunk.inputs, decoded, chunk.restart)
         timings.append((t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3))
         shipped.append(tensor_to_frames(out.frames))
         raw.append(tensor_to_frames(fit_frames(decoded.frames, state.size)))
