@@ -116,12 +116,6 @@ def config_shapes(runtime: Any, size: tuple[int, int], configs: Iterable[Fidelit
     return shapes
 
 
-def profile_shapes(profile: Any, runtime: Any, batches: Iterable[int] = (1,)) -> list[CompileShape]:
-    """The shapes a fidelity profile's points (engine/serving/profile.py ``FidelityProfile``) run at, at the
-    profile's resolution: what a server compiles for the profile it plans with."""
-    return config_shapes(runtime, tuple(profile.resolution), [p.config for p in profile.points], batches)
-
-
 def signature(value: Any) -> Hashable:
     """What a call site's compiled graph depends on: tensors' shape, dtype, strides and device; dicts
     and sequences by content; plain values as they are; any other object by its type only (a gated

@@ -21,7 +21,6 @@ from engine.compiled import (
     compile_pipeline,
     config_shapes,
     default_cache_dir,
-    profile_shapes,
 )
 from engine.fidelity import FidelityConfig
 from engine.models.wan_dit import attention_backend
@@ -77,7 +76,7 @@ def test_a_call_that_cannot_compile_is_never_admitted_and_says_why(caplog: pytes
     assert len(lines) == 1 and "bfloat16 autocast over torch.float32 weights" in lines[0]
 
 
-def test_profile_shapes_are_each_points_engine_size_precision_and_window() -> None:
+def test_a_profiles_shapes_are_each_points_engine_size_precision_and_window() -> None:
     rt = tiny_runtime()
     point = ProfilePoint(config=FidelityConfig(steps=2, kv_window_frames=6, precision="fp32"), latency_s=0.1,
                          first_chunk_latency_s=0.1, quality=30.0, state_bytes=1.0)
@@ -90,7 +89,7 @@ def test_profile_shapes_are_each_points_engine_size_precision_and_window() -> No
                               chunk_pixel_frames=4, first_chunk_pixel_frames=1, fps=16.0, points=points)
     half = rt.engine_size((64, 64), FidelityConfig(resolution_scale=0.5))
     assert half == (32, 32)
-    assert profile_shapes(profile, rt, batches=(1, 2)) == [
+    assert config_shapes(rt, profile.resolution, [p.config for p in profile.points], batches=(1, 2)) == [
         CompileShape((64, 64), 2, 1, "fp32", 6), CompileShape((64, 64), 2, 2, "fp32", 6),
         CompileShape((32, 32), 1, 1, "bf16", 6), CompileShape((32, 32), 1, 2, "bf16", 6)]
     # The same config twice names one shape.

@@ -27,6 +27,11 @@ def add_vae_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def parse_sites(text: str) -> tuple[str, ...]:
+    """``--compile-sites``: a comma-separated list of call site names (engine/compiled.py checks them)."""
+    return tuple(site.strip() for site in text.split(",") if site.strip())
+
+
 def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     """``--compile``, ``--compile-cache DIR``, ``--compile-backend NAME``: torch.compile for the DiT and the
     VAE at the shapes the command runs (engine/compiled.py); the warm-up is reported as the cold start."""
@@ -37,7 +42,7 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
                         help="with --compile: where compiled code is kept between runs "
                              "(default $XDG_CACHE_HOME/diffcast/torch-compile, else ~/.cache/diffcast/torch-compile)")
-    parser.add_argument("--compile-sites", default="dit,vae.encode,vae.decode", metavar="SITE,...",
+    parser.add_argument("--compile-sites", type=parse_sites, default=("dit", "vae.encode", "vae.decode"), metavar="SITE,...",
                         help="with --compile: the call sites compiled (default all: dit, vae.encode, vae.decode)")
     parser.add_argument("--compile-backend", default="inductor",
                         help="with --compile: torch.compile's backend (default inductor; 'eager' or 'aot_eager' "

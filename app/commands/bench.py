@@ -404,7 +404,7 @@ def _compile(pipe: Any, args: argparse.Namespace, sizes: list[tuple[int, int]], 
                            args.kv_window, sparsity)
               for size in sizes for streams in args.streams for sparsity in args.sparsity]
     return compile_pipeline(pipe, shapes, backend=args.compile_backend, cache_dir=args.compile_cache,
-                            sites=args.compile_sites.split(","), threads=threads)
+                            sites=args.compile_sites, threads=threads)
 
 
 # -- memory ---------------------------------------------------------------------------------------------

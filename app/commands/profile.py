@@ -108,7 +108,7 @@ def _compile(pipe: Any, spec: Any, args: argparse.Namespace) -> Any:
     size = spec.size or pipe.default_size
     shapes = config_shapes(pipe.runtime, size, candidate_configs(pipe, size, spec))
     return compile_pipeline(pipe, shapes, backend=args.compile_backend, cache_dir=args.compile_cache,
-                            sites=args.compile_sites.split(","))[1]
+                            sites=args.compile_sites)[1]
 
 
 def run(args: argparse.Namespace) -> int:

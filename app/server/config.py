@@ -339,7 +339,7 @@ class ServerConfig:
         values["https"] = values["https"] or values["ssl_certfile"] is not None
         return cls(**values, loras=lora_specs(args.lora, args.lora_strength), vae=args.vae, compile=args.compile,
                    compile_cache=None if args.compile_cache is None else str(args.compile_cache),
-                   compile_sites=tuple(s.strip() for s in args.compile_sites.split(",") if s.strip()),
+                   compile_sites=args.compile_sites,
                    compile_backend=args.compile_backend)
 
     def stream_defaults(self) -> tuple[float, int]:
