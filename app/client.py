@@ -17,12 +17,14 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import lru_cache
 from typing import Any
 
 import av
 import numpy as np
 from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
+from app.server.media.encoder import CameraVp8Encoder, install_vp8_encoders
 from app.server.media.frame_path import frame_rgb, video_frames, yuv_frame
 from app.server.media.framecode import MAX_ID, draw_id, read_id
 from app.server.media.jitter import complete_video_frames_on_marker
@@ -33,20 +35,29 @@ TIME_BASE = Fraction(1, 90_000)
 def pattern_frame(index: int, size: tuple[int, int], variant: int = 0) -> np.ndarray:
     """Moving test content: a colour gradient with a bright bar sweeping across; ``variant`` changes
     the colours and the direction so that two clients send clearly different video."""
-    width, height = size
-    x = np.linspace(0, 1, width, dtype=np.float32)[None, :]
-    y = np.linspace(0, 1, height, dtype=np.float32)[:, None]
-    if variant % 2 == 0:
-        rgb = [x * np.ones_like(y), y * np.ones_like(x), 0.2 * np.ones((height, width), np.float32)]
-    else:
-        rgb = [0.15 * np.ones((height, width), np.float32), 1 - y * np.ones_like(x), 1 - x * np.ones_like(y)]
-    image = np.stack(rgb, axis=-1) * 255
+    width = size[0]
+    image = _gradient(size, variant % 2).copy()
     bar = width // 8
     pos = (index * 4) % (width + bar) - bar
     if variant % 2 == 1:
         pos = width - pos - bar
     image[:, max(pos, 0) : max(pos + bar, 0)] = 255 if variant % 2 == 0 else 0
-    return image.astype(np.uint8)
+    return image
+
+
+@lru_cache(maxsize=8)
+def _gradient(size: tuple[int, int], variant: int) -> np.ndarray:
+    """The still part of `pattern_frame`, made once per size (made per frame it cost a camera 1 ms)."""
+    width, height = size
+    x = np.linspace(0, 1, width, dtype=np.float32)[None, :]
+    y = np.linspace(0, 1, height, dtype=np.float32)[:, None]
+    if variant == 0:
+        rgb = [x * np.ones_like(y), y * np.ones_like(x), 0.2 * np.ones((height, width), np.float32)]
+    else:
+        rgb = [0.15 * np.ones((height, width), np.float32), 1 - y * np.ones_like(x), 1 - x * np.ones_like(y)]
+    image = (np.stack(rgb, axis=-1) * 255).astype(np.uint8)
+    image.flags.writeable = False
+    return image
 
 
 class CodedCamera(MediaStreamTrack):
@@ -177,6 +188,7 @@ async def open_session(base_url: str, camera: CodedCamera, **options: Any) -> Pr
         raise RuntimeError(f"offer refused: {status} {raw.decode(errors='replace')}")
     answer = json.loads(raw)
     await pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type="answer"))
+    install_vp8_encoders(pc, lambda _: CameraVp8Encoder())  # the camera sends as a browser's would
     return ProbeSession(pc, camera, probe, answer["stream_id"], started, channel, replies,
                         answer.get("owner_token", ""), answer.get("viewer_token", ""))
 
@@ -218,6 +230,7 @@ async def open_whip_session(base_url: str, camera: CodedCamera, token: str | Non
         raise RuntimeError(f"WHIP publish refused: {status} {raw.decode(errors='replace')}")
     head = {k.lower(): v for k, v in head.items()}
     await pc.setRemoteDescription(RTCSessionDescription(sdp=raw.decode(), type="answer"))
+    install_vp8_encoders(pc, lambda _: CameraVp8Encoder())
     return WhipSession(pc, camera, head["x-diffcast-stream-id"], urllib.parse.urljoin(f"{base_url}/", head["location"]),
                        head.get("x-diffcast-owner-token", ""), head.get("x-diffcast-viewer-token", ""))
 

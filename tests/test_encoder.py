@@ -7,10 +7,16 @@ from fractions import Fraction
 import av
 import numpy as np
 from aiortc import RTCPeerConnection, RTCRtpSender, VideoStreamTrack
-from aiortc.codecs.vpx import Vp8Decoder, Vp8Encoder, vp8_depayload
+from aiortc.codecs.vpx import MAX_BITRATE, Vp8Decoder, Vp8Encoder, vp8_depayload
 from aiortc.jitterbuffer import JitterFrame
 
-from app.server.media.encoder import SENDER_ATTRIBUTE, OutputVp8Encoder, encode_output_frames
+from app.server.media.encoder import (
+    SENDER_ATTRIBUTE,
+    CameraVp8Encoder,
+    OutputVp8Encoder,
+    encode_output_frames,
+    max_bitrate,
+)
 from engine.embedded.clips import heldout_specs, render_clip
 from engine.embedded.teachers import stylize_clip
 
@@ -68,6 +74,32 @@ def test_a_new_bitrate_reopens_the_codec_with_the_output_settings() -> None:
     settled = range(4, len(clip) - 6)
     ours, theirs = (np.mean([psnr(d[i], clip[6 + i]) for i in settled]) for d in decoded)
     assert ours > theirs + 0.1, (ours, theirs)
+
+
+def test_a_streams_bitrate_stays_under_the_ceiling_browsers_set_for_its_size() -> None:
+    # libwebrtc's default ceilings by pixel count, within aiortc's VP8 range (1.5 Mbps)
+    assert max_bitrate(256, 256) == max_bitrate(320, 240) == 600_000
+    assert max_bitrate(640, 480) == max_bitrate(1280, 720) == MAX_BITRATE == 1_500_000
+    clip = stylized_clip(frames=12)  # 256x256
+    for encoder in (OutputVp8Encoder(), CameraVp8Encoder()):
+        encoder.target_bitrate = MAX_BITRATE  # a receiver on a fast link (REMB)
+        decoded = round_trip(encoder, clip)
+        assert encoder.codec is not None and encoder.codec.bit_rate == 600_000
+        encoder.target_bitrate = 300_000  # below the ceiling the receiver's estimate rules
+        round_trip(encoder, clip[:2])
+        assert encoder.codec.bit_rate == 300_000
+        assert np.mean([psnr(decoded[i], clip[i]) for i in range(4, len(clip))]) > 30
+    payloads = []
+    for ceiling in (False, True):  # what the ceiling saves: bytes on the wire
+        encoder = OutputVp8Encoder() if ceiling else Vp8Encoder()
+        encoder.target_bitrate = MAX_BITRATE
+        total = 0
+        for i, image in enumerate(clip):
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24").reformat(format="yuv420p")
+            frame.pts, frame.time_base = i * 3000, TIME_BASE
+            total += sum(len(p) for p in encoder.encode(frame)[0])
+        payloads.append(total)
+    assert payloads[1] < 0.7 * payloads[0], payloads
 
 
 async def _output_encoder(codec: str) -> object:

@@ -14,7 +14,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import av
 import numpy as np
 import pytest
 from aiortc import MediaStreamTrack
@@ -35,8 +34,8 @@ from app.server.media.framecode import read_id
 
 def test_an_output_frame_converts_once_and_hands_each_consumer_its_own_frame(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    convert = frame_path.yuv_frame
-    monkeypatch.setattr(frame_path, "yuv_frame", lambda image: calls.append(id(image)) or convert(image))
+    convert = frame_path.yuv420p_planes
+    monkeypatch.setattr(frame_path, "yuv420p_planes", lambda image: calls.append(id(image)) or convert(image))
     image = pattern_frame(3, (64, 48))
     out = OutputFrame(image, FrameMeta(0, 0.0))
     threads = [threading.Thread(target=out.video_frame) for _ in range(8)]
@@ -47,7 +46,7 @@ def test_an_output_frame_converts_once_and_hands_each_consumer_its_own_frame(mon
     first, second = out.video_frame(), out.video_frame()
     assert calls == [id(image)]
     assert first is not second and first.format.name == "yuv420p" and (first.width, first.height) == (64, 48)
-    np.testing.assert_array_equal(first.to_ndarray(), convert(image).to_ndarray())
+    np.testing.assert_array_equal(first.to_ndarray(), convert(image))
     first.pts = 1  # each consumer stamps its own frame
     assert second.pts is None
     back = first.to_ndarray(format="rgb24")
@@ -61,15 +60,15 @@ async def test_several_viewers_and_a_recording_share_one_conversion_per_output_f
     converted: Counter[int] = Counter()
     kept: list[np.ndarray] = []  # every image converted stays alive: no two share an id()
     lock = threading.Lock()
-    convert = frame_path.yuv_frame
+    convert = frame_path.yuv420p_planes
 
-    def counting(image: np.ndarray) -> av.VideoFrame:
+    def counting(image: np.ndarray) -> np.ndarray:
         with lock:
             converted[id(image)] += 1
             kept.append(image)
         return convert(image)
 
-    monkeypatch.setattr(frame_path, "yuv_frame", counting)
+    monkeypatch.setattr(frame_path, "yuv420p_planes", counting)
     with live_server(max_streams=1, trace_stamp=True, record_dir=str(tmp_path / "rec")) as url:
         camera = CodedCamera((160, 120), fps=15)
         session = await open_session(url, camera, prompt="oil painting")

@@ -133,7 +133,8 @@ def test_the_stream_is_encoded_at_its_lowest_viewers_bitrate_until_that_viewer_l
     assert not slow.send(4)
     assert fast.send(4)
     codec = shared._codec.codec
-    assert codec is not None and codec.bit_rate == MAX_BITRATE
+    # The fast viewer's estimate, under the ceiling of the frames' size (libwebrtc's, 600 kbps up to 320x240)
+    assert codec is not None and codec.bit_rate == 600_000 < MAX_BITRATE
     assert shared.keyframes == 2  # the reopened codec's first frame, for every viewer
     slow.viewer.target_bitrate = MIN_BITRATE // 2
     assert slow.viewer.target_bitrate == MIN_BITRATE

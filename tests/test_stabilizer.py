@@ -116,6 +116,26 @@ def test_large_frames_use_downscaled_flow_and_still_track_motion() -> None:
     assert np.abs(y - style(frames))[inner].mean() < 0.7 * np.abs(raw - style(frames))[inner].mean()
 
 
+def test_a_cameras_bytes_steady_the_output_as_their_floats_do() -> None:
+    """The runtime keeps a chunk's camera bytes (uint8 [3, T, H, W], a view of [T, H, W, 3]); the
+    stabilizer follows their motion exactly as it follows the same frames in floats."""
+    big = texture(11, size=SIZE + 64)
+    frames = np.round(np.stack([big[8 : 8 + SIZE, 2 * t : 2 * t + SIZE] for t in range(13)])).astype(np.uint8)
+    raw = style(frames.astype(np.float32)) + np.random.default_rng(12).normal(0, 6.0, frames.shape)
+    raw = np.clip(raw, 0, 255)
+    config = StabilizerConfig()
+    stab, by_floats, by_bytes = TemporalStabilizer(config), StabilizerState(), StabilizerState()
+    for a, b in ((0, 1), (1, 5), (5, 9), (9, 13)):
+        floats = stab(by_floats, as_chunk(frames[a:b].astype(np.float32)), as_chunk(raw[a:b]))
+        camera = torch.from_numpy(frames[a:b]).permute(3, 0, 1, 2)
+        steadied = stab(by_bytes, camera, as_chunk(raw[a:b]))
+        torch.testing.assert_close(steadied, floats, rtol=0, atol=0)
+    assert by_bytes.prev_in is not None and by_bytes.prev_in.dtype == torch.uint8
+    np.testing.assert_array_equal(by_bytes.prev_in.numpy(), frames[-1])  # the history is the last frame
+    # and it did steady: the last chunk is not the raw output
+    assert np.abs(as_frames(steadied) - raw[9:13]).mean() > 0.5
+
+
 def test_bad_shapes_and_config_are_refused() -> None:
     stab = TemporalStabilizer(StabilizerConfig())
     with pytest.raises(ValueError, match="one shape"):

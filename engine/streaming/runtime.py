@@ -149,7 +149,9 @@ class ChunkInFlight:
     rope: int  # temporal RoPE position of its first frame
     noise_rate: float
     tau: float | None  # adaptive sink refresh threshold after each forward (None: no refresh)
-    inputs: torch.Tensor | None  # the input frames at the engine size (the stabilizer follows their motion); None: T2V
+    # The input frames [3, T, H, W] at the engine size (the stabilizer follows their motion): uint8 where
+    # they came as a camera's bytes, else float in [-1, 1]; None: T2V.
+    inputs: torch.Tensor | None
     restart: bool  # a hard prompt switch came before it: the stabilizer starts a fresh history
     fidelity: FidelityConfig  # the stream's fidelity when it entered (it keeps it until it finishes)
     step: int = 0
@@ -404,10 +406,12 @@ class StreamRuntime:
             self.adopt_input_size(state, (clip.shape[-1], clip.shape[-2]))
             if local_caches:
                 self.fit_engine_size(state)  # before the encode: the VAE cache must be at the chunk's size
-            engine_frames = unit_range(fit_frames(clip, self.engine_size(state.size, state.fidelity)))
+            fitted = fit_frames(clip, self.engine_size(state.size, state.fidelity))
+            engine_frames = unit_range(fitted)
             rate = MotionAwareNoiseController(self._noise_config(state)).step(engine_frames, state.noise_controller)
             pixels = engine_frames.unsqueeze(0).to(self.device, self.dit.dtype)
-            entries.append((state, engine_frames, rate, pixels, restart))
+            # The chunk keeps its input as it came (a camera's bytes stay bytes): the stabilizer reads bytes.
+            entries.append((state, fitted, rate, pixels, restart))
         latents: list[torch.Tensor | None] = [None] * len(entries)
         for rows in _groups(entries, lambda e: (tuple(e[3].shape), e[0].fidelity.precision)):
             with self.precision(entries[rows[0]][0].fidelity.precision):
@@ -417,9 +421,9 @@ class StreamRuntime:
             for j, i in enumerate(rows):
                 latents[i] = z[j].to(self.dit.dtype)
         chunks = []
-        for (state, engine_frames, rate, pixels, restart), z_row in zip(entries, latents, strict=True):
+        for (state, fitted, rate, pixels, restart), z_row in zip(entries, latents, strict=True):
             assert z_row is not None
-            chunk = self.enter_latents(state, z_row, rate, engine_frames, restart, local_caches)
+            chunk = self.enter_latents(state, z_row, rate, fitted, restart, local_caches)
             if self.vae.reads_input:
                 chunk.guide = pixels
             chunks.append(chunk)

@@ -158,31 +158,48 @@ class TemporalStabilizer:
 
     def __call__(self, state: StabilizerState, inputs: torch.Tensor, outputs: torch.Tensor,
                  config: StabilizerConfig | None = None) -> torch.Tensor:
-        """Input and output chunks [3, T, H, W] in [-1, 1] (same size) -> the stabilised output chunk, at
-        ``config`` (the stream's setting, e.g. its look's; None: the operator's own)."""
+        """Input and output chunks [3, T, H, W] of one size -> the stabilised output chunk, at ``config``
+        (the stream's setting, e.g. its look's; None: the operator's own). ``inputs``: float in [-1, 1]
+        or the camera's uint8 (the runtime keeps a chunk's fitted camera bytes); ``outputs``: float in
+        [-1, 1]. The result is float in [-1, 1], laid out [T, H, W, 3] in memory (a permuted view): the
+        fit to the stream's size and the conversion to bytes read it as they are, without a transpose."""
         if config is None:
             config = self.config
         if inputs.shape != outputs.shape:
             raise ValueError(f"stabilizer needs input and output chunks of one shape, got {tuple(inputs.shape)} "
                              f"and {tuple(outputs.shape)}")
-        inp = tensor_to_frames(inputs)
-        out = ((outputs.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).permute(1, 2, 3, 0).numpy()
+        if inputs.dtype == torch.uint8:
+            inp = inputs.permute(1, 2, 3, 0).contiguous().numpy()
+        else:
+            inp = tensor_to_frames(inputs)
+        # 0-255 floats, contiguous [T, H, W, 3] (OpenCV's layout): clamped straight into that layout, then
+        # scaled in place (tensor_to_frames' arithmetic, without its rounding).
+        out_hwc = torch.empty((*outputs.shape[1:], outputs.shape[0]), dtype=torch.float32)
+        torch.clamp(outputs.detach().float().cpu(), -1, 1, out=out_hwc.permute(3, 0, 1, 2))
+        out = out_hwc.add_(1.0).mul_(127.5).numpy()
         if state.prev_in is not None and tuple(state.prev_in.shape) != inp.shape[1:]:
             state.reset()
+        prev_in = None if state.prev_in is None else state.prev_in.numpy()
+        prev_out = None if state.prev_out is None else state.prev_out.numpy()
+        # Each frame's grey is the next frame's previous grey: converted once.
+        grays = [cv2.cvtColor(frame, cv2.COLOR_RGB2GRAY) for frame in inp]
+        prev_gray = None if prev_in is None else cv2.cvtColor(prev_in, cv2.COLOR_RGB2GRAY)
         result = np.empty_like(out)
         for t in range(inp.shape[0]):
-            if state.prev_in is None or state.prev_out is None:
+            if prev_in is None or prev_out is None or prev_gray is None:
                 result[t] = out[t]
             else:
-                result[t] = self._frame(config, state.prev_in.numpy(), state.prev_out.numpy(), inp[t], out[t])
-            state.prev_in = torch.from_numpy(inp[t].copy())
-            state.prev_out = torch.from_numpy(result[t].copy())
-        return torch.from_numpy(result).permute(3, 0, 1, 2).div(127.5).sub(1.0).to(outputs.device, outputs.dtype)
+                result[t] = self._frame(config, prev_in, prev_out, prev_gray, inp[t], out[t], grays[t])
+            prev_in, prev_out, prev_gray = inp[t], result[t], grays[t]
+        if len(inp):  # only the chunk's last frame is history for the next chunk
+            state.prev_in = torch.from_numpy(inp[-1].copy())
+            state.prev_out = torch.from_numpy(result[-1].copy())
+        return torch.from_numpy(result).permute(3, 0, 1, 2).div_(127.5).sub_(1.0).to(outputs.device, outputs.dtype)
 
-    def _frame(self, cfg: StabilizerConfig, prev_in: np.ndarray, prev_out: np.ndarray, inp: np.ndarray,
-               out: np.ndarray) -> np.ndarray:
+    def _frame(self, cfg: StabilizerConfig, prev_in: np.ndarray, prev_out: np.ndarray, prev_gray: np.ndarray,
+               inp: np.ndarray, out: np.ndarray, gray: np.ndarray) -> np.ndarray:
         h, w = inp.shape[:2]
-        mx, my = self._sample_grid(cfg, cv2.cvtColor(inp, cv2.COLOR_RGB2GRAY), cv2.cvtColor(prev_in, cv2.COLOR_RGB2GRAY))
+        mx, my = self._sample_grid(cfg, gray, prev_gray)
         warped_in = cv2.remap(prev_in, mx, my, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
         residual = _channel_max(cv2.absdiff(inp, warped_in))
         if cv2.mean(residual)[0] > 255.0 * cfg.cut_residual:

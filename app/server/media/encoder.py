@@ -7,20 +7,32 @@ the next frames. Measured on teacher-stylized held-out clips at 256x256 (`demos/
 docs/service.md, "The output's VP8 encoder"): without the denoiser and at ``cpu-used`` -8, an encode
 takes 0.53-0.81 ms instead of 0.66-0.99 (250 kbps-1 Mbps) and the decoded frames are 0.5-1.2 dB
 nearer the encoder's input (-10 saves another ~0.08 ms but gives the quality back at aiortc's lowest
-bitrate). Everything else (rate control, packetization, bitrate changes from the receiver's
-estimates) stays aiortc's.
+bitrate). Rate control, packetization and bitrate changes from the receiver's estimates stay
+aiortc's, under one more ceiling: the size's (`max_bitrate`).
+
+**The ceiling by size.** aiortc lets a VP8 stream climb to 1.5 Mbps whatever its size, and on a good
+link (loopback, a LAN) the receiver's estimate takes it there. libwebrtc, the browser's engine, caps a
+stream by its pixel count instead (``GetMaxDefaultVideoBitrateKbps``: 600 kbps up to 320x240 pixels,
+1.7 Mbps up to 640x480, 2 Mbps up to 960x540, 2.5 Mbps above): 1.5 Mbps for a 256x256 frame is 0.76
+bits a pixel, past where VP8's quality still moves much. The encoders here (the stream's output, and
+the synthetic clients' cameras of app/client.py, which thus send as a browser would) keep under both
+ceilings. At 256x256 (`demos/bench_media.py --bitrates 600 1500`, three runs) aiortc's encoder took
+1.9-2.2 ms a frame at 600 kbps against 2.2-2.7 ms at 1.5 Mbps; the output's frames come back at
+36.6 dB against the encoder's input (38.7 dB at 1.5 Mbps), and each frame takes about 40 % fewer
+bytes, thus fewer RTP packets, each of them Python on the event loop (SRTP, RTCP) at both ends.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import av
-from aiortc import RTCPeerConnection
+from aiortc import MediaStreamTrack, RTCPeerConnection
 from aiortc.codecs.base import Encoder
-from aiortc.codecs.vpx import Vp8Encoder, number_of_threads
+from aiortc.codecs.vpx import MAX_BITRATE, Vp8Encoder, number_of_threads
 from av.frame import Frame
 
 log = logging.getLogger(__name__)
@@ -30,6 +42,35 @@ OUTPUT_OPTIONS: dict[str, str] = {"noise-sensitivity": "0", "cpu-used": "-8"}
 # Where aiortc's RTCRtpSender keeps its encoder (a name-mangled private attribute; it makes one with
 # get_encoder(codec) when the first frame is sent and this is still None).
 SENDER_ATTRIBUTE = "_RTCRtpSender__encoder"
+# libwebrtc's default ceiling by pixel count (media/engine: GetMaxDefaultVideoBitrateKbps): (pixels, bps).
+SIZE_CEILINGS = ((320 * 240, 600_000), (640 * 480, 1_700_000), (960 * 540, 2_000_000))
+LARGE_CEILING = 2_500_000
+
+
+def max_bitrate(width: int, height: int) -> int:
+    """The most bits per second a VP8 stream of frames this size is sent at: libwebrtc's ceiling for the
+    size, within aiortc's VP8 range."""
+    pixels = width * height
+    ceiling = next((bps for most, bps in SIZE_CEILINGS if pixels <= most), LARGE_CEILING)
+    return min(ceiling, MAX_BITRATE)
+
+
+def keep_under_ceiling(encoder: Vp8Encoder, frame: av.VideoFrame) -> None:
+    """Lower ``encoder``'s target to the frame size's ceiling (the receiver's estimate may set it higher
+    again; every encode brings it back, and aiortc reopens the context only once it moves by 10 %)."""
+    ceiling = max_bitrate(frame.width, frame.height)
+    if encoder.target_bitrate > ceiling:
+        encoder.target_bitrate = ceiling
+
+
+class CameraVp8Encoder(Vp8Encoder):
+    """aiortc's VP8 encoder (its camera settings) under the size's ceiling: a synthetic client's
+    camera sends as a browser's would."""
+
+    def encode(self, frame: Frame, force_keyframe: bool = False) -> tuple[list[bytes], int]:
+        assert isinstance(frame, av.VideoFrame)
+        keep_under_ceiling(self, frame)
+        return super().encode(frame, force_keyframe)
 
 
 class OutputVp8Encoder(Vp8Encoder):
@@ -37,6 +78,7 @@ class OutputVp8Encoder(Vp8Encoder):
 
     def encode(self, frame: Frame, force_keyframe: bool = False) -> tuple[list[bytes], int]:
         assert isinstance(frame, av.VideoFrame)
+        keep_under_ceiling(self, frame)
         if self.codec is None or self._must_reopen(frame):
             self.codec = self._open(frame)
         # aiortc's encode finds its context open at this size and bitrate and keeps it.
@@ -89,6 +131,13 @@ def encode_output_frames(pc: RTCPeerConnection) -> None:
     codec is VP8 the encoder its track shares with the stream's other viewers, or an
     :class:`OutputVp8Encoder` of its own (call after setRemoteDescription, before media flows).
     H264 keeps aiortc's encoder, as does an aiortc that keeps it elsewhere."""
+    install_vp8_encoders(pc, lambda track: track.viewer_encoder() if isinstance(track, SharedOutput)
+                         else OutputVp8Encoder())
+
+
+def install_vp8_encoders(pc: RTCPeerConnection, make: Callable[[MediaStreamTrack], Encoder]) -> None:
+    """Give every video sender of ``pc`` whose negotiated codec is VP8 and that has no encoder yet the
+    encoder ``make`` returns for its track (call after setRemoteDescription, before media flows)."""
     for transceiver in pc.getTransceivers():
         sender = transceiver.sender
         codecs = getattr(transceiver, "_codecs", None)
@@ -97,10 +146,8 @@ def encode_output_frames(pc: RTCPeerConnection) -> None:
         if codecs[0].mimeType.lower() != "video/vp8":
             continue
         if not hasattr(sender, SENDER_ATTRIBUTE):
-            log.warning("aiortc's sender keeps no encoder at %s: the output keeps aiortc's VP8 settings",
+            log.warning("aiortc's sender keeps no encoder at %s: the video keeps aiortc's VP8 settings",
                         SENDER_ATTRIBUTE)
             continue
         if getattr(sender, SENDER_ATTRIBUTE) is None:
-            track = sender.track
-            setattr(sender, SENDER_ATTRIBUTE,
-                    track.viewer_encoder() if isinstance(track, SharedOutput) else OutputVp8Encoder())
+            setattr(sender, SENDER_ATTRIBUTE, make(sender.track))

@@ -46,7 +46,7 @@ LATENCY_WINDOW_S = 5.0
 _local = threading.local()
 
 
-MAX_CONVERTERS = 16  # per thread: a lane's streams at their camera sizes, the playout's stream sizes
+MAX_CONVERTERS = 16  # per thread: a lane's streams at their camera sizes, odd-sized frames' yuv420p
 
 
 def _reformatter(*conversion: object) -> VideoReformatter:
@@ -74,8 +74,23 @@ def frame_rgb(frame: av.VideoFrame) -> np.ndarray:
 def yuv_frame(image: np.ndarray) -> av.VideoFrame:
     """uint8 [H, W, 3] RGB as a yuv420p frame, the format aiortc's VP8 and H264 encoders take as it
     is (given RGB they convert it themselves, with a new converter per frame)."""
-    converter = _reformatter("yuv420p", "rgb24", image.shape[1], image.shape[0])
-    return converter.reformat(av.VideoFrame.from_ndarray(image, format="rgb24"), format="yuv420p", threads=1)
+    if image.shape[0] % 2 or image.shape[1] % 2:
+        converter = _reformatter("yuv420p", "rgb24", image.shape[1], image.shape[0])
+        return converter.reformat(av.VideoFrame.from_ndarray(image, format="rgb24"), format="yuv420p", threads=1)
+    return av.VideoFrame.from_ndarray(yuv420p_planes(image), format="yuv420p")
+
+
+def yuv420p_planes(image: np.ndarray) -> np.ndarray:
+    """uint8 [H, W, 3] RGB -> its yuv420p planes, uint8 [H * 3 / 2, W]: Y, then U, then V, as
+    ``av.VideoFrame.to_ndarray`` lays out a yuv420p frame. OpenCV's BT.601 limited-range conversion,
+    swscale's standard: luma within one level of swscale's, chroma within a few (a 2x2 average where
+    swscale filters), and a decoder's RGB comes back as near to the image. 4x faster than swscale and its
+    frame objects (0.05 against 0.22 ms at 256x256): the server converts every output frame on its
+    event loop, and the benchmark's cameras every frame they send. ValueError for an odd side, which
+    4:2:0 cannot halve (`yuv_frame` takes one: swscale rounds it)."""
+    if image.shape[0] % 2 or image.shape[1] % 2:
+        raise ValueError(f"yuv420p planes need even sides, got {image.shape[1]}x{image.shape[0]}")
+    return cv2.cvtColor(np.ascontiguousarray(image), cv2.COLOR_RGB2YUV_I420)
 
 
 async def video_frames(track: MediaStreamTrack) -> AsyncIterator[av.VideoFrame]:
@@ -121,7 +136,7 @@ class OutputFrame:
         ``av.VideoFrame.to_ndarray`` gives): converted at the first call, the same array after."""
         with self._lock:
             if self._yuv is None:
-                self._yuv = yuv_frame(self.image).to_ndarray()
+                self._yuv = yuv420p_planes(self.image)
             return self._yuv
 
     def video_frame(self) -> av.VideoFrame:
