@@ -169,7 +169,7 @@ class TemporalStabilizer:
             raise ValueError(f"stabilizer needs input and output chunks of one shape, got {tuple(inputs.shape)} "
                              f"and {tuple(outputs.shape)}")
         if inputs.dtype == torch.uint8:
-            inp = inputs.permute(1, 2, 3, 0).contiguous().numpy()
+            inp = inputs.cpu().permute(1, 2, 3, 0).contiguous().numpy()
         else:
             inp = tensor_to_frames(inputs)
         # 0-255 floats, contiguous [T, H, W, 3] (OpenCV's layout): clamped straight into that layout, then
