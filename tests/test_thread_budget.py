@@ -128,3 +128,41 @@ def test_the_kernel_figures_of_this_machine() -> None:
     assert times.machine_busy_s > 0 and 0 < times.own_s
     none = process_cpu_times(frozenset())  # no core of its own: nothing busy to count
     assert none is not None and none.machine_busy_s == 0
+
+
+def test_a_cpu_engine_runs_opencv_on_its_callers_thread_and_the_stabilizer_gives_the_same_bytes() -> None:
+    """The lanes are a CPU engine's parallelism: once the serving engine is loaded OpenCV adds no pool
+    threads of its own, and the stabilizer (optical flow, remaps, blurs) steadies a moving clip to
+    exactly the bytes it gave with OpenCV's pool."""
+    import cv2
+    import numpy as np
+
+    from app.server.serving.engine_bridge import InProcessFactory
+    from engine.streaming.stabilizer import StabilizerConfig, StabilizerState, TemporalStabilizer
+
+    rng = np.random.default_rng(3)
+    size = 256  # large enough for OpenCV to split its loops over a pool
+    scene = cv2.GaussianBlur(rng.uniform(0, 255, (size + 64, size + 64, 3)).astype(np.float32), (0, 0), 2.0)
+    scene = cv2.normalize(scene, None, 40, 215, cv2.NORM_MINMAX)
+    camera = np.stack([scene[8 : 8 + size, 3 * t : 3 * t + size] for t in range(9)]).round().astype(np.uint8)
+    model = np.clip(255.0 - camera + rng.normal(0, 8.0, camera.shape), 0, 255)  # a look with flicker
+
+    def steadied() -> list[torch.Tensor]:
+        stab, state = TemporalStabilizer(StabilizerConfig()), StabilizerState()
+        return [stab(state, torch.from_numpy(camera[a:b]).permute(3, 0, 1, 2),
+                     torch.from_numpy(model[a:b]).float().div(127.5).sub(1.0).permute(3, 0, 1, 2))
+                for a, b in ((0, 1), (1, 5), (5, 9))]
+
+    before = cv2.getNumThreads()
+    try:
+        cv2.setNumThreads(2)
+        pooled = steadied()
+        InProcessFactory.load("tiny-random", "cpu")
+        assert cv2.getNumThreads() == 1
+        serial = steadied()
+    finally:
+        cv2.setNumThreads(before)
+    for a, b in zip(pooled, serial, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    raw = torch.from_numpy(model[5:9]).float().div(127.5).sub(1.0).permute(3, 0, 1, 2)
+    assert (serial[-1] - raw).abs().mean() > 0.01  # it did steady the flicker, not pass the model through

@@ -286,7 +286,7 @@ def _run_engine(args: argparse.Namespace) -> int:
     from engine.models.wan_dit import attention_kernel
     from engine.pipeline import ModelNotAvailableError, Pipeline
     from engine.streaming.lanes import EngineLanes
-    from engine.streaming.thread_budget import openmp_spins, thread_budget
+    from engine.streaming.thread_budget import openmp_spins, serial_opencv, thread_budget
 
     if args.busy < 0:
         log.error("--busy must be 0 or more, got %d", args.busy)
@@ -304,6 +304,8 @@ def _run_engine(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else [pipe.default_size]
     # One lane, as a server with one stream runs it: on a CPU its threads follow the thread budget.
     budget = thread_budget(threads) if device.type == "cpu" and not args.fixed_threads else None
+    if device.type == "cpu":
+        serial_opencv()  # as serve's CPU engine
     lanes = EngineLanes(1, threads, budget)
 
     def measure_rows(busy: int) -> list[dict[str, Any]]:

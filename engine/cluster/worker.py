@@ -24,6 +24,7 @@ from engine.pipeline import Pipeline, Stream, StreamParams
 from engine.streaming.parcel import Parcel, park, unpark
 from engine.streaming.state import StreamState
 from engine.streaming.step_processor import InProcessProcessor, StepRow, run_step
+from engine.streaming.thread_budget import serial_opencv
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,8 @@ class StreamWorker:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
         self.pipe = Pipeline.load(model, device=device, dtype=resolve_dtype(dtype, resolve_device(device)), vae=vae)
+        if resolve_device(device).type == "cpu":
+            serial_opencv()  # actors share the cores: OpenCV adds no threads to theirs
         for name, path, strength in loras:
             self.pipe.load_lora(name, path, strength)
         self.device = device

@@ -19,6 +19,11 @@ Only where OpenMP's threads spin: with `OMP_WAIT_POLICY=PASSIVE` (what `diffcast
 waiting at a barrier sleeps and gives its core back, and beside one busy process two threads ran a
 chunk faster than one (docs/performance.md, "The CPU engine beside busy programs"): the budget then
 keeps every thread and only reports the cores left.
+
+OpenCV's own thread pool (the stabilizer's optical flow and remaps, the frames' resizes and colour
+conversions) is made serial for a CPU engine (`serial_opencv`): the lanes are the engine's parallelism,
+one thread each, and OpenCV splitting a 128x128 remap over a pool of its own on top only adds runnable
+threads the cores do not have (four streams on the 2-core box: 8-12 % of the engine's CPU per frame).
 """
 
 from __future__ import annotations
@@ -145,6 +150,15 @@ def openmp_spins(environ: Mapping[str, str] = os.environ) -> bool:
     GOMP_SPINCOUNT=0."""
     return environ.get("OMP_WAIT_POLICY", "").strip().lower() != "passive" and \
         environ.get("GOMP_SPINCOUNT", "").strip() != "0"
+
+
+def serial_opencv() -> None:
+    """OpenCV runs every function on its caller's thread from now on (process-wide: OpenCV has one pool).
+    For a CPU engine, whose lanes already take the cores (module docstring); the results are the same
+    bytes, OpenCV's parallel loops split rows, not sums."""
+    import cv2
+
+    cv2.setNumThreads(1)
 
 
 def thread_budget(most: int) -> ThreadBudget:

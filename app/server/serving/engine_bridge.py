@@ -30,7 +30,7 @@ from engine.streaming.lanes import EngineLanes, auto_lanes
 # The step-wise stream lives in engine/ (Ray worker actors run it too); the server's name for it stays.
 from engine.streaming.step_processor import InProcessProcessor as InProcessProcessor
 from engine.streaming.step_processor import StepProcessor as StepProcessor
-from engine.streaming.thread_budget import thread_budget
+from engine.streaming.thread_budget import serial_opencv, thread_budget
 
 if TYPE_CHECKING:
     from app.server.config import LoRASpec
@@ -165,8 +165,12 @@ class InProcessFactory:
         count = lanes or auto_lanes(device, threads)
         log.info("loaded model %s on %s in %.1f s; %d engine lane(s), %d thread(s)", model or "(embedded default)",
                  device, time.perf_counter() - t0, count, threads)
-        # On a CPU the lanes' threads follow the cores other programs leave the process.
-        budget = thread_budget(threads) if device.split(":")[0] == "cpu" else None
+        # On a CPU the lanes' threads follow the cores other programs leave the process, and OpenCV
+        # adds no threads of its own to theirs.
+        budget = None
+        if device.split(":")[0] == "cpu":
+            budget = thread_budget(threads)
+            serial_opencv()
         return cls(pipe, EngineLanes(count, threads, budget))
 
     def compile(self, configs: Sequence[FidelityConfig], resolution: tuple[int, int], batches: Sequence[int],
